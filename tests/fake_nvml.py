@@ -1,0 +1,127 @@
+"""A stand-in for pynvml with the same functions, for machines without an NVIDIA driver.
+
+Only the driver is fake: tuneup's NVML backend runs unchanged on it. Configure through
+module attributes (in-process tests) or FAKE_NVML_* environment variables (subprocesses):
+FAKE_NVML_GPUS (count), FAKE_NVML_FAIL_AFTER (raise a driver error from the Nth
+utilization read on), FAKE_NVML_NO_POWER (power readings not supported).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+NVML_CLOCK_SM = 1
+NVML_TEMPERATURE_GPU = 0
+NVML_PCIE_UTIL_TX_BYTES = 0
+NVML_PCIE_UTIL_RX_BYTES = 1
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_UNKNOWN = 999
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int):
+        super().__init__({3: "Not Supported", 999: "Unknown Error", 15: "GPU is lost"}.get(value, str(value)))
+        self.value = value
+
+
+gpus = int(os.environ.get("FAKE_NVML_GPUS", "2"))
+fail_after = int(os.environ.get("FAKE_NVML_FAIL_AFTER", "0"))  # 0: never
+no_power = os.environ.get("FAKE_NVML_NO_POWER") == "1"
+throttle_mask = 0x4 | 0x40  # sw power cap + hw thermal
+utilization_reads = 0
+initialized = False
+own_pid_memory = 512 * 2**20
+
+
+def reset(**settings) -> None:
+    global gpus, fail_after, no_power, utilization_reads, initialized, throttle_mask
+    gpus, fail_after, no_power = settings.get("gpus", 2), settings.get("fail_after", 0), settings.get("no_power", False)
+    throttle_mask = settings.get("throttle_mask", 0x4 | 0x40)
+    utilization_reads = 0
+    initialized = False
+
+
+def _handle(handle):
+    if not initialized:
+        raise NVMLError(1)
+    return handle
+
+
+def nvmlInit():
+    global initialized
+    initialized = True
+
+
+def nvmlShutdown():
+    global initialized
+    initialized = False
+
+
+def nvmlDeviceGetCount():
+    return gpus
+
+
+def nvmlDeviceGetHandleByIndex(index):
+    if index >= gpus:
+        raise NVMLError(2)
+    return _handle(SimpleNamespace(index=index))
+
+
+def nvmlDeviceGetName(handle):
+    return "Fake H100 80GB HBM3"
+
+
+def nvmlDeviceGetUUID(handle):
+    return f"GPU-fake-{handle.index:04d}"
+
+
+def nvmlDeviceGetUtilizationRates(handle):
+    global utilization_reads
+    utilization_reads += 1
+    if fail_after and utilization_reads >= fail_after:
+        raise NVMLError(15)
+    return SimpleNamespace(gpu=37 + handle.index, memory=12)
+
+
+def nvmlDeviceGetMemoryInfo(handle):
+    return SimpleNamespace(total=80 * 2**30, used=20 * 2**30, free=60 * 2**30)
+
+
+def nvmlDeviceGetPowerUsage(handle):
+    if no_power:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return 350_000  # milliwatts
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle):
+    if no_power:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return 700_000
+
+
+def nvmlDeviceGetClockInfo(handle, clock):
+    return 1755
+
+
+def nvmlDeviceGetMaxClockInfo(handle, clock):
+    return 1980
+
+
+def nvmlDeviceGetTemperature(handle, sensor):
+    return 61
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle):
+    return throttle_mask
+
+
+def nvmlDeviceGetPcieThroughput(handle, counter):
+    return 2048 if counter == NVML_PCIE_UTIL_RX_BYTES else 1024  # KB/s
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle):
+    return [
+        SimpleNamespace(pid=os.getpid(), usedGpuMemory=own_pid_memory),
+        SimpleNamespace(pid=1, usedGpuMemory=2**30),
+    ]

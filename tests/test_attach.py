@@ -1,0 +1,213 @@
+"""The attach API: one line in, exact restore out, options from code or environment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tuneup.measure.syncs import HOST_READS
+
+PATCHED = [
+    (DataLoader, "__iter__"),
+    (_BaseDataLoaderIter, "__next__"),
+    (torch.autograd, "backward"),
+    (torch.optim.Optimizer, "zero_grad"),
+    (nn.Module, "zero_grad"),
+    (torch.amp.GradScaler, "scale"),
+    (torch.amp.GradScaler, "step"),
+    (torch.amp.GradScaler, "update"),
+    *HOST_READS,
+]
+MISSING = object()
+
+
+def state_of_patched():
+    return {(owner, name): vars(owner).get(name, MISSING) for owner, name in PATCHED}
+
+
+def global_hook_counts():
+    return (
+        len(optimizer_hooks._global_optimizer_pre_hooks),
+        len(optimizer_hooks._global_optimizer_post_hooks),
+        len(module_hooks._global_forward_pre_hooks),
+        len(module_hooks._global_forward_hooks),
+    )
+
+
+def small_job():
+    torch.manual_seed(0)
+    model = mlp(hidden=32)
+    return loader_for(SlowDataset(size=256)), model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def test_attach_twice_returns_the_same_agent(run_dir):
+    first = tuneup.attach(run_dir=run_dir)
+    try:
+        assert tuneup.attach() is first
+        assert tuneup.current() is first
+    finally:
+        first.detach()
+    assert tuneup.current() is None
+    second = tuneup.attach(run_dir=run_dir)
+    try:
+        assert second is not first
+    finally:
+        second.detach()
+
+
+def test_context_manager_detaches(run_dir):
+    loader, model, optimizer = small_job()
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, steps=5)
+        assert agent.attached
+    assert not agent.attached
+    assert agent.snapshot()["totals"]["steps"] == 5
+
+
+def test_detach_restores_every_patched_object_exactly(run_dir):
+    before = state_of_patched()
+    hooks_before = global_hook_counts()
+    loader, model, optimizer = small_job()
+    scaler = torch.amp.GradScaler("cpu")
+    agent = tuneup.attach(run_dir=run_dir, sync_sample_every=1)
+    # Stop inside a sampled step: the host-read wrappers are installed at this moment.
+    train(loader, model, optimizer, steps=7, scaler=scaler, host_reads=1)
+    assert agent.syncs.sampling
+    assert vars(torch.Tensor).get("item") is not None
+    assert model._forward_pre_hooks, "the discovered model carries root hooks while attached"
+    agent.detach()
+    assert state_of_patched() == before
+    assert global_hook_counts() == hooks_before
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert "item" not in vars(torch.Tensor)
+
+
+def test_options_come_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUNEUP_RUN_DIR", str(tmp_path / "from-env"))
+    monkeypatch.setenv("TUNEUP_SYNC_SAMPLE_EVERY", "7")
+    monkeypatch.setenv("TUNEUP_WINDOW_STEPS", "50")
+    with tuneup.attach() as agent:
+        assert agent.options.sync_sample_every == 7
+        assert agent.options.window_steps == 50
+        assert agent.run_log.path.parent == tmp_path / "from-env"
+    assert (tmp_path / "from-env" / "events.jsonl").exists()
+
+
+def test_keyword_beats_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUNEUP_SYNC_SAMPLE_EVERY", "7")
+    with tuneup.attach(run_dir=tmp_path, sync_sample_every=3) as agent:
+        assert agent.options.sync_sample_every == 3
+
+
+def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUNEUP_INTERVAL", "soon")
+    with pytest.warns(tuneup.TuneupWarning, match=r"TUNEUP_INTERVAL='soon'.*using the default") as caught:
+        agent = tuneup.attach(run_dir=tmp_path)
+    agent.detach()
+    assert agent.options.interval == 1.0
+    assert len([w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]) == 1
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"mode": "turbo"}, r"mode='turbo'.*expected one of: advise"),
+        ({"interval": -1}, r"interval=-1.*from 0.05 to 60"),
+        ({"sync_sample_every": 2.5}, r"sync_sample_every=2.5.*whole number"),
+        ({"colour": "red"}, r"unknown option 'colour'; valid options are"),
+    ],
+)
+def test_bad_keyword_raises_a_one_line_error(options, message):
+    with pytest.raises(ValueError, match=message) as error:
+        tuneup.attach(**options)
+    assert "\n" not in str(error.value)
+    assert tuneup.current() is None
+
+
+def test_a_plain_function_gets_the_decorator_fix():
+    def train_step():
+        pass
+
+    with pytest.raises(TypeError, match=r"@tuneup.step_function"):
+        tuneup.attach(train_step)
+    with pytest.raises(TypeError, match=r"cannot measure a str: pass DataLoaders"):
+        tuneup.attach("model.pt")
+
+
+def test_disable_makes_an_inert_agent_that_patches_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUNEUP_DISABLE", "1")
+    before = state_of_patched()
+    agent = tuneup.attach(run_dir=tmp_path)
+    try:
+        assert not agent.enabled
+        assert state_of_patched() == before
+        assert agent.snapshot() == {"enabled": False, "reason": "turned off by TUNEUP_DISABLE", "run": agent.run_info}
+        assert tuneup.attach() is agent
+        tuneup.step()  # harmless
+    finally:
+        agent.detach()
+        tuneup._forget(agent)
+    assert not list(tmp_path.iterdir()), "a disabled agent writes nothing"
+
+
+def test_loader_created_after_attach_is_measured(run_dir):
+    with tuneup.attach(run_dir=run_dir) as agent:
+        loader, model, optimizer = small_job()  # everything is created after attach()
+        truth = train(loader, model, optimizer, steps=10)
+    totals = agent.snapshot()["totals"]
+    assert totals["steps"] == 10
+    assert totals["samples"] == truth.samples
+    assert totals["data_wait_seconds"] > 0
+
+
+def test_explicit_loader_narrows_loaders_only(run_dir):
+    torch.manual_seed(0)
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    train_loader = loader_for(SlowDataset(size=64), batch_size=8)
+    validation_loader = loader_for(SlowDataset(size=64, latency=0.002), batch_size=8)
+    with tuneup.attach(train_loader, run_dir=run_dir) as agent:
+        train(train_loader, model, optimizer, steps=8)
+        for _ in validation_loader:  # not named: must not count as data wait
+            pass
+    totals = agent.snapshot()["totals"]
+    assert totals["steps"] == 8  # optimizers were not named: still found
+    assert totals["samples"] == 64
+    assert totals["data_wait_seconds"] < 0.1  # validation took > 128 ms of sleeps
+
+
+def test_step_marker_measures_loops_without_an_optimizer(run_dir):
+    @tuneup.step_function
+    def inference_step(x):
+        with torch.no_grad():
+            return model(x)
+
+    model = mlp(hidden=32)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(6):
+            inference_step(torch.randn(4, 64))
+        for _ in range(4):
+            model(torch.randn(4, 64))
+            tuneup.step()
+    window = agent.snapshot()["window"]
+    assert window["steps"] == 10
+    assert window["forward_seconds"]["mean"] > 0
+    assert window["step_seconds"]["min"] > 0
+
+
+def test_attach_inside_a_spawned_reimport_is_inert(tmp_path):
+    from tests.conftest import run_program
+
+    result = run_program("spawn_reimport.py", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split()
+    assert "main:enabled" in lines
+    assert "child:inert" in lines
+

@@ -1,0 +1,114 @@
+"""The live configuration is read from the job's objects, not from defaults."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tuneup.measure.host import cgroup_cpu_limit, usable_cores
+
+
+class ConvNet(nn.Module):
+    """Declared out of order: the BatchNorm follows conv_b when the model runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(8)
+        self.conv_a = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+        self.conv_b = nn.Conv2d(6, 8, 3, padding=1)  # bias, then BatchNorm: the bias is wasted
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.conv_b(torch.relu(self.conv_a(x)))
+        x = self.norm(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_configuration_comes_from_the_live_objects(run_dir):
+    model = ConvNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=100)
+    loader = loader_for(SlowDataset(size=64), batch_size=4, num_workers=1, persistent_workers=True,
+                        prefetch_factor=3)
+    torch.backends.cudnn.benchmark = True
+    try:
+        with tuneup.attach(run_dir=run_dir) as agent, torch.autograd.set_detect_anomaly(True):
+            for step, _ in enumerate(loader):
+                optimizer.zero_grad(set_to_none=False)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(torch.randn(4, 3, 8, 8)).float().pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                if step == 5:
+                    break
+            config = agent.snapshot()["config"]
+    finally:
+        torch.backends.cudnn.benchmark = False
+    assert config["backends"]["cudnn_benchmark"] is True
+    assert config["debug"]["anomaly_detection"] is True
+    assert config["autocast"]["cpu"] == "bfloat16"
+    assert config["zero_grad_set_to_none"] is False
+    (loader_config,) = config["loaders"]
+    assert loader_config == {
+        "dataset": "SlowDataset", "iterable_dataset": False, "batch_size": 4, "num_workers": 1,
+        "pin_memory": False, "persistent_workers": True, "prefetch_factor": 3, "drop_last": False,
+        "multiprocessing_context": None,
+    }
+    (optimizer_config,) = config["optimizers"]
+    assert optimizer_config["class"] == "AdamW"
+    assert optimizer_config["implementation"] == "for-loop"
+    assert optimizer_config["lr_scheduler"] is True
+    (model_config,) = config["models"]
+    assert model_config["class"] == "ConvNet"
+    assert model_config["module_order"] == "execution"
+    assert model_config["conv_bias_before_batchnorm"] == ["conv_b"]
+    assert model_config["convolutions"] == 2
+    misaligned = {entry["module"] for entry in model_config["not_multiple_of_8"]}
+    assert misaligned == {"conv_a", "conv_b", "head"}  # 3→6, 6→8 and 8→10; BatchNorm is not sized
+    assert model_config["dtypes"] == {"float32": sum(p.numel() for p in model.parameters())}
+    assert model_config["memory_format"] == "contiguous"
+    assert model_config["parallel"] is None and model_config["compiled"] is False
+
+
+def test_defaults_are_reported_as_they_are(run_dir):
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader_for(SlowDataset(size=256)), model, optimizer, steps=4)
+    config = agent.snapshot()["config"]
+    assert config["autocast"] == {"cpu": None, "cuda": None}
+    assert config["zero_grad_set_to_none"] is True
+    assert config["debug"]["anomaly_detection"] is False
+    assert config["optimizers"][0]["lr_scheduler"] is False
+    assert config["models"][0]["not_multiple_of_8_count"] == 1  # the final Linear(32, 1)
+    assert config["grad_scaler"] == {"present": False, "enabled": None}
+
+
+def test_worker_processes_are_measured(run_dir):
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=100_000, latency=0.001), batch_size=8, num_workers=2,
+                        persistent_workers=True)
+    with tuneup.attach(run_dir=run_dir, interval=0.1) as agent:
+        train(loader, model, optimizer, steps=60)
+        host = agent.snapshot()["system"]["host"]
+        for _ in range(50):  # the latest sample may predate the workers
+            if host.get("workers", 0) == 2:
+                break
+            agent._tick()
+            host = agent.snapshot()["system"]["host"]
+    assert host["workers"] == 2
+    assert host["workers_rss_bytes"] > 10 * 2**20
+    assert host["rss_bytes"] > host["workers_rss_bytes"] / 2
+    assert host["usable_cores"] == usable_cores() >= 1
+    assert host["torch_threads"] == torch.get_num_threads()
+
+
+def test_cgroup_quota_caps_usable_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None

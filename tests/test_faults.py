@@ -1,0 +1,142 @@
+"""The fault matrix: whatever breaks, the job behaves exactly as it would without the agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tests.conftest import PROGRAMS, ROOT, run_program
+from tuneup.export.runlog import read_log
+
+
+def agent_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "tuneup:" in line]
+
+
+def last_line(stderr: str) -> str:
+    return [line for line in stderr.splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exception_in_the_users_dataset_passes_through_unchanged(tmp_path, workers):
+    args = ["--workers", str(workers), "--fail-at", "37", "--run-dir", str(tmp_path / "run")]
+    plain = run_program("fault_job.py", "--agent", "off", *args)
+    measured = run_program("fault_job.py", "--agent", "on", *args)
+    assert plain.returncode == measured.returncode == 1
+    assert "ValueError: corrupt sample 37" in plain.stderr
+    assert last_line(measured.stderr) == last_line(plain.stderr)
+    assert measured.stdout == plain.stdout  # the same steps ran before the failure
+    assert agent_lines(measured.stderr) == []
+    record = read_log(tmp_path / "run" / "events.jsonl")
+    assert record.last("end") is not None  # atexit still closed the run log
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_keyboard_interrupt_mid_epoch_behaves_as_without_the_agent(tmp_path, workers):
+    def interrupted(agent: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+        env["PYTHONPATH"] = str(ROOT)
+        process = subprocess.Popen(
+            [sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", agent, "--workers", str(workers),
+             "--steps", "100000", "--latency", "0.001", "--run-dir", str(tmp_path / agent)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        )
+        for line in process.stdout:
+            if line.strip() == "step 20":
+                os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+                break
+        out, err = process.communicate(timeout=60)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+    plain, measured = interrupted("off"), interrupted("on")
+    assert plain.returncode == measured.returncode != 0
+    assert last_line(measured.stderr) == last_line(plain.stderr) == "KeyboardInterrupt"
+    assert agent_lines(measured.stderr) == []
+    record = read_log(tmp_path / "on" / "events.jsonl")
+    assert record.last("end")["totals"]["steps"] >= 20
+
+
+def read_only_prefix(directory) -> list[str]:
+    """Run under a private mount namespace where `directory` is mounted read-only (root)."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return []
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare to make a read-only mount as root")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    d = str(directory)
+    return ["unshare", "-m", "sh", "-c",
+            f'mount --bind "{d}" "{d}" && mount -o remount,bind,ro "{d}" && exec "$@"', "sh"]
+
+
+def test_read_only_run_directory_warns_once_and_training_goes_on(tmp_path):
+    run_dir = tmp_path / "readonly"
+    run_dir.mkdir()
+    prefix = read_only_prefix(run_dir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    env["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [*prefix, sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", "on", "--snapshot",
+         "--run-dir", str(run_dir / "run")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "done steps=40" in result.stdout
+    warnings_seen = agent_lines(result.stderr)
+    assert len(warnings_seen) == 1
+    assert "run log turned off" in warnings_seen[0]
+    assert ("Read-only file system" in warnings_seen[0]) or ("Permission denied" in warnings_seen[0])
+    totals = json.loads(result.stdout.strip().splitlines()[-1])
+    assert totals["steps"] == 40  # measuring went on in memory
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_warns_once_and_training_goes_on(run_dir):
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
+            truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
+    ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert len(ours) == 1 and "No space left on device" in ours[0]
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == truth.steps == 40
+    assert snapshot["probes"]["run_log"] == "off"
+    assert snapshot["run_log"] is None
+
+
+def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch):
+    """A bug inside a probe: one warning, the probe goes quiet, training and the rest go on."""
+    from tuneup.measure import loader as loader_module
+
+    def broken(batch):
+        raise RuntimeError("simulated probe bug")
+
+    monkeypatch.setattr(loader_module, "batch_size", broken)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir) as agent:
+            truth = train(loader_for(SlowDataset(size=512)), model, optimizer, steps=20)
+    ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert ours == ["tuneup: dataloader probe turned off after an internal error: RuntimeError: simulated probe bug"]
+    snapshot = agent.snapshot()
+    assert snapshot["probes"]["dataloader"] == "off"
+    assert snapshot["probes"]["optimizer"] == "on"
+    assert snapshot["totals"]["steps"] == truth.steps == 20

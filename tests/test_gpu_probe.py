@@ -1,0 +1,121 @@
+"""GPU sampling through NVML: the real backend on a fake driver, and on a real one (gpu)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tests import fake_nvml
+from tuneup.measure.gpu import NoGpus, NvmlGpus, open_gpus
+
+FAKE = "tests.fake_nvml"
+
+
+@pytest.fixture(autouse=True)
+def fresh_fake():
+    fake_nvml.reset()
+    yield
+    fake_nvml.reset()
+
+
+def test_samples_are_in_base_units():
+    gpus = open_gpus(FAKE)
+    assert isinstance(gpus, NvmlGpus)
+    assert [d["name"] for d in gpus.devices] == ["Fake H100 80GB HBM3"] * 2
+    first = gpus.sample()[0]
+    assert first["utilization_ratio"] == pytest.approx(0.37)
+    assert first["memory_used_bytes"] == 20 * 2**30 and first["memory_total_bytes"] == 80 * 2**30
+    assert first["power_watts"] == 350.0 and first["power_limit_watts"] == 700.0
+    assert first["sm_clock_hz"] == 1755e6 and first["sm_clock_max_hz"] == 1980e6
+    assert first["temperature_celsius"] == 61
+    assert first["throttle_reasons"] == ["sw_power_cap", "hw_thermal"]
+    assert first["pcie_rx_bytes_per_second"] == 2048 * 1024
+    assert first["process_memory_bytes"] == fake_nvml.own_pid_memory
+
+
+@pytest.mark.parametrize("visible, expected", [("1", [1]), ("1,0", [1, 0]), ("GPU-fake-0001", [1]), ("0,7,1", [0]), ("", [])])
+def test_cuda_visible_devices_picks_the_gpus(monkeypatch, visible, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    gpus = open_gpus(FAKE)
+    if not expected:
+        assert isinstance(gpus, NoGpus) and "no GPU visible" in gpus.reason
+    else:
+        assert [s["gpu"] for s in gpus.sample()] == expected
+
+
+def test_unsupported_fields_are_none_without_a_warning():
+    fake_nvml.reset(no_power=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sample = open_gpus(FAKE).sample()[0]
+    assert sample["power_watts"] is None and sample["power_limit_watts"] is None
+    assert sample["utilization_ratio"] is not None
+
+
+def test_no_driver_and_no_binding_say_why():
+    if not torch.cuda.is_available():
+        assert open_gpus("pynvml").reason.startswith("no NVIDIA driver: NVML did not start")
+    missing = open_gpus("tuneup_no_such_nvml_binding")
+    assert isinstance(missing, NoGpus) and "could not be imported" in missing.reason
+    assert open_gpus(FAKE, enabled=False).reason == "GPU sampling turned off (TUNEUP_GPU=0)"
+
+
+def test_agent_reports_gpu_samples_from_nvml(run_dir):
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, nvml_module=FAKE, interval=0.05) as agent:
+        train(loader_for(SlowDataset(size=256, latency=0.001)), model, optimizer, steps=10)
+    gpu = agent.snapshot()["system"]["gpu"]
+    assert gpu["available"] is True
+    assert len(gpu["samples"]) == 2
+    assert agent.snapshot()["probes"]["gpu"] == "on"
+
+
+def test_nvml_failing_mid_run_turns_the_probe_off_with_one_warning(run_dir):
+    fake_nvml.reset(fail_after=3)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir, nvml_module=FAKE, interval=0.05) as agent:
+            truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
+    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert len(ours) == 1
+    assert "gpu probe turned off" in str(ours[0].message) and "GPU is lost" in str(ours[0].message)
+    snapshot = agent.snapshot()
+    assert snapshot["probes"]["gpu"] == "off"
+    assert snapshot["system"]["gpu"]["available"] is False
+    assert snapshot["totals"]["steps"] == truth.steps == 40
+
+
+def test_no_gpu_section_says_so_and_everything_else_works(run_dir):
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuneup.TuneupWarning)
+        with tuneup.attach(run_dir=run_dir, nvml_module="tuneup_no_such_nvml_binding") as agent:
+            train(loader_for(SlowDataset(size=256)), model, optimizer, steps=5)
+    snapshot = agent.snapshot()
+    assert snapshot["system"]["gpu"]["available"] is False
+    assert "could not be imported" in snapshot["system"]["gpu"]["reason"]
+    assert snapshot["totals"]["steps"] == 5
+    assert snapshot["system"]["memory"]["available"] is torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+def test_real_nvml_samples_this_gpu():
+    gpus = open_gpus("pynvml")
+    assert isinstance(gpus, NvmlGpus), getattr(gpus, "reason", "")
+    sample = gpus.sample()[0]
+    assert 0 <= sample["utilization_ratio"] <= 1
+    assert sample["memory_total_bytes"] > 2**30
+    assert sample["sm_clock_max_hz"] > 0
+    x = torch.ones(1024, 1024, device="cuda")
+    torch.cuda.synchronize()
+    # In a container the driver may list this process under another pid: 0, but never None.
+    assert all(isinstance(s["process_memory_bytes"], int) for s in gpus.sample())
+    del x

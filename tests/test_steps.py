@@ -1,0 +1,122 @@
+"""Per-step timing: stall ratio, the step boundary, the forward/backward/optimizer split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, SlowStream, SpinLayer, loader_for, mlp, spin, train
+
+POINTS = 0.02  # stall ratio tolerance: ±2 percentage points
+
+
+def assert_stall_matches(agent, truth):
+    totals = agent.snapshot()["totals"]
+    assert totals["steps"] == truth.steps
+    assert totals["stall_ratio"] == pytest.approx(truth.stall_ratio, abs=POINTS), (
+        f"tuneup {totals['stall_ratio']:.3f} vs loop's own timing {truth.stall_ratio:.3f}"
+    )
+    return totals
+
+
+def test_stall_ratio_matches_injected_sleep(run_dir):
+    # 16 samples x 0.5 ms of latency per batch against ~8 ms of compute: about half stalled.
+    loader = loader_for(SlowDataset(latency=0.0005), batch_size=16)
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        truth = train(loader, model, optimizer, steps=60, compute=spin(0.008))
+    totals = assert_stall_matches(agent, truth)
+    assert 0.35 < totals["stall_ratio"] < 0.65  # the injected bottleneck is visible
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_stall_ratio_with_worker_processes(run_dir, context):
+    loader = loader_for(
+        SlowDataset(latency=0.002), batch_size=8, num_workers=2, multiprocessing_context=context
+    )
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        truth = train(loader, model, optimizer, steps=40, compute=spin(0.004))
+    totals = assert_stall_matches(agent, truth)
+    assert totals["samples"] == truth.samples == 40 * 8
+    # Worker start-up (spawn imports torch in each worker) is data wait too.
+    assert totals["stall_ratio"] > 0.3
+
+
+def test_iterable_dataset_with_workers(run_dir):
+    loader = loader_for(SlowStream(size=320, latency=0.001), batch_size=8, num_workers=2)
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        truth = train(loader, model, optimizer, steps=1000, epochs=1, compute=spin(0.002))
+    assert truth.steps == 40
+    assert_stall_matches(agent, truth)
+
+
+def test_step_boundary_is_the_optimizer_step_under_gradient_accumulation(run_dir):
+    loader = loader_for(SlowDataset(size=640), batch_size=8)
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        truth = train(loader, model, optimizer, steps=20, accumulate=4)
+    window = agent.snapshot()["window"]
+    assert truth.batches == 80
+    assert window["steps"] == 20
+    assert window["fetches_per_step"] == 4
+    assert window["backward_passes_per_step"] == 4
+    assert window["optimizer_steps"] == 20
+
+
+def test_two_optimizers_step_once_per_iteration(run_dir):
+    model = mlp(hidden=32)
+    first, rest = list(model.children())[0], nn.ModuleList(list(model.children())[1:])
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.01)
+    extra = torch.optim.Adam(rest.parameters(), lr=0.001)
+    loader = loader_for(SlowDataset(size=512), batch_size=8)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, extra_optimizer=extra, steps=25)
+    window = agent.snapshot()["window"]
+    assert window["steps"] == 25
+    assert window["optimizer_steps"] == 50
+    assert window["fetches_per_step"] == 1
+
+
+def test_loop_without_a_dataloader_and_alternating_optimizers(run_dir):
+    # A GAN-style loop on in-memory tensors: two models, two optimizers, no DataLoader.
+    generator, critic = mlp(hidden=16), mlp(hidden=16)
+    g_opt = torch.optim.SGD(generator.parameters(), lr=0.01)
+    c_opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    x = torch.randn(8, 64)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(30):
+            c_opt.zero_grad()
+            critic(x).mean().backward()
+            c_opt.step()
+            g_opt.zero_grad()
+            generator(x).mean().backward()
+            g_opt.step()
+    window = agent.snapshot()["window"]
+    assert window["steps"] == 30
+    assert window["backward_passes_per_step"] == 2
+    assert window["data_wait_seconds"]["mean"] == 0
+
+
+def test_forward_backward_optimizer_split(run_dir):
+    torch.manual_seed(0)
+    model = nn.Sequential(SpinLayer(64, 0.003), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=512), batch_size=8)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, steps=30)
+    window = agent.snapshot()["window"]
+    assert window["forward_seconds"]["median"] == pytest.approx(0.003, rel=0.25)
+    assert 0 < window["backward_seconds"]["median"] < window["forward_seconds"]["median"]
+    assert window["optimizer_seconds"]["median"] > 0
+    parts = sum(window[f"{p}_ratio"] for p in ("data_wait", "forward", "backward", "optimizer"))
+    assert parts <= 1.0 + 1e-9
+    assert window["samples_per_second"] == pytest.approx(8 * window["steps_per_second"])
+    assert window["batch_size"] == 8

@@ -1,0 +1,124 @@
+"""Host-device syncs per step: exact on sampled steps, with the source lines that cause them."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import tuneup
+from benchmarks import scenarios
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+
+
+def line_of(function, text: str) -> str:
+    lines, first = inspect.getsourcelines(function)
+    for offset, line in enumerate(lines):
+        if text in line:
+            return f"{first + offset}"
+    raise AssertionError(f"{text!r} not in {function.__name__}")
+
+
+def job(optimizer_class=torch.optim.SGD, **loader_kwargs):
+    torch.manual_seed(0)
+    model = mlp(hidden=32)
+    loader = loader_for(SlowDataset(size=2048), batch_size=8, **loader_kwargs)
+    return loader, model, optimizer_class(model.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("reads", [0, 1, 3])
+def test_syncs_per_step_counted_exactly(run_dir, reads):
+    loader, model, optimizer = job(torch.optim.Adam)  # Adam reads CPU step counters: not syncs
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+        train(loader, model, optimizer, steps=30, host_reads=reads)
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["sampled_steps"] >= 12
+    assert syncs["per_step"] == reads
+    assert syncs["max_per_step"] == reads
+    if reads:
+        top = syncs["top_sources"][0]
+        assert top["location"].endswith(f"scenarios.py:{line_of(scenarios.train, 'loss.item()')}")
+        assert top["kind"] == "item"
+        assert top["per_step"] == reads
+        assert syncs["meaning"] == "host reads that would sync on GPU"
+    else:
+        assert syncs["top_sources"] == []
+
+
+def test_grad_scaler_own_sync_is_counted_at_the_users_line(run_dir):
+    loader, model, optimizer = job()
+    scaler = torch.amp.GradScaler("cpu")
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+        train(loader, model, optimizer, steps=20, host_reads=2, scaler=scaler)
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["per_step"] == 3  # two .item() in the loop + GradScaler.step's found-inf check
+    locations = {source["location"].rsplit(":", 1)[1]: source for source in syncs["top_sources"]}
+    scaler_line = line_of(scenarios.train, "scaler.step(optimizer)")
+    assert locations[scaler_line]["per_step"] == 1
+
+
+def test_every_kind_of_host_read_is_counted_once(run_dir):
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 64)
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
+        for _ in range(8):
+            optimizer.zero_grad()
+            out = model(x)
+            loss = out.pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            if loss > 1e9:  # bool(t)
+                pass
+            float(loss.detach())
+            int(loss.detach() * 0)
+            out.tolist()
+            out.detach().cpu()
+            out.detach().numpy()
+            torch.nonzero(out > 0)
+            (out > 0).nonzero()
+            f"{loss:.3f}"  # Tensor.__format__ reads through .item(): one read, not two
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["per_step"] == 9
+    assert syncs["by_kind"] == {
+        "bool": 1, "cpu": 1, "float": 1, "int": 1, "item": 1, "nonzero": 2, "numpy": 1, "tolist": 1,
+    }
+
+
+def test_reads_inside_the_dataloader_do_not_count(run_dir):
+    def collate(batch):
+        xs = torch.stack([x for x, _ in batch])
+        ys = torch.stack([y for _, y in batch])
+        assert len(ys.tolist()) == len(batch)  # a host read inside the loader
+        return xs, ys
+
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(SlowDataset(size=512), batch_size=8, collate_fn=collate)
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
+        train(loader, model, optimizer, steps=10, host_reads=1)
+    assert agent.snapshot()["syncs"]["per_step"] == 1
+
+
+def test_unsampled_steps_run_unwrapped(run_dir):
+    loader, model, optimizer = job()
+    seen = []
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=10) as agent:
+        for step in range(1, 26):
+            train(loader, model, optimizer, steps=1)
+            seen.append(("item" in vars(torch.Tensor), agent.timeline.ring.count))
+    wrapped_during = {count + 1 for wrapped, count in seen if wrapped}
+    assert wrapped_during == {3, 4, 5, 10, 20}
+
+
+def test_sync_sampling_can_be_turned_off(run_dir):
+    loader, model, optimizer = job()
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=0) as agent:
+        train(loader, model, optimizer, steps=10, host_reads=2)
+        assert "item" not in vars(torch.Tensor)
+    snapshot = agent.snapshot()
+    assert snapshot["syncs"]["measured"] is False
+    assert snapshot["probes"]["syncs"] == "turned off (sync_sample_every=0)"

@@ -1,0 +1,487 @@
+"""The in-process agent: wires the probes into the training loop, samples the slow probes on
+a background thread, writes the run log and answers `snapshot()`.
+
+Data flow: hooks (training thread) → StepTimeline → StepRing → background thread →
+window summaries, system samples, configuration → run log and snapshot.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.amp.grad_scaler import GradScaler
+from torch.utils.data import DataLoader
+
+from . import __version__
+from ._patching import PatchSet
+from .export.runlog import RunLog, log_name
+from .measure.config import read_config
+from .measure.device_values import DeviceValues
+from .measure.gpu import open_gpus
+from .measure.gpu_time import CudaStepTimer
+from .measure.host import HostProbe
+from .measure.loader import LoaderProbe
+from .measure.memory import allocator_stats
+from .measure.model import ModelProbe
+from .measure.optimizer import OptimizerProbe
+from .measure.scaler import ScalerProbe
+from .measure.steps import StepTimeline
+from .measure.syncs import SyncCounter
+from .measure.windows import Totals, summarize
+from .options import Options, TuneupWarning, default_run_dir
+
+RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
+CONFIG_EVERY_TICKS = 10
+LIFECYCLE_EVERY_STEPS = 64
+MAX_WARNINGS = 50
+
+
+def _rank(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+class Tracked:
+    """Explicit objects per kind. A kind the user named none of is measured in full."""
+
+    def __init__(self) -> None:
+        self.loaders: weakref.WeakSet | None = None
+        self.optimizers: weakref.WeakSet | None = None
+        self.scalers: weakref.WeakSet | None = None
+        self.models: list[nn.Module] | None = None
+
+    @staticmethod
+    def split(objects: Iterable[Any]) -> dict[str, list[Any]]:
+        kinds: dict[str, list[Any]] = {"loaders": [], "models": [], "optimizers": [], "scalers": []}
+        for obj in objects:
+            if isinstance(obj, DataLoader):
+                kinds["loaders"].append(obj)
+            elif isinstance(obj, nn.Module):
+                kinds["models"].append(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                kinds["optimizers"].append(obj)
+            elif isinstance(obj, GradScaler):
+                kinds["scalers"].append(obj)
+            elif inspect.isfunction(obj) or inspect.ismethod(obj):
+                raise TypeError(
+                    "tuneup.attach cannot patch a plain function in place: decorate your step "
+                    "function with @tuneup.step_function, or call tuneup.step() at the end of each step"
+                )
+            else:
+                raise TypeError(
+                    f"tuneup.attach cannot measure a {type(obj).__name__}: pass DataLoaders, nn.Modules, "
+                    "Optimizers or GradScalers, or nothing at all to find them automatically"
+                )
+        return kinds
+
+
+class Agent:
+    """Handle on the running agent. Use as a context manager, or call detach()."""
+
+    def __init__(self, options: Options, objects: tuple[Any, ...] = (), inert_reason: str | None = None) -> None:
+        self.options = options
+        self.enabled = inert_reason is None
+        self.inert_reason = inert_reason
+        self.attached = False
+        self.rank = _rank("RANK")
+        self.local_rank = _rank("LOCAL_RANK")
+        self.warnings: list[dict[str, str]] = []
+        self.run_log: RunLog | None = None
+        self.run_dir: Path | None = None
+        self._warned: set[str] = set()
+        self._warnings_logged = 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._patches = PatchSet()
+        self._drained = 0
+        self._totals = Totals()
+        self._system: dict[str, Any] | None = None
+        self._config: dict[str, Any] | None = None
+        self._ticks = 0
+        self._pid = os.getpid()
+        self._kinds = Tracked.split(objects)
+        self.run_info = self._run_info()
+        if self.enabled:
+            self._build()
+
+    # --- construction ------------------------------------------------------------------
+
+    def _run_info(self) -> dict[str, Any]:
+        return {
+            "run_id": uuid.uuid4().hex[:12],
+            "tuneup": __version__,
+            "started_at": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "world_size": _rank("WORLD_SIZE"),
+            "argv": list(sys.argv),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "mode": self.options.mode,
+        }
+
+    def _build(self) -> None:
+        kinds = self._kinds
+        tracked = Tracked()
+        if kinds["loaders"]:
+            tracked.loaders = weakref.WeakSet(kinds["loaders"])
+        if kinds["optimizers"]:
+            tracked.optimizers = weakref.WeakSet(kinds["optimizers"])
+        if kinds["scalers"]:
+            tracked.scalers = weakref.WeakSet(kinds["scalers"])
+        if kinds["models"]:
+            tracked.models = list(kinds["models"])
+        self.tracked = tracked
+        self.timeline = StepTimeline(RING_CAPACITY, self._probe_failed)
+        self.values = DeviceValues()
+        self.loader = LoaderProbe(self.timeline, tracked.loaders)
+        self.model = ModelProbe(self.timeline, tracked.models)
+        self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
+        self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
+        self.syncs = SyncCounter(self.timeline, self.options.sync_sample_every, threading.get_ident())
+        self.host: HostProbe | None = None
+        self.gpus = open_gpus(self.options.nvml_module, self.options.gpu)
+        self.gpu_timer: CudaStepTimer | None = None
+        self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs)
+        self._slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
+
+    def start(self) -> "Agent":
+        if not self.enabled or self.attached:
+            return self
+        self.attached = True
+        self.timeline.attached_at = time.perf_counter()
+        self.timeline.add_listener("syncs", self.syncs.on_close)
+        self.timeline.add_listener("agent", self._on_close)
+        for probe in (self.loader, self.model, self.optimizer, self.scaler):
+            probe.install(self._patches)
+        try:
+            self.host = HostProbe()
+        except Exception as exc:
+            self._probe_failed("host", exc)
+        self._open_run_log()
+        self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
+        self._thread.start()
+        atexit.register(self.detach)
+        return self
+
+    def _open_run_log(self) -> None:
+        if not self.options.log:
+            return
+        self.run_dir = self.options.run_dir or default_run_dir(self.rank)
+        header = dict(self.run_info, event="run", time=time.time(), options=_options_dict(self.options))
+        log = RunLog(self.run_dir / log_name(self.rank), self.options.log_max_bytes, header)
+        if log.open():
+            self.run_log = log
+        else:
+            self._run_log_failed(log)
+
+    def add(self, objects: tuple[Any, ...]) -> None:
+        """attach() again with more objects: measure those too."""
+        if not self.enabled or not objects:
+            return
+        kinds = Tracked.split(objects)
+        for kind in ("loaders", "optimizers", "scalers"):
+            current = getattr(self.tracked, kind)
+            if current is not None:
+                for obj in kinds[kind]:
+                    current.add(obj)
+        if self.tracked.models is not None:
+            for model in kinds["models"]:
+                self.tracked.models.append(model)
+                self.model._hook_root(model)
+
+    # --- training-thread callbacks ---------------------------------------------------
+
+    def _new_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self.optimizer.optimizers) > 1:
+            self.model.discover()  # a new optimizer usually means a new model
+
+    def _on_close(self, step: int, slot: int) -> None:
+        tl = self.timeline
+        if step == 1:
+            self.syncs.thread_id = threading.get_ident()  # the thread that really trains
+        if tl.step_loss is not None:
+            self.values.read(tl.step_loss, lambda value: tl.record_loss(step, value))
+        self.values.poll()
+        if step % LIFECYCLE_EVERY_STEPS == 1:
+            self._lifecycle()
+
+    def _lifecycle(self) -> None:
+        """Rare checks that must run on the training thread."""
+        if self.gpu_timer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.gpu_timer = CudaStepTimer(self.timeline)
+            self.timeline.gpu_timer = self.gpu_timer
+            self.timeline.add_listener("gpu_time", self.gpu_timer.on_close)
+        if self.syncs.on and any(_compiled(model) for model in list(self.model.roots)):
+            self.syncs.turn_off("torch.compile is in use: sync sampling would cause graph breaks")
+        self.model.read_config_next_forward = True
+
+    # --- failures ----------------------------------------------------------------------
+
+    def _probe_failed(self, name: str, exc: BaseException) -> None:
+        self._warn_once(name, f"{name} probe turned off after an internal error: {type(exc).__name__}: {exc}")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if len(self.warnings) < MAX_WARNINGS:
+            self.warnings.append({"probe": key, "message": message, "time": time.time()})
+        warnings.warn(f"tuneup: {message}", TuneupWarning, stacklevel=2)
+
+    # --- background thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.options.interval):
+            if os.getpid() != self._pid:
+                return
+            try:
+                self._tick()
+            except Exception as exc:  # the tick itself must never die silently
+                self._warn_once("agent", f"background sampling stopped after an internal error: {exc!r}")
+                return
+
+    def _tick(self, final: bool = False) -> None:
+        with self._lock:
+            self._ticks += 1
+            interval = self._drain()
+            self._system = self._sample_system()
+            if final or self._ticks % CONFIG_EVERY_TICKS == 1 or self._config is None:
+                self._refresh_config()
+            self._log({"event": "system", **self._system})
+            if interval is not None:
+                self._log(self._steps_event(interval))
+            self._log_warnings()
+
+    def _log_warnings(self) -> None:
+        while self._warnings_logged < len(self.warnings):
+            self._log(dict(self.warnings[self._warnings_logged], event="warning"))
+            self._warnings_logged += 1
+
+    def _drain(self) -> dict[str, Any] | None:
+        """Move new step records into the totals; return their interval summary."""
+        ring = self.timeline.ring
+        count = ring.count
+        if count <= self._drained:
+            return None
+        first = self._drained + 1
+        if count - first + 1 > ring.capacity:
+            self._totals.dropped_steps += count - ring.capacity - self._drained
+            first = count - ring.capacity + 1
+        rows = ring.rows(first, count)
+        self._drained = count
+        self._totals.add(rows)
+        return summarize(rows)
+
+    def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
+        event = {"event": "steps", "time": time.time(), **interval}
+        if self.scaler.scalers:
+            event["scaler"] = self.scaler.summary()
+        if self.syncs.sampled_steps:
+            event["syncs"] = self.syncs.summary(top=5)
+        return event
+
+    def _sample_system(self) -> dict[str, Any]:
+        system: dict[str, Any] = {"time": time.time()}
+        if self._slow_probes_on["host"] and self.host is not None:
+            try:
+                system["host"] = self.host.sample(self.loader.worker_pids())
+            except Exception as exc:
+                self._slow_probe_failed("host", exc)
+        if self._slow_probes_on["gpu"]:
+            try:
+                system["gpu"] = {"available": True, "devices": self.gpus.devices, "samples": self.gpus.sample()}
+            except Exception as exc:
+                self._slow_probe_failed("gpu", exc)
+        if "gpu" not in system:
+            reason = self.gpus.reason if not self.gpus.available else "GPU probe turned off after an NVML error"
+            system["gpu"] = {"available": False, "reason": reason}
+        if self._slow_probes_on["memory"]:
+            try:
+                system["memory"] = allocator_stats()
+            except Exception as exc:
+                self._slow_probe_failed("memory", exc)
+        return system
+
+    def _slow_probe_failed(self, name: str, exc: BaseException) -> None:
+        self._slow_probes_on[name] = False
+        self._probe_failed(name, exc)
+
+    def _refresh_config(self) -> None:
+        if not self._slow_probes_on["config"]:
+            return
+        try:
+            config = read_config(
+                loaders=list(self.loader.loaders),
+                optimizers=list(self.optimizer.optimizers),
+                models=list(self.model.roots),
+                leaf_order=self.model.leaf_order,
+                autocast=self.model.autocast,
+                set_to_none=self.optimizer.set_to_none,
+                grad_scaler=self.scaler.summary(),
+            )
+        except RuntimeError:
+            return  # a dict changed size while the job mutated it: read again next time
+        except Exception as exc:
+            self._slow_probe_failed("config", exc)
+            return
+        if config != self._config:
+            self._config = config
+            self._log({"event": "config", "time": time.time(), **config})
+
+    def _log(self, event: dict[str, Any]) -> None:
+        log = self.run_log
+        if log is not None and not log.write(event):
+            self.run_log = None
+            self._run_log_failed(log)
+
+    def _run_log_failed(self, log: RunLog) -> None:
+        self._warn_once("run_log", f"run log turned off: cannot write {log.error}; measuring continues in memory")
+
+    # --- public API ------------------------------------------------------------------
+
+    @staticmethod
+    def check_objects(objects: tuple[Any, ...]) -> None:
+        """Raise TypeError, with the fix, for an object attach() cannot measure."""
+        Tracked.split(objects)
+
+    def begin_step(self) -> None:
+        """Mark the start of a training step (used by @tuneup.step_function)."""
+        if self.enabled and self.attached:
+            self.timeline.activity(time.perf_counter())
+
+    def step(self) -> None:
+        """Mark the end of a training step (loops without an optimizer)."""
+        if self.enabled and self.attached:
+            try:
+                self.timeline.manual_step()
+            except Exception as exc:
+                self._probe_failed("steps", exc)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything measured so far, as plain data (the run log holds the same)."""
+        if not self.enabled:
+            return {"enabled": False, "reason": self.inert_reason, "run": self.run_info}
+        with self._lock:
+            self._drain()
+            if self._system is None:
+                self._system = self._sample_system()
+            if self._config is None or not self.attached:
+                self._refresh_config()
+            ring = self.timeline.ring
+            window = summarize(ring.rows(ring.count - self.options.window_steps + 1, ring.count))
+            return {
+                "enabled": True,
+                "attached": self.attached,
+                "run": self.run_info,
+                "run_dir": str(self.run_dir) if self.run_dir else None,
+                "run_log": str(self.run_log.path) if self.run_log else None,
+                "totals": self._totals.summary(),
+                "window": window,
+                "syncs": self.syncs.summary(),
+                "scaler": self.scaler.summary(),
+                "system": self._system,
+                "config": self._config,
+                "probes": self.probe_states(),
+                "warnings": list(self.warnings),
+            }
+
+    def probe_states(self) -> dict[str, str]:
+        """Each probe: "on", "off" (turned off after an error; see warnings) or why it is idle."""
+        names = [probe.name for probe in self._hot_probes] + list(self._slow_probes_on)
+        states = {name: "off" if name in self._warned else "on" for name in names}
+        if not self.gpus.available:
+            states["gpu"] = "no GPU"
+        if not self.options.log:
+            states["run_log"] = "turned off (log=False)"
+        else:
+            states["run_log"] = "off" if "run_log" in self._warned else "on"
+        if self.syncs.off_reason:
+            states["syncs"] = self.syncs.off_reason
+        elif self.options.sync_sample_every == 0:
+            states["syncs"] = "turned off (sync_sample_every=0)"
+        return states
+
+    def detach(self) -> None:
+        """Stop measuring and put every patched object back exactly as it was."""
+        if not self.attached:
+            return
+        self.attached = False
+        try:
+            atexit.unregister(self.detach)
+        except Exception:
+            pass
+        if os.getpid() != self._pid:
+            return  # a forked child: the parent owns the log and the patches
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(2.0, 2 * self.options.interval))
+        try:
+            self.timeline.flush()
+        except Exception as exc:
+            self._probe_failed("steps", exc)
+        self.syncs.close()
+        self.model.uninstall_discovery()
+        for probe in self._hot_probes:
+            probe.on = False
+        self._patches.undo_all()
+        with self._lock:
+            try:
+                self.values.poll()
+                self._tick(final=True)
+                self._log({"event": "end", "time": time.time(), "totals": self._totals.summary(),
+                           "syncs": self.syncs.summary(), "scaler": self.scaler.summary(),
+                           "warnings": self.warnings})
+            finally:
+                if self.run_log is not None:
+                    self.run_log.close()
+                self.gpus.close()
+        from . import _forget
+
+        _forget(self)
+
+    def forked(self) -> None:
+        """In a forked child (DataLoader worker): go quiet, touch nothing shared."""
+        self.attached = False
+        self._stop.set()
+        if self.enabled:
+            for probe in self._hot_probes:
+                probe.on = False
+            self.syncs.sampling = False
+            self.run_log = None
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return f"<tuneup.Agent inert: {self.inert_reason}>"
+        state = "attached" if self.attached else "detached"
+        return f"<tuneup.Agent {state} mode={self.options.mode} steps={self.timeline.ring.count}>"
+
+
+def _compiled(model: nn.Module) -> bool:
+    return type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None
+
+
+def _options_dict(options: Options) -> dict[str, Any]:
+    return {name: (str(value) if isinstance(value, Path) else value) for name, value in vars(options).items()}

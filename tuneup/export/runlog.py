@@ -1,0 +1,177 @@
+"""The run log: one JSON event per line in the run directory, flushed per line.
+
+Bounded in size: when the live file passes half the budget it becomes `<name>.1` (the
+previous `.1` is dropped) and a fresh file starts with the run header again, so the log
+never holds more than `max_bytes` and always holds the newest data. A crash leaves at most
+a torn last line, which the reader ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+LOG_NAME = "events.jsonl"
+
+
+def log_name(rank: int | None) -> str:
+    return LOG_NAME if rank is None else f"events-rank{rank}.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as strings, everything else as is."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _encode(event: dict[str, Any]) -> bytes:
+    return (json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n").encode("utf-8")
+
+
+class RunLog:
+    """Single writer (the agent's background thread, then detach)."""
+
+    def __init__(self, path: Path, max_bytes: int, header: dict[str, Any]) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.header = header
+        self.error: str | None = None
+        self._file: Any = None
+        self._size = 0
+
+    def open(self) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+            self._size = self._file.tell()
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        return self.write(self.header)
+
+    def write(self, event: dict[str, Any]) -> bool:
+        if self._file is None:
+            return False
+        line = _encode(event)
+        try:
+            if self._size + len(line) > self.max_bytes // 2 and self._size > 0:
+                self._rotate()
+            self._file.write(line)
+            self._file.flush()
+            self._size += len(line)
+        except OSError as exc:
+            self._failed(exc)
+            return False
+        return True
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        self._file = open(self.path, "ab")
+        line = _encode(dict(self.header, continued=True))
+        self._file.write(line)
+        self._size = len(line)
+
+    def _failed(self, exc: OSError) -> None:
+        self.error = f"{exc.strerror or exc} ({exc.filename or self.path})"
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+class RunLogError(Exception):
+    """A run log that cannot be read; the message is one line, ready for the user."""
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    events: list[dict[str, Any]] = field(default_factory=list)
+    skipped_lines: int = 0  # corrupt lines in the middle (a torn last line is not counted)
+    torn_tail: bool = False
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [event for event in self.events if event.get("event") == kind]
+
+    def last(self, kind: str) -> dict[str, Any] | None:
+        for event in reversed(self.events):
+            if event.get("event") == kind:
+                return event
+        return None
+
+
+def _lines(path: Path) -> Iterator[tuple[str, bool]]:
+    """(line, complete) for each line; complete is False for a last line with no newline."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            yield line, line.endswith("\n")
+
+
+def log_files(target: Path) -> list[Path]:
+    """The live log files of a run directory (or the file itself)."""
+    if target.is_file():
+        return [target]
+    if not target.exists():
+        raise RunLogError(f"no run directory or log at {target}: pass the run directory tuneup printed")
+    if not target.is_dir():
+        raise RunLogError(f"{target} is neither a run directory nor a run log file")
+    files = sorted(target.glob("events*.jsonl"))
+    if not files:
+        raise RunLogError(f"{target} holds no tuneup run log (events*.jsonl): is it a tuneup run directory?")
+    return files
+
+
+def read_log(path: Path) -> RunRecord:
+    """Read one log file, with its rotated predecessor, keeping only the newest run in it."""
+    record = RunRecord(path=path)
+    segments = [p for p in (path.with_name(path.name + ".1"), path) if p.exists()]
+    try:
+        for segment in segments:
+            pending: list[tuple[str, bool]] = list(_lines(segment))
+            for number, (line, complete) in enumerate(pending):
+                text = line.strip()
+                if not text:
+                    continue
+                try:
+                    event = json.loads(text)
+                    if not isinstance(event, dict):
+                        raise ValueError("not an object")
+                except ValueError:
+                    if number == len(pending) - 1 and not complete:
+                        record.torn_tail = True
+                    else:
+                        record.skipped_lines += 1
+                    continue
+                record.events.append(event)
+    except OSError as exc:
+        raise RunLogError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not record.events:
+        raise RunLogError(f"{path} holds no readable tuneup events (empty or corrupt)")
+    # A log appended to by several runs: keep the newest (a rotated file repeats its header).
+    starts = [i for i, e in enumerate(record.events) if e.get("event") == "run" and not e.get("continued")]
+    if starts and starts[-1] > 0:
+        record.events = record.events[starts[-1] :]
+    if record.events[0].get("event") != "run":
+        if not any(e.get("event") == "run" for e in record.events):
+            raise RunLogError(f"{path} is not a tuneup run log: it has no run header")
+    return record

@@ -1,0 +1,218 @@
+"""The live configuration, read from the job's own objects: never guessed from defaults.
+
+`read_config()` runs off the training thread. The one thread-local setting, autocast, is
+read by the model probe inside forward and passed in.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_BATCH_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+MAX_LISTED = 20
+
+
+def backends() -> dict[str, Any]:
+    cudnn = torch.backends.cudnn
+    return {
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def debug_tools() -> dict[str, Any]:
+    try:
+        profiler = bool(torch._C._autograd._profiler_enabled())
+    except Exception:
+        profiler = None
+    return {"anomaly_detection": torch.is_anomaly_enabled(), "profiler": profiler}
+
+
+def loader_config(loader: DataLoader) -> dict[str, Any]:
+    context = loader.multiprocessing_context
+    if context is not None and not isinstance(context, str):
+        context = context.get_start_method()
+    return {
+        "dataset": type(loader.dataset).__name__,
+        "iterable_dataset": isinstance(loader.dataset, IterableDataset),
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "pin_memory": bool(loader.pin_memory),
+        "persistent_workers": bool(loader.persistent_workers),
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "drop_last": bool(loader.drop_last),
+        "multiprocessing_context": context,
+    }
+
+
+def _implementation(optimizer: torch.optim.Optimizer) -> str:
+    """for-loop, foreach or fused: what optimizer.step() actually runs."""
+    defaults = optimizer.defaults
+    if defaults.get("fused"):
+        return "fused"
+    foreach = defaults.get("foreach")
+    if foreach is None and "foreach" in defaults:
+        try:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            _, foreach = _default_to_fused_or_foreach(params, bool(defaults.get("differentiable")), use_fused=False)
+        except Exception:
+            return "default"
+    if "foreach" not in defaults:
+        return "n/a"
+    return "foreach" if foreach else "for-loop"
+
+
+def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = optimizer.param_groups
+    params = [p for group in groups for p in group["params"]]
+    return {
+        "class": type(optimizer).__name__,
+        "implementation": _implementation(optimizer),
+        "foreach": optimizer.defaults.get("foreach"),
+        "fused": optimizer.defaults.get("fused"),
+        "param_groups": len(groups),
+        "parameters": sum(p.numel() for p in params),
+        "devices": sorted({p.device.type for p in params}),
+        "lr": groups[0].get("lr") if groups else None,
+        "lr_scheduler": bool(groups and "initial_lr" in groups[0])
+        or bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False)),
+    }
+
+
+def _sizes(module: nn.Module) -> dict[str, int] | None:
+    if isinstance(module, nn.Linear):
+        return {"in_features": module.in_features, "out_features": module.out_features}
+    if isinstance(module, _CONV):
+        return {"in_channels": module.in_channels, "out_channels": module.out_channels}
+    if isinstance(module, nn.Embedding):
+        return {"num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim}
+    return None
+
+
+def _conv_bias_before_batchnorm(order: list[nn.Module], names: dict[int, str]) -> list[str]:
+    found = []
+    for first, second in zip(order, order[1:]):
+        if (
+            isinstance(first, _CONV)
+            and first.bias is not None
+            and isinstance(second, _BATCH_NORM)
+            and second.num_features == first.out_channels
+        ):
+            name = names.get(id(first))
+            if name is not None and name not in found:
+                found.append(name)
+    return found
+
+
+def model_config(model: nn.Module, leaf_order: list[nn.Module] | None) -> dict[str, Any]:
+    names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+    if leaf_order:
+        order = [m for m in leaf_order if id(m) in names]
+        order_source = "execution"
+    else:
+        order = [m for m in model.modules() if next(m.children(), None) is None]
+        order_source = "declaration"
+    dtypes: dict[str, int] = {}
+    devices: set[str] = set()
+    conv_weights = []
+    parameters = 0
+    for parameter in model.parameters():
+        key = str(parameter.dtype).replace("torch.", "")
+        dtypes[key] = dtypes.get(key, 0) + parameter.numel()
+        devices.add(parameter.device.type)
+        parameters += parameter.numel()
+    misaligned = []
+    misaligned_count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _CONV) and module.weight.dim() == 4:
+            conv_weights.append(module.weight)
+        sizes = _sizes(module)
+        if sizes and any(value % 8 for value in sizes.values()):
+            misaligned_count += 1
+            if len(misaligned) < MAX_LISTED:
+                misaligned.append({"module": name, "type": type(module).__name__, **sizes})
+    if conv_weights:
+        channels_last = all(
+            w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in conv_weights
+        )
+        memory_format = "channels_last" if channels_last else "contiguous"
+    else:
+        memory_format = None
+    wrapper = None
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        wrapper = "DistributedDataParallel"
+    elif isinstance(model, nn.DataParallel):
+        wrapper = "DataParallel"
+    return {
+        "class": type(model).__name__,
+        "parameters": parameters,
+        "dtypes": dtypes,
+        "devices": sorted(devices),
+        "training": model.training,
+        "memory_format": memory_format,
+        "parallel": wrapper,
+        "compiled": type(model).__name__ == "OptimizedModule"
+        or getattr(model, "_compiled_call_impl", None) is not None,
+        "convolutions": sum(1 for m in model.modules() if isinstance(m, _CONV)),
+        "conv_bias_before_batchnorm": _conv_bias_before_batchnorm(order, names),
+        "module_order": order_source,
+        "not_multiple_of_8": misaligned,
+        "not_multiple_of_8_count": misaligned_count,
+    }
+
+
+def distributed() -> dict[str, Any]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return {
+                "initialized": True,
+                "backend": str(dist.get_backend()),
+                "world_size": dist.get_world_size(),
+                "rank": dist.get_rank(),
+            }
+    except Exception:
+        pass
+    return {"initialized": False}
+
+
+def read_config(
+    *,
+    loaders: Iterable[DataLoader],
+    optimizers: Iterable[torch.optim.Optimizer],
+    models: Iterable[nn.Module],
+    leaf_order: list[weakref.ref],
+    autocast: dict[str, str | None] | None,
+    set_to_none: bool | None,
+    grad_scaler: dict[str, Any],
+) -> dict[str, Any]:
+    order = [m for m in (ref() for ref in leaf_order) if m is not None]
+    return {
+        "torch": {
+            "version": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cuda_initialized": torch.cuda.is_available() and torch.cuda.is_initialized(),
+        },
+        "backends": backends(),
+        "debug": debug_tools(),
+        "autocast": autocast,
+        "zero_grad_set_to_none": set_to_none,
+        "grad_scaler": {"present": grad_scaler["present"], "enabled": grad_scaler["enabled"]},
+        "loaders": [loader_config(loader) for loader in loaders],
+        "optimizers": [optimizer_config(optimizer) for optimizer in optimizers],
+        "models": [model_config(model, order) for model in models if next(model.parameters(), None) is not None],
+        "distributed": distributed(),
+    }

@@ -1,0 +1,63 @@
+"""Read scalar tensors (loss, scaler scale, found-inf flags) without a host-device sync.
+
+CPU tensors are read at once. CUDA tensors are copied with non_blocking=True into a slot of
+a pinned host buffer and a CUDA event is recorded behind the copy; `poll()` hands the value
+to its callback once the event has completed. Nothing ever waits on the GPU: when all
+slots are busy, the read is dropped and counted. Callbacks run on the training thread (the
+agent polls at each step close), so they may update per-step state without locks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+# The unbound C method: bypasses any wrapper on Tensor.item (the sync counter's).
+_item = torch._C.TensorBase.item
+
+Callback = Callable[[float], None]
+
+
+class DeviceValues:
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self.dropped = 0
+        self._pending: deque[tuple[int, torch.cuda.Event, Callback]] = deque()
+        self._host: torch.Tensor | None = None
+        self._events: list[torch.cuda.Event] = []
+        self._next = 0
+
+    def read(self, tensor: torch.Tensor, callback: Callback) -> None:
+        value = tensor.detach()
+        if value.device.type == "cpu":
+            callback(float(_item(value.reshape(()))))
+        elif value.device.type == "cuda":
+            self._read_cuda(value, callback)
+        # Other devices (mps, xla): no non-blocking read path yet; the value stays unknown.
+
+    def _read_cuda(self, value: torch.Tensor, callback: Callback) -> None:
+        if len(self._pending) >= self.capacity:
+            self.dropped += 1
+            return
+        if self._host is None:
+            self._host = torch.empty(self.capacity, dtype=torch.float32, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.capacity)]
+        slot = self._next
+        self._next = (slot + 1) % self.capacity
+        self._host[slot].copy_(value.reshape(()).to(torch.float32), non_blocking=True)
+        event = self._events[slot]
+        event.record()
+        self._pending.append((slot, event, callback))
+
+    def poll(self) -> int:
+        """Deliver every value whose copy has completed; returns how many are still pending."""
+        pending = self._pending
+        while pending:
+            slot, event, callback = pending[0]
+            if not event.query():
+                break
+            pending.popleft()
+            callback(float(_item(self._host[slot])))  # type: ignore[index]
+        return len(pending)

@@ -1,0 +1,92 @@
+"""Host probe (psutil): CPU and RSS of the training process and of its DataLoader workers,
+usable cores (affinity and cgroup quota), torch threads and load."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import psutil
+import torch
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs allowed by a cgroup quota (v2 cpu.max or v1 cfs), or None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        if quota_us > 0 and period_us > 0:
+            return quota_us / period_us
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def usable_cores() -> float:
+    """Cores this process may really use: its CPU affinity, capped by a cgroup quota."""
+    try:
+        cores: float = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1.0, math.ceil(limit * 100) / 100))
+    return cores
+
+
+class HostProbe:
+    name = "host"
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)  # the first call only starts the interval
+        self._workers: dict[int, psutil.Process] = {}
+        self.cores = usable_cores()
+
+    def sample(self, worker_pids: Iterable[int]) -> dict[str, Any]:
+        with self.process.oneshot():
+            cpu = self.process.cpu_percent(None)
+            rss = self.process.memory_info().rss
+            threads = self.process.num_threads()
+        workers = []
+        alive: dict[int, psutil.Process] = {}
+        for pid in worker_pids:
+            worker = self._workers.get(pid)
+            try:
+                if worker is None:
+                    worker = psutil.Process(pid)
+                    worker.cpu_percent(None)
+                with worker.oneshot():
+                    workers.append(
+                        {"pid": pid, "cpu_ratio": worker.cpu_percent(None) / 100, "rss_bytes": worker.memory_info().rss}
+                    )
+                alive[pid] = worker
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        self._workers = alive
+        try:
+            load_1m = os.getloadavg()[0]
+        except OSError:
+            load_1m = None
+        return {
+            "cpu_ratio": cpu / 100,  # 1.0 = one core busy
+            "rss_bytes": rss,
+            "threads": threads,
+            "workers": len(workers),
+            "workers_cpu_ratio": sum(w["cpu_ratio"] for w in workers),
+            "workers_rss_bytes": sum(w["rss_bytes"] for w in workers),
+            "worker_processes": workers,
+            "usable_cores": self.cores,
+            "torch_threads": torch.get_num_threads(),
+            "load_1m": load_1m,
+            "memory_available_bytes": psutil.virtual_memory().available,
+        }

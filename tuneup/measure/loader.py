@@ -1,0 +1,127 @@
+"""DataLoader probe: time blocked in `next(iterator)` and in `iter(loader)`, batch sizes.
+
+Patched at class level (DataLoader.__iter__ and the base iterator's __next__) so loaders
+created after attach() are measured too. With explicit objects, only the iterators of the
+loaders given are measured: __iter__ tags them.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from .._patching import PatchSet
+from .steps import StepTimeline
+
+_TAG = "_tuneup_measured"
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: dim 0 of its first tensor; len() of a list of samples."""
+    for _ in range(4):
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, (list, tuple)):
+            if not batch:
+                return 0
+            first = batch[0]
+            if isinstance(first, (torch.Tensor, list, tuple)) or isinstance(batch, tuple):
+                batch = first
+                continue
+            return len(batch)  # a list of samples (dicts, strings, ...)
+        if isinstance(batch, Mapping):
+            batch = next(iter(batch.values()), None)
+            continue
+        return 0
+    return 0
+
+
+class LoaderProbe:
+    name = "dataloader"
+
+    def __init__(self, timeline: StepTimeline, tracked: weakref.WeakSet | None) -> None:
+        self.on = True
+        self.timeline = timeline
+        self.tracked = tracked  # None: every loader
+        self.loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # seen, for the config probe
+        self.iterators: weakref.WeakSet[_BaseDataLoaderIter] = weakref.WeakSet()  # for worker pids
+
+    def install(self, patches: PatchSet) -> None:
+        probe = self
+        tl = self.timeline
+
+        def wrap_iter(original):
+            @functools.wraps(original)
+            def __iter__(loader):
+                if not probe.on:
+                    return original(loader)
+                if probe.tracked is not None and loader not in probe.tracked:
+                    return original(loader)
+                began = perf_counter()
+                try:
+                    probe.loaders.add(loader)
+                    tl.fetch_begin(began)
+                except Exception as exc:
+                    probe.fail(exc)
+                    return original(loader)
+                try:
+                    iterator = original(loader)
+                finally:
+                    tl.loader_start(began, perf_counter())
+                try:
+                    probe.iterators.add(iterator)
+                    if probe.tracked is not None:
+                        setattr(iterator, _TAG, True)
+                except Exception:
+                    pass  # an iterator type we cannot tag: measured in auto mode only
+                return iterator
+
+            return __iter__
+
+        def wrap_next(original):
+            @functools.wraps(original)
+            def __next__(iterator):
+                if not probe.on or (probe.tracked is not None and not getattr(iterator, _TAG, False)):
+                    return original(iterator)
+                began = perf_counter()
+                try:
+                    tl.fetch_begin(began)
+                except Exception as exc:
+                    probe.fail(exc)
+                    return original(iterator)
+                try:
+                    batch = original(iterator)
+                except BaseException:
+                    tl.fetch_failed(began, perf_counter())
+                    raise
+                ended = perf_counter()
+                try:
+                    tl.fetch_end(began, ended, batch_size(batch))
+                except Exception as exc:
+                    probe.fail(exc)
+                return batch
+
+            return __next__
+
+        patches.replace(DataLoader, "__iter__", wrap_iter)
+        patches.replace(_BaseDataLoaderIter, "__next__", wrap_next)
+
+    def worker_pids(self) -> list[int]:
+        pids = []
+        for iterator in list(self.iterators):
+            for worker in getattr(iterator, "_workers", ()):
+                if worker.pid is not None:  # psutil skips the ones that have exited
+                    pids.append(worker.pid)
+        return pids
+
+    def fail(self, exc: BaseException) -> None:
+        self.on = False
+        self.timeline.in_loader = False
+        self.timeline.fail(self.name, exc)

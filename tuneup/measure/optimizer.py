@@ -1,0 +1,88 @@
+"""Optimizer probe: step boundaries and optimizer time from torch's global step hooks.
+
+Also wraps Optimizer.zero_grad and Module.zero_grad to see the set_to_none the loop really
+uses (their time counts as optimizer time: zeroing gradients is part of the update).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from time import perf_counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim import optimizer as optimizer_hooks
+
+from .._patching import PatchSet
+from .steps import StepTimeline
+
+
+class OptimizerProbe:
+    name = "optimizer"
+
+    def __init__(
+        self,
+        timeline: StepTimeline,
+        tracked: weakref.WeakSet | None,
+        on_new_optimizer: Callable[[torch.optim.Optimizer], None],
+    ) -> None:
+        self.on = True
+        self.timeline = timeline
+        self.tracked = tracked
+        self.on_new_optimizer = on_new_optimizer
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.set_to_none: bool | None = None  # as last passed to zero_grad
+        self.total_steps = 0  # optimizer.step() calls that ran (monotonic)
+
+    def install(self, patches: PatchSet) -> None:
+        patches.add_handle(optimizer_hooks.register_optimizer_step_pre_hook(self._pre))
+        patches.add_handle(optimizer_hooks.register_optimizer_step_post_hook(self._post))
+        patches.replace(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
+        patches.replace(nn.Module, "zero_grad", self._wrap_zero_grad)
+
+    def _measured(self, optimizer: Any) -> bool:
+        return self.on and (self.tracked is None or optimizer in self.tracked)
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._measured(optimizer):
+            return
+        try:
+            if optimizer not in self.optimizers:
+                self.optimizers.add(optimizer)
+                self.on_new_optimizer(optimizer)
+            self.timeline.optimizer_begin(optimizer, perf_counter())
+        except Exception as exc:
+            self.fail(exc)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._measured(optimizer):
+            return
+        try:
+            self.total_steps += 1
+            self.timeline.optimizer_end(optimizer, perf_counter())
+        except Exception as exc:
+            self.fail(exc)
+
+    def _wrap_zero_grad(self, original):
+        probe = self
+        tl = self.timeline
+
+        @functools.wraps(original)
+        def zero_grad(owner, *args, **kwargs):
+            if not probe.on:
+                return original(owner, *args, **kwargs)
+            began = perf_counter()
+            try:
+                return original(owner, *args, **kwargs)
+            finally:
+                probe.set_to_none = bool(args[0] if args else kwargs.get("set_to_none", True))
+                tl.optimizer += perf_counter() - began
+
+        return zero_grad
+
+    def fail(self, exc: BaseException) -> None:
+        self.on = False
+        self.timeline.in_optimizer = False
+        self.timeline.fail(self.name, exc)

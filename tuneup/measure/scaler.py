@@ -1,0 +1,180 @@
+"""GradScaler probe: scale, skipped optimizer steps, growth and back-off, with no extra sync.
+
+A skip is seen for free: GradScaler.step() skips by not calling optimizer.step(), so the
+optimizer's step hooks simply don't fire. Optimizers that handle scaling themselves (fused
+Adam and friends) always run and skip on the device; for them the found-inf flags are read
+asynchronously. The scale is read asynchronously after each update(): a drop is a back-off,
+a rise is a growth.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+
+from .._patching import PatchSet
+from .device_values import DeviceValues
+from .optimizer import OptimizerProbe
+from .steps import StepTimeline
+
+
+class ScalerProbe:
+    name = "grad_scaler"
+
+    def __init__(
+        self,
+        timeline: StepTimeline,
+        tracked: weakref.WeakSet | None,
+        optimizers: OptimizerProbe,
+        values: DeviceValues,
+    ) -> None:
+        self.on = True
+        self.timeline = timeline
+        self.tracked = tracked
+        self.optimizers = optimizers
+        self.values = values
+        self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        self.enabled: bool | None = None
+        self.steps = 0  # scaler.step() calls with the scaler enabled
+        self.skipped = 0
+        self.skip_run = 0
+        self.longest_skip_run = 0
+        self.growth_events = 0
+        self.backoff_events = 0
+        self.scale: float | None = None
+        self._last_scale: dict[int, float] = {}
+
+    def install(self, patches: PatchSet) -> None:
+        patches.replace(GradScaler, "scale", self._wrap_scale)
+        patches.replace(GradScaler, "step", self._wrap_step)
+        patches.replace(GradScaler, "update", self._wrap_update)
+
+    def _measured(self, scaler: GradScaler) -> bool:
+        return self.on and (self.tracked is None or scaler in self.tracked)
+
+    # --- wrappers ----------------------------------------------------------------------
+
+    def _wrap_scale(self, original):
+        probe = self
+        tl = self.timeline
+
+        @functools.wraps(original)
+        def scale(scaler, outputs):
+            result = original(scaler, outputs)
+            if probe._measured(scaler):
+                try:
+                    if scaler not in probe.scalers:
+                        probe.scalers.add(scaler)
+                        start = getattr(scaler, "_scale", None)  # absent on a disabled scaler
+                        if start is not None:  # the starting scale, so a first back-off counts
+                            key = id(scaler)
+                            probe.values.read(start, lambda v: probe._last_scale.setdefault(key, v))
+                    probe.enabled = bool(scaler._enabled)
+                    if result is not outputs and type(outputs) is torch.Tensor and outputs.dim() == 0:
+                        tl.loss = outputs.detach()
+                        tl.scaled_loss_id = id(result)
+                except Exception as exc:
+                    probe.fail(exc)
+            return result
+
+        return scale
+
+    def _wrap_step(self, original):
+        probe = self
+
+        @functools.wraps(original)
+        def step(scaler, optimizer, *args, **kwargs):
+            if not probe._measured(scaler) or not scaler._enabled:
+                return original(scaler, optimizer, *args, **kwargs)
+            ran_before = probe.optimizers.total_steps
+            result = original(scaler, optimizer, *args, **kwargs)
+            try:
+                probe._after_step(scaler, optimizer, ran_before)
+            except Exception as exc:
+                probe.fail(exc)
+            return result
+
+        return step
+
+    def _after_step(self, scaler: GradScaler, optimizer: Any, ran_before: int) -> None:
+        self.steps += 1
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # The optimizer ran and skipped (or not) on the device: read its found-inf flags.
+            state = scaler._per_optimizer_states.get(id(optimizer))
+            flags = list(state["found_inf_per_device"].values()) if state else []
+            if flags:
+                step = self.timeline.ring.count + 1
+                total = flags[0] if len(flags) == 1 else torch.stack([f.reshape(()) for f in flags]).sum()
+                self.values.read(total, lambda found: self._resolved(found > 0, step))
+            return
+        skipped = self.optimizers.total_steps == ran_before
+        if skipped and self.optimizers._measured(optimizer):
+            self.timeline.optimizer_skipped(optimizer, perf_counter())
+        self._count(skipped)
+
+    def _resolved(self, skipped: bool, step: int) -> None:
+        """A device-side skip flag arrived for `step` (still open, or already closed)."""
+        if skipped:
+            self.timeline.record_skip(step)
+        self._count(skipped)
+
+    def _count(self, skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+            self.skip_run += 1
+            self.longest_skip_run = max(self.longest_skip_run, self.skip_run)
+        else:
+            self.skip_run = 0
+
+    def _wrap_update(self, original):
+        probe = self
+
+        @functools.wraps(original)
+        def update(scaler, new_scale=None):
+            result = original(scaler, new_scale)
+            current = getattr(scaler, "_scale", None)
+            if probe._measured(scaler) and scaler._enabled and current is not None:
+                try:
+                    key = id(scaler)
+                    manual = new_scale is not None
+                    probe.values.read(current, lambda value: probe._scale_read(key, value, manual))
+                except Exception as exc:
+                    probe.fail(exc)
+            return result
+
+        return update
+
+    def _scale_read(self, key: int, value: float, manual: bool) -> None:
+        previous = self._last_scale.get(key)
+        if previous is not None and not manual:
+            if value < previous:
+                self.backoff_events += 1
+            elif value > previous:
+                self.growth_events += 1
+        self._last_scale[key] = value
+        self.scale = value
+
+    # --- results -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        present = len(self.scalers) > 0
+        return {
+            "present": present,
+            "enabled": self.enabled if present else None,
+            "scale": self.scale,
+            "steps": self.steps,
+            "skipped_steps": self.skipped,
+            "skip_rate": self.skipped / self.steps if self.steps else None,
+            "longest_skip_run": self.longest_skip_run,
+            "growth_events": self.growth_events,
+            "backoff_events": self.backoff_events,
+        }
+
+    def fail(self, exc: BaseException) -> None:
+        self.on = False
+        self.timeline.fail(self.name, exc)

@@ -1,0 +1,245 @@
+"""Host-device synchronizations per step, by kind, with the source lines that cause them.
+
+Counted on sampled steps only (a few early steps, then every Nth), so unsampled steps pay
+nothing. Two backends, chosen per sampled step:
+
+- CUDA initialized: torch's own sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`)
+  reports every synchronizing CUDA call as a warning; we count and swallow those warnings
+  while the step is sampled and switch the mode back afterwards. (torch's GPU-trace
+  callbacks were the other candidate, but once activated they cannot be turned off and call
+  into Python on every allocation and event for the rest of the process.)
+- CPU only: the host reads that would block on an accelerator (`.item()`, `.tolist()`,
+  `bool(t)`, `float(t)`, `int(t)`, `.cpu()`, `.numpy()`, `nonzero`) are wrapped for the
+  sampled step and restored after it; reported as "would sync on GPU". Reads inside the
+  DataLoader, inside optimizer.step (CPU-side step counters) and inside tuneup don't count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from types import FrameType
+from typing import Any, Callable
+
+import torch
+
+from .._patching import PatchSet
+from .steps import StepTimeline
+
+HOST_READS: tuple[tuple[Any, str], ...] = (
+    (torch.Tensor, "item"),
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "__bool__"),
+    (torch.Tensor, "__float__"),
+    (torch.Tensor, "__int__"),
+    (torch.Tensor, "cpu"),
+    (torch.Tensor, "numpy"),
+    (torch.Tensor, "nonzero"),
+    (torch, "nonzero"),
+)
+CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
+MAX_SOURCES = 256
+EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
+
+# Frames of these modules are library code, not the line the user should change. The demo
+# job ships inside tuneup but is user code as far as its advice is concerned.
+_LIBRARY_PREFIXES = ("torch.", "tuneup.", "warnings", "contextlib", "functools")
+_USER_MODULES = frozenset({"tuneup.demo"})
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module in _USER_MODULES or not (module == "torch" or module.startswith(_LIBRARY_PREFIXES)):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def format_location(filename: str, lineno: int) -> str:
+    try:
+        relative = os.path.relpath(filename)
+        if not relative.startswith(".."):
+            filename = relative
+    except ValueError:
+        pass
+    return f"{filename}:{lineno}"
+
+
+class SyncCounter:
+    name = "syncs"
+
+    def __init__(self, timeline: StepTimeline, sample_every: int, thread_id: int) -> None:
+        self.on = sample_every > 0
+        self.timeline = timeline
+        self.sample_every = sample_every
+        self.thread_id = thread_id
+        self.sampling = False
+        self.backend = "cpu"  # "cpu": would sync on GPU; "cuda": real syncs
+        self.calls = 0  # in the sampled step under way
+        self.sampled_steps = 0
+        self.sampled_calls = 0
+        self.max_per_step = 0
+        self.by_kind: dict[str, int] = {}
+        self.sources: dict[tuple[str, int, str, str], int] = {}  # (file, line, function, kind)
+        self.unattributed = 0
+        self.off_reason: str | None = None
+        self._busy = False
+        self._patch: PatchSet | None = None
+        self._cuda_state: tuple[Any, ...] | None = None
+
+    # --- step boundaries (a timeline listener) --------------------------------------
+
+    def on_close(self, step: int, slot: int) -> None:
+        if self.sampling:
+            self.timeline.ring.syncs[slot] = self.calls
+            self.sampled_steps += 1
+            self.sampled_calls += self.calls
+            self.max_per_step = max(self.max_per_step, self.calls)
+            self._stop()
+        if self.on and self._due(step + 1):
+            self._start()
+
+    def _due(self, step: int) -> bool:
+        return step in EARLY_SAMPLES or (step > EARLY_SAMPLES[-1] and step % self.sample_every == 0)
+
+    def turn_off(self, reason: str) -> None:
+        """Stop sampling for a reason that is not a failure (e.g. torch.compile in use)."""
+        self.on = False
+        self.off_reason = reason
+        self._stop()
+
+    def _start(self) -> None:
+        self.calls = 0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.backend = "cuda"
+            self._start_cuda()
+        else:
+            self.backend = "cpu"
+            self._start_cpu()
+        self.sampling = True
+
+    def _stop(self) -> None:
+        self.sampling = False
+        if self._patch is not None:
+            self._patch.undo_all()
+            self._patch = None
+        if self._cuda_state is not None:
+            self._stop_cuda()
+
+    # --- CPU: wrap the host reads for one step --------------------------------------
+
+    def _start_cpu(self) -> None:
+        patch = PatchSet()
+        for owner, attribute in HOST_READS:
+            kind = attribute.strip("_")
+            patch.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
+        self._patch = patch
+
+    def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        counter = self
+        timeline = self.timeline
+        thread_id = self.thread_id
+        get_ident = threading.get_ident
+
+        def host_read(tensor, *args, **kwargs):
+            if (
+                counter._busy
+                or not counter.sampling
+                or timeline.in_loader
+                or timeline.in_optimizer
+                or timeline.in_tuneup
+                or get_ident() != thread_id
+            ):
+                return original(tensor, *args, **kwargs)
+            counter._busy = True  # a read inside a counted read is the same sync
+            try:
+                counter.record(kind, sys._getframe(1))
+                return original(tensor, *args, **kwargs)
+            finally:
+                counter._busy = False
+
+        host_read.__name__ = getattr(original, "__name__", kind)
+        host_read.__doc__ = getattr(original, "__doc__", None)
+        return host_read
+
+    # --- CUDA: torch's sync debug mode -------------------------------------------------
+
+    def _start_cuda(self) -> None:
+        previous_mode = torch.cuda.get_sync_debug_mode()
+        previous_show = warnings.showwarning
+        warnings.filterwarnings("always", message=CUDA_SYNC_MESSAGE)
+        added_filter = warnings.filters[0]
+        counter = self
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if CUDA_SYNC_MESSAGE in str(message):
+                if threading.get_ident() == counter.thread_id and not counter.timeline.in_tuneup:
+                    counter.record("cuda_sync", sys._getframe(1))
+                return None
+            return previous_show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        torch.cuda.set_sync_debug_mode(1)
+        self._cuda_state = (previous_mode, previous_show, added_filter, showwarning)
+
+    def _stop_cuda(self) -> None:
+        previous_mode, previous_show, added_filter, ours = self._cuda_state  # type: ignore[misc]
+        self._cuda_state = None
+        torch.cuda.set_sync_debug_mode(previous_mode)
+        if warnings.showwarning is ours:
+            warnings.showwarning = previous_show
+        try:
+            warnings.filters.remove(added_filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+        except (ValueError, AttributeError):
+            pass
+
+    # --- recording -------------------------------------------------------------------
+
+    def record(self, kind: str, frame: FrameType | None) -> None:
+        self.calls += 1
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        frame = user_frame(frame)
+        if frame is None:
+            self.unattributed += 1
+            return
+        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
+        sources = self.sources
+        if key in sources:
+            sources[key] += 1
+        elif len(sources) < MAX_SOURCES:
+            sources[key] = 1
+        else:
+            self.unattributed += 1
+
+    # --- results ---------------------------------------------------------------------
+
+    def summary(self, top: int = 10) -> dict[str, Any]:
+        sampled = self.sampled_steps
+        ranked = sorted(self.sources.items(), key=lambda item: -item[1])[:top]
+        return {
+            "measured": sampled > 0,
+            "backend": self.backend,
+            "meaning": "cuda synchronizations" if self.backend == "cuda" else "host reads that would sync on GPU",
+            "sampled_steps": sampled,
+            "per_step": self.sampled_calls / sampled if sampled else None,
+            "max_per_step": self.max_per_step if sampled else None,
+            "by_kind": {kind: count / sampled for kind, count in sorted(self.by_kind.items())} if sampled else {},
+            "top_sources": [
+                {
+                    "location": format_location(filename, lineno),
+                    "function": function,
+                    "kind": kind,
+                    "per_step": count / sampled,
+                }
+                for (filename, lineno, function, kind), count in ranked
+            ],
+            "off_reason": self.off_reason,
+        }
+
+    def close(self) -> None:
+        self.on = False
+        self._stop()

@@ -1,0 +1,155 @@
+"""Agent options: keyword arguments win over TUNEUP_* environment variables, which win over defaults.
+
+A bad keyword argument raises ValueError at the attach call (the user is at the keyboard).
+A bad environment variable only warns and falls back to the default: a platform-wide
+setting must never stop somebody's training job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+MODES = ("advise",)
+
+
+class TuneupWarning(UserWarning):
+    """Every warning the agent emits has this category, so users can filter them."""
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _int_in(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a whole number from {low} to {high}")
+        try:
+            number = int(str(value).strip()) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a whole number from {low} to {high}") from None
+        if number != value and not isinstance(value, str):
+            raise ValueError(f"expected a whole number from {low} to {high}")
+        if not low <= number <= high:
+            raise ValueError(f"expected a whole number from {low} to {high}")
+        return number
+
+    return parse
+
+
+def _float_in(low: float, high: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(str(value).strip()) if isinstance(value, str) else float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number of seconds from {low} to {high}") from None
+        if not low <= number <= high:
+            raise ValueError(f"expected a number of seconds from {low} to {high}")
+        return number
+
+    return parse
+
+
+def _mode(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text not in MODES:
+        raise ValueError(f"expected one of: {', '.join(MODES)}")
+    return text
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return _parse_bool(value)
+    raise ValueError("expected True or False")
+
+
+def _path_or_none(value: Any) -> Path | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError("expected a directory path")
+    return Path(value).expanduser()
+
+
+def _text(value: Any) -> str:
+    return str(value).strip()
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str = "advise"
+    run_dir: Path | None = None
+    log: bool = True
+    log_max_bytes: int = 64 * 1024 * 1024
+    interval: float = 1.0
+    sync_sample_every: int = 20
+    window_steps: int = 200
+    gpu: bool = True
+    nvml_module: str = "pynvml"
+    disable: bool = False
+
+
+# option name -> (environment variable, parser); the assert keeps it in step with Options.
+_SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "mode": ("TUNEUP_MODE", _mode),
+    "run_dir": ("TUNEUP_RUN_DIR", _path_or_none),
+    "log": ("TUNEUP_LOG", _bool),
+    "log_max_bytes": ("TUNEUP_LOG_MAX_BYTES", _int_in(64 * 1024, 1 << 40)),
+    "interval": ("TUNEUP_INTERVAL", _float_in(0.05, 60.0)),
+    "sync_sample_every": ("TUNEUP_SYNC_SAMPLE_EVERY", _int_in(0, 1_000_000)),
+    "window_steps": ("TUNEUP_WINDOW_STEPS", _int_in(10, 100_000)),
+    "gpu": ("TUNEUP_GPU", _bool),
+    "nvml_module": ("TUNEUP_NVML_MODULE", _text),
+    "disable": ("TUNEUP_DISABLE", _bool),
+}
+assert set(_SPEC) == {f.name for f in fields(Options)}
+
+ENVIRONMENT_VARIABLES = {name: env for name, (env, _) in _SPEC.items()}
+
+
+def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) -> Options:
+    """Build Options from keyword overrides, then TUNEUP_* variables, then defaults."""
+    environ = dict(os.environ) if environ is None else environ
+    unknown = sorted(set(overrides) - set(_SPEC))
+    if unknown:
+        raise ValueError(
+            f"tuneup.attach got unknown option {unknown[0]!r}; "
+            f"valid options are: {', '.join(sorted(_SPEC))}"
+        )
+    values: dict[str, Any] = {}
+    for name, (env, parse) in _SPEC.items():
+        if name in overrides and overrides[name] is not None:
+            try:
+                values[name] = parse(overrides[name])
+            except ValueError as exc:
+                raise ValueError(f"tuneup.attach({name}={overrides[name]!r}): {exc}") from None
+        elif env in environ:
+            try:
+                values[name] = parse(environ[env])
+            except ValueError as exc:
+                warnings.warn(
+                    f"tuneup: ignoring {env}={environ[env]!r} ({exc}); using the default",
+                    TuneupWarning,
+                    stacklevel=3,
+                )
+    return replace(Options(), **values)
+
+
+def default_run_dir(rank: int | None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    host = socket.gethostname().split(".")[0] or "host"
+    suffix = f"-rank{rank}" if rank is not None else ""
+    return Path("tuneup-runs") / f"{stamp}-{host}-{os.getpid()}{suffix}"
