@@ -23,6 +23,7 @@ PATCHED = [
     (torch.amp.GradScaler, "scale"),
     (torch.amp.GradScaler, "step"),
     (torch.amp.GradScaler, "update"),
+    (nn.Sequential, "forward"),  # the class of the model the tests train: roots are timed there
     *HOST_READS,
 ]
 MISSING = object()
@@ -80,8 +81,9 @@ def test_detach_restores_every_patched_object_exactly(run_dir):
     # Stop inside a sampled step: the host-read wrappers are installed at this moment.
     train(loader, model, optimizer, steps=7, scaler=scaler, host_reads=1)
     assert agent.syncs.sampling
-    assert vars(torch.Tensor).get("item") is not None
-    assert model._forward_pre_hooks, "the discovered model carries root hooks while attached"
+    assert "item" in vars(torch.Tensor), "host reads are wrapped while attached"
+    assert vars(nn.Sequential)["forward"] is not before[(nn.Sequential, "forward")], "the root is timed"
+    assert not model._forward_pre_hooks and "forward" not in vars(model), "nothing lands on the instance"
     agent.detach()
     assert state_of_patched() == before
     assert global_hook_counts() == hooks_before
@@ -211,3 +213,19 @@ def test_attach_inside_a_spawned_reimport_is_inert(tmp_path):
     assert "main:enabled" in lines
     assert "child:inert" in lines
 
+
+
+def test_attached_model_can_be_deep_copied_and_pickled(run_dir, tmp_path):
+    """EMA copies (copy.deepcopy) and torch.save(model) must keep working mid-training."""
+    import copy
+
+    loader, model, optimizer = small_job()
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, steps=5)
+        ema = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        restored = torch.load(tmp_path / "model.pt", weights_only=False)
+        x = torch.randn(4, 64)
+        assert torch.equal(ema(x), model(x)) and torch.equal(restored(x), model(x))
+        train(loader, ema, torch.optim.SGD(ema.parameters(), lr=0.01), steps=3)
+    assert agent.snapshot()["totals"]["steps"] == 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -120,6 +121,14 @@ def test_full_disk_warns_once_and_training_goes_on(run_dir):
     assert snapshot["run_log"] is None
 
 
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def _as_lists(batch):
+    """Collate into a namedtuple: not the plain-tuple fast path, so batch_size() runs."""
+    return Pair(torch.stack([x for x, _ in batch]), torch.stack([y for _, y in batch]))
+
+
 def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch):
     """A bug inside a probe: one warning, the probe goes quiet, training and the rest go on."""
     from tuneup.measure import loader as loader_module
@@ -133,7 +142,8 @@ def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with tuneup.attach(run_dir=run_dir) as agent:
-            truth = train(loader_for(SlowDataset(size=512)), model, optimizer, steps=20)
+            # A batch shape the fast path does not handle, so batch_size() runs (and fails).
+            truth = train(loader_for(SlowDataset(size=512), collate_fn=_as_lists), model, optimizer, steps=20)
     ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
     assert ours == ["tuneup: dataloader probe turned off after an internal error: RuntimeError: simulated probe bug"]
     snapshot = agent.snapshot()

@@ -69,7 +69,7 @@ def test_nonfinite_losses_are_counted(run_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(8, 64)
-    with tuneup.attach(run_dir=run_dir) as agent:
+    with tuneup.attach(run_dir=run_dir, detail_every=1) as agent:  # read the loss on every step
         for step in range(1, 21):
             optimizer.zero_grad()
             loss = model(x).pow(2).mean()

@@ -103,15 +103,14 @@ def test_reads_inside_the_dataloader_do_not_count(run_dir):
     assert agent.snapshot()["syncs"]["per_step"] == 1
 
 
-def test_unsampled_steps_run_unwrapped(run_dir):
+def test_only_sampled_steps_are_counted(run_dir):
     loader, model, optimizer = job()
-    seen = []
     with tuneup.attach(run_dir=run_dir, sync_sample_every=10) as agent:
-        for step in range(1, 26):
-            train(loader, model, optimizer, steps=1)
-            seen.append(("item" in vars(torch.Tensor), agent.timeline.ring.count))
-    wrapped_during = {count + 1 for wrapped, count in seen if wrapped}
-    assert wrapped_during == {3, 4, 5, 10, 20}
+        train(loader, model, optimizer, steps=25, host_reads=1)
+    columns = agent.timeline.ring.columns(1, 25)
+    sampled = {step for step, syncs in zip(columns["step"], columns["syncs"]) if syncs >= 0}
+    assert sampled == {3, 4, 5, 10, 20}
+    assert agent.snapshot()["syncs"]["sampled_steps"] == 5
 
 
 def test_sync_sampling_can_be_turned_off(run_dir):

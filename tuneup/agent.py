@@ -29,7 +29,7 @@ from . import __version__
 from ._patching import PatchSet
 from .export.runlog import RunLog, log_name
 from .measure.config import read_config
-from .measure.device_values import DeviceValues
+from .measure.device_values import DeviceValues, raw_item
 from .measure.gpu import open_gpus
 from .measure.gpu_time import CudaStepTimer
 from .measure.host import HostProbe
@@ -112,6 +112,7 @@ class Agent:
         self._system: dict[str, Any] | None = None
         self._config: dict[str, Any] | None = None
         self._ticks = 0
+        self._next_lifecycle = 1
         self._pid = os.getpid()
         self._kinds = Tracked.split(objects)
         self.run_info = self._run_info()
@@ -148,7 +149,7 @@ class Agent:
         if kinds["models"]:
             tracked.models = list(kinds["models"])
         self.tracked = tracked
-        self.timeline = StepTimeline(RING_CAPACITY, self._probe_failed)
+        self.timeline = StepTimeline(RING_CAPACITY, self._probe_failed, self.options.detail_every)
         self.values = DeviceValues()
         self.loader = LoaderProbe(self.timeline, tracked.loaders)
         self.model = ModelProbe(self.timeline, tracked.models)
@@ -166,9 +167,8 @@ class Agent:
             return self
         self.attached = True
         self.timeline.attached_at = time.perf_counter()
-        self.timeline.add_listener("syncs", self.syncs.on_close)
         self.timeline.add_listener("agent", self._on_close)
-        for probe in (self.loader, self.model, self.optimizer, self.scaler):
+        for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
             probe.install(self._patches)
         try:
             self.host = HostProbe()
@@ -212,18 +212,44 @@ class Agent:
         if len(self.optimizer.optimizers) > 1:
             self.model.discover()  # a new optimizer usually means a new model
 
-    def _on_close(self, step: int, slot: int) -> None:
+    def _on_close(self, step: int) -> None:
+        """At the close of detail steps and of the steps asked for through `wake_at`, on the
+        training thread: read the loss, start and stop sync sampling, collect device values."""
+        syncs = self.syncs
+        if syncs.sampling or step + 1 == syncs.next_sample:
+            syncs.on_close(step)
         tl = self.timeline
+        loss = tl.step_loss
+        if loss is not None:
+            ring = tl.ring
+            if loss.is_cpu:  # the common case, inline: a CPU read never syncs
+                try:
+                    value = raw_item(loss)
+                except RuntimeError:
+                    pass  # not a single value: nothing to read
+                else:
+                    slot = (step - 1) % ring.capacity
+                    ring.loss[slot] = value
+                    ring.loss_step[slot] = step
+            elif loss.numel() == 1:
+                self.values.read(loss, lambda value: ring.put("loss", step, value))
+        if self.values.pending:
+            self.values.poll()
+        if step >= self._next_lifecycle:
+            self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
+            self._lifecycle(step)
+        # Wake at the next close that needs us between detail steps.
+        if syncs.sampling or self.values.pending or self.gpu_timer is not None:
+            tl.wake_at = step + 1
+        elif syncs.on and syncs.next_sample > step:
+            tl.wake_at = syncs.next_sample - 1  # the close that starts the sampled step
+        else:
+            tl.wake_at = 1 << 62
+
+    def _lifecycle(self, step: int) -> None:
+        """Rare checks that must run on the training thread."""
         if step == 1:
             self.syncs.thread_id = threading.get_ident()  # the thread that really trains
-        if tl.step_loss is not None:
-            self.values.read(tl.step_loss, lambda value: tl.record_loss(step, value))
-        self.values.poll()
-        if step % LIFECYCLE_EVERY_STEPS == 1:
-            self._lifecycle()
-
-    def _lifecycle(self) -> None:
-        """Rare checks that must run on the training thread."""
         if self.gpu_timer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             self.gpu_timer = CudaStepTimer(self.timeline)
             self.timeline.gpu_timer = self.gpu_timer
@@ -284,14 +310,14 @@ class Agent:
         if count - first + 1 > ring.capacity:
             self._totals.dropped_steps += count - ring.capacity - self._drained
             first = count - ring.capacity + 1
-        rows = ring.rows(first, count)
+        columns = ring.columns(first, count)
         self._drained = count
-        self._totals.add(rows)
-        return summarize(rows)
+        self._totals.add(columns)
+        return summarize(columns)
 
     def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
         event = {"event": "steps", "time": time.time(), **interval}
-        if self.scaler.scalers:
+        if self.scaler.seen:
             event["scaler"] = self.scaler.summary()
         if self.syncs.sampled_steps:
             event["syncs"] = self.syncs.summary(top=5)
@@ -341,6 +367,11 @@ class Agent:
         except Exception as exc:
             self._slow_probe_failed("config", exc)
             return
+        if self._config is not None:
+            # The job may have dropped its objects (the loop ended): keep what they were.
+            for kind in ("loaders", "optimizers", "models"):
+                if not config[kind]:
+                    config[kind] = self._config[kind]
         if config != self._config:
             self._config = config
             self._log({"event": "config", "time": time.time(), **config})
@@ -385,7 +416,7 @@ class Agent:
             if self._config is None or not self.attached:
                 self._refresh_config()
             ring = self.timeline.ring
-            window = summarize(ring.rows(ring.count - self.options.window_steps + 1, ring.count))
+            window = summarize(ring.columns(ring.count - self.options.window_steps + 1, ring.count))
             return {
                 "enabled": True,
                 "attached": self.attached,
@@ -464,6 +495,7 @@ class Agent:
             for probe in self._hot_probes:
                 probe.on = False
             self.syncs.sampling = False
+            self.syncs.counting_reads = False
             self.run_log = None
 
     def __enter__(self) -> "Agent":

@@ -96,6 +96,7 @@ class Options:
     log_max_bytes: int = 64 * 1024 * 1024
     interval: float = 1.0
     sync_sample_every: int = 20
+    detail_every: int = 4
     window_steps: int = 200
     gpu: bool = True
     nvml_module: str = "pynvml"
@@ -110,6 +111,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "log_max_bytes": ("TUNEUP_LOG_MAX_BYTES", _int_in(64 * 1024, 1 << 40)),
     "interval": ("TUNEUP_INTERVAL", _float_in(0.05, 60.0)),
     "sync_sample_every": ("TUNEUP_SYNC_SAMPLE_EVERY", _int_in(0, 1_000_000)),
+    "detail_every": ("TUNEUP_DETAIL_EVERY", _int_in(1, 1_000_000)),
     "window_steps": ("TUNEUP_WINDOW_STEPS", _int_in(10, 100_000)),
     "gpu": ("TUNEUP_GPU", _bool),
     "nvml_module": ("TUNEUP_NVML_MODULE", _text),

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-# The unbound C method: bypasses any wrapper on Tensor.item (the sync counter's).
-_item = torch._C.TensorBase.item
+# Tensor.item as torch defines it, bypassing any wrapper on it (the sync counter's).
+raw_item = torch._C.TensorBase.item
 
 Callback = Callable[[float], None]
 
@@ -25,16 +25,17 @@ class DeviceValues:
         self.capacity = capacity
         self.dropped = 0
         self._pending: deque[tuple[int, torch.cuda.Event, Callback]] = deque()
+        self.pending = 0  # reads in flight; 0 lets the caller skip poll()
         self._host: torch.Tensor | None = None
         self._events: list[torch.cuda.Event] = []
         self._next = 0
 
     def read(self, tensor: torch.Tensor, callback: Callback) -> None:
-        value = tensor.detach()
-        if value.device.type == "cpu":
-            callback(float(_item(value.reshape(()))))
-        elif value.device.type == "cuda":
-            self._read_cuda(value, callback)
+        """`tensor` holds one element; `callback(value)` runs now (CPU) or from a later poll()."""
+        if tensor.is_cuda:
+            self._read_cuda(tensor.detach(), callback)
+        elif tensor.is_cpu:
+            callback(float(raw_item(tensor)))
         # Other devices (mps, xla): no non-blocking read path yet; the value stays unknown.
 
     def _read_cuda(self, value: torch.Tensor, callback: Callback) -> None:
@@ -50,6 +51,7 @@ class DeviceValues:
         event = self._events[slot]
         event.record()
         self._pending.append((slot, event, callback))
+        self.pending = len(self._pending)
 
     def poll(self) -> int:
         """Deliver every value whose copy has completed; returns how many are still pending."""
@@ -59,5 +61,6 @@ class DeviceValues:
             if not event.query():
                 break
             pending.popleft()
-            callback(float(_item(self._host[slot])))  # type: ignore[index]
-        return len(pending)
+            callback(float(raw_item(self._host[slot])))  # type: ignore[index]
+        self.pending = len(pending)
+        return self.pending

@@ -40,7 +40,7 @@ class CudaStepTimer:
                 event.record()
                 self._start = event
 
-    def on_close(self, step: int, slot: int) -> None:
+    def on_close(self, step: int) -> None:
         self.poll()
         start, self._start = self._start, None
         if start is None:
@@ -56,5 +56,5 @@ class CudaStepTimer:
         pending = self._pending
         while pending and pending[0][2].query():
             step, start, end = pending.popleft()
-            self.timeline.record_gpu_seconds(step, start.elapsed_time(end) / 1000.0)
+            self.timeline.ring.put("gpu_seconds", step, start.elapsed_time(end) / 1000.0)
             self._free.extend((start, end))

@@ -60,21 +60,19 @@ class LoaderProbe:
         def wrap_iter(original):
             @functools.wraps(original)
             def __iter__(loader):
-                if not probe.on:
-                    return original(loader)
-                if probe.tracked is not None and loader not in probe.tracked:
+                if not probe.on or (probe.tracked is not None and loader not in probe.tracked):
                     return original(loader)
                 began = perf_counter()
-                try:
-                    probe.loaders.add(loader)
-                    tl.fetch_begin(began)
-                except Exception as exc:
-                    probe.fail(exc)
-                    return original(loader)
+                tl.in_loader = True
                 try:
                     iterator = original(loader)
                 finally:
-                    tl.loader_start(began, perf_counter())
+                    tl.in_loader = False
+                    try:
+                        tl.waited(began, perf_counter())
+                        probe.loaders.add(loader)
+                    except Exception as exc:
+                        probe.fail(exc)
                 try:
                     probe.iterators.add(iterator)
                     if probe.tracked is not None:
@@ -91,19 +89,27 @@ class LoaderProbe:
                 if not probe.on or (probe.tracked is not None and not getattr(iterator, _TAG, False)):
                     return original(iterator)
                 began = perf_counter()
-                try:
-                    tl.fetch_begin(began)
-                except Exception as exc:
-                    probe.fail(exc)
-                    return original(iterator)
+                tl.in_loader = True
                 try:
                     batch = original(iterator)
                 except BaseException:
-                    tl.fetch_failed(began, perf_counter())
+                    tl.in_loader = False
+                    tl.waited(began, perf_counter())
                     raise
                 ended = perf_counter()
+                tl.in_loader = False
                 try:
-                    tl.fetch_end(began, ended, batch_size(batch))
+                    # StepTimeline.fetched, inlined with the common (inputs, targets) batch:
+                    # this runs on every step.
+                    if tl.group and not tl.manual:
+                        tl.close(began)
+                    elif tl.step_start is None:
+                        tl.step_start = began
+                    tl.in_optimizer = False
+                    tl.data_wait += ended - began
+                    tl.fetches += 1
+                    first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
+                    tl.samples += len(first) if type(first) is torch.Tensor and first.dim() else batch_size(batch)
                 except Exception as exc:
                     probe.fail(exc)
                 return batch

@@ -1,10 +1,14 @@
 """Model probe: forward and backward time, the loss, and which models are being trained.
 
 Auto mode finds the models by watching one step with global module hooks: a module called
-while no other module is running is a root. After that step only the roots carry hooks,
-so the per-module fast path of nn.Module.__call__ is untouched. The leaf modules' call
-order seen during that step is kept for the configuration probe (Conv→BatchNorm checks
-need the order modules actually run in, not the order they were declared in).
+while no other module is running is a root. After that step the roots are timed through
+their class's `forward`, patched to check `id(module)` against the roots: a module hook
+would push every call of the root onto nn.Module's slow path (about 12 µs on a small CPU
+host), and an instance attribute would be copied by `copy.deepcopy(model)` (EMA models)
+and break `torch.save(model)`. A root that already has an instance-level `forward` (as
+Accelerate installs) gets hooks instead, made inert when copied or pickled.
+The leaf modules' call order seen during discovery is kept for the configuration probe
+(Conv→BatchNorm checks need the order modules actually run in, not their declared order).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class ModelProbe:
         self.timeline = timeline
         self.explicit = explicit
         self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.root_ids: set[int] = set()
+        self._patched_classes: set[type] = set()
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
         self.autocast: dict[str, str | None] | None = None
         self.read_config_next_forward = True
@@ -77,7 +83,13 @@ class ModelProbe:
         ]
         self.timeline.add_listener("model-discovery", self._end_discovery)
 
-    def _end_discovery(self, step: int, slot: int) -> None:
+    def _end_discovery(self, step: int = 0) -> None:
+        """End discovery once a forward was seen (or the probe is off): at a step close or at
+        the first backward. Never from inside a module hook, where torch iterates the
+        global hook dicts and removing an entry would break its loop."""
+        if not self.on:
+            self._stop_discovery()
+            return
         if not self._candidates:
             return  # no forward seen yet: keep watching
         self._stop_discovery()
@@ -95,8 +107,54 @@ class ModelProbe:
         if model in self.roots or self._patches is None:
             return
         self.roots.add(model)
-        self._patches.add_handle(model.register_forward_pre_hook(self._root_pre))
-        self._patches.add_handle(model.register_forward_hook(self._root_post, always_call=True))
+        if "forward" in vars(model):
+            self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
+            self._patches.add_handle(model.register_forward_hook(_RootHook(self._root_post), always_call=True))
+            return
+        key = id(model)
+        self.root_ids.add(key)
+        weakref.finalize(model, self.root_ids.discard, key)  # an id is reused once its object dies
+        cls = type(model)
+        if cls not in self._patched_classes:
+            self._patched_classes.add(cls)
+            self._patches.replace(cls, "forward", self._wrap_forward)
+
+    def _wrap_forward(self, original):
+        probe = self
+        tl = self.timeline
+
+        root_ids = self.root_ids
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            if not (probe.on and tl.detail) or id(module) not in root_ids:
+                return original(module, *args, **kwargs)
+            # StepTimeline.forward_begin/forward_end, inlined: this runs on every step.
+            began = perf_counter()
+            if tl.forward_depth == 0:
+                if tl.step_start is None:
+                    tl.step_start = began
+                tl.in_optimizer = False
+                if tl.gpu_timer is not None or probe.read_config_next_forward:
+                    probe._first_forward_extras()
+            tl.forward_depth += 1
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                tl.forward_depth -= 1
+                if tl.forward_depth == 0:
+                    tl.forward += perf_counter() - began
+
+        return forward
+
+    def _first_forward_extras(self) -> None:
+        try:
+            if self.timeline.gpu_timer is not None:
+                self.timeline.gpu_timer.forward_started()
+            if self.read_config_next_forward:
+                self._read_config()
+        except Exception as exc:
+            self.fail(exc)
 
     def uninstall_discovery(self) -> None:
         if self._discovery:
@@ -159,22 +217,21 @@ class ModelProbe:
 
         @functools.wraps(original)
         def backward(tensors, *args, **kwargs):
-            if not probe.on:
+            if probe._discovery:
+                probe._end_discovery()
+            if not (probe.on and tl.detail):
                 return original(tensors, *args, **kwargs)
             began = perf_counter()
-            try:
-                if (
-                    type(tensors) is torch.Tensor
-                    and id(tensors) != tl.scaled_loss_id
-                    and tensors.dim() == 0
-                ):
-                    tl.loss = tensors.detach()
-            except Exception as exc:
-                probe.fail(exc)
+            if type(tensors) is torch.Tensor and id(tensors) != tl.scaled_loss_id:
+                tl.loss = tensors.detach()  # read at the step's close if it holds one value
             try:
                 return original(tensors, *args, **kwargs)
             finally:
-                tl.backward_done(began, perf_counter())
+                # StepTimeline.backward_done, inlined: this runs on every step.
+                if tl.step_start is None:
+                    tl.step_start = began
+                tl.backward += perf_counter() - began
+                tl.backward_passes += 1
 
         return backward
 
@@ -182,3 +239,28 @@ class ModelProbe:
         self.on = False
         self.timeline.forward_depth = 0
         self.timeline.fail(self.name, exc)
+
+
+class _RootHook:
+    """A module hook that copies and pickles as a no-op (deepcopy for EMA, torch.save(model))."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def __call__(self, *args: Any) -> None:
+        return self.call(*args)
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert_hook()
+
+
+class _InertHook:
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+def _inert_hook() -> _InertHook:
+    return _InertHook()

@@ -1,7 +1,8 @@
 """Optimizer probe: step boundaries and optimizer time from torch's global step hooks.
 
 Also wraps Optimizer.zero_grad and Module.zero_grad to see the set_to_none the loop really
-uses (their time counts as optimizer time: zeroing gradients is part of the update).
+uses, on detail steps (their time counts as optimizer time: zeroing gradients is part of
+the update).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class OptimizerProbe:
         self.tracked = tracked
         self.on_new_optimizer = on_new_optimizer
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._seen: set[int] = set()  # ids of self.optimizers: a cheaper test on every step
         self.set_to_none: bool | None = None  # as last passed to zero_grad
         self.total_steps = 0  # optimizer.step() calls that ran (monotonic)
 
@@ -46,18 +48,28 @@ class OptimizerProbe:
         return self.on and (self.tracked is None or optimizer in self.tracked)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._measured(optimizer):
+        if not self.on or (self.tracked is not None and optimizer not in self.tracked):
             return
         try:
-            if optimizer not in self.optimizers:
+            if id(optimizer) not in self._seen:
+                self._seen.add(id(optimizer))
+                weakref.finalize(optimizer, self._seen.discard, id(optimizer))
                 self.optimizers.add(optimizer)
                 self.on_new_optimizer(optimizer)
-            self.timeline.optimizer_begin(optimizer, perf_counter())
+            # StepTimeline.optimizer_begin, inlined: this runs on every step.
+            tl = self.timeline
+            now = perf_counter()
+            if tl.group and not tl.manual and optimizer in tl.group:
+                tl.close(now)
+            elif tl.step_start is None:
+                tl.step_start = now
+            tl.optimizer_start = now
+            tl.in_optimizer = True
         except Exception as exc:
             self.fail(exc)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._measured(optimizer):
+        if not self.on or (self.tracked is not None and optimizer not in self.tracked):
             return
         try:
             self.total_steps += 1
@@ -71,7 +83,7 @@ class OptimizerProbe:
 
         @functools.wraps(original)
         def zero_grad(owner, *args, **kwargs):
-            if not probe.on:
+            if not (probe.on and tl.detail):
                 return original(owner, *args, **kwargs)
             began = perf_counter()
             try:

@@ -39,6 +39,7 @@ class ScalerProbe:
         self.optimizers = optimizers
         self.values = values
         self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        self.seen = 0  # scalers seen (the WeakSet empties when the job drops them)
         self.enabled: bool | None = None
         self.steps = 0  # scaler.step() calls with the scaler enabled
         self.skipped = 0
@@ -70,13 +71,14 @@ class ScalerProbe:
                 try:
                     if scaler not in probe.scalers:
                         probe.scalers.add(scaler)
+                        probe.seen += 1
                         start = getattr(scaler, "_scale", None)  # absent on a disabled scaler
                         if start is not None:  # the starting scale, so a first back-off counts
                             key = id(scaler)
                             probe.values.read(start, lambda v: probe._last_scale.setdefault(key, v))
                     probe.enabled = bool(scaler._enabled)
-                    if result is not outputs and type(outputs) is torch.Tensor and outputs.dim() == 0:
-                        tl.loss = outputs.detach()
+                    if tl.detail and result is not outputs and type(outputs) is torch.Tensor:
+                        tl.loss = outputs.detach()  # the unscaled loss, on detail steps
                         tl.scaled_loss_id = id(result)
                 except Exception as exc:
                     probe.fail(exc)
@@ -162,7 +164,7 @@ class ScalerProbe:
     # --- results -------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        present = len(self.scalers) > 0
+        present = self.seen > 0
         return {
             "present": present,
             "enabled": self.enabled if present else None,

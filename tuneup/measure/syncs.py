@@ -9,9 +9,16 @@ nothing. Two backends, chosen per sampled step:
   callbacks were the other candidate, but once activated they cannot be turned off and call
   into Python on every allocation and event for the rest of the process.)
 - CPU only: the host reads that would block on an accelerator (`.item()`, `.tolist()`,
-  `bool(t)`, `float(t)`, `int(t)`, `.cpu()`, `.numpy()`, `nonzero`) are wrapped for the
-  sampled step and restored after it; reported as "would sync on GPU". Reads inside the
-  DataLoader, inside optimizer.step (CPU-side step counters) and inside tuneup don't count.
+  `bool(t)`, `float(t)`, `int(t)`, `.cpu()`, `.numpy()`, `nonzero`) are counted on the
+  sampled step and reported as "would sync on GPU". Reads inside the DataLoader, inside
+  optimizer.step (CPU-side step counters) and inside tuneup don't count.
+
+The host-read wrappers are installed once, at attach, and only check a flag outside
+sampled steps. Installing them per sampled step would be simpler, but setting attributes
+on torch.Tensor (dunder slots above all) invalidates the interpreter's attribute caches for
+every tensor: measured at 30-240 µs per sampled step, against nothing measurable for a
+permanent wrapper (benchmarks/bench_overhead.py). Each wrapper first asks
+torch.compiler.is_compiling(), so dynamo folds it away and never guards on our state.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class SyncCounter:
         self.sample_every = sample_every
         self.thread_id = thread_id
         self.sampling = False
+        self.counting_reads = False  # the CPU wrappers count only while this is set
+        self.next_sample = self.sample_after(0) if sample_every > 0 else -1
         self.backend = "cpu"  # "cpu": would sync on GPU; "cuda": real syncs
         self.calls = 0  # in the sampled step under way
         self.sampled_steps = 0
@@ -87,29 +96,42 @@ class SyncCounter:
         self.unattributed = 0
         self.off_reason: str | None = None
         self._busy = False
-        self._patch: PatchSet | None = None
         self._cuda_state: tuple[Any, ...] | None = None
 
     # --- step boundaries (a timeline listener) --------------------------------------
 
-    def on_close(self, step: int, slot: int) -> None:
+    def on_close(self, step: int) -> None:
+        """Called by the agent at the close of a sampled step and of the step before one."""
         if self.sampling:
-            self.timeline.ring.syncs[slot] = self.calls
+            self.timeline.ring.put("syncs", step, self.calls)
             self.sampled_steps += 1
             self.sampled_calls += self.calls
             self.max_per_step = max(self.max_per_step, self.calls)
             self._stop()
-        if self.on and self._due(step + 1):
+        if step + 1 == self.next_sample and self.on:
+            self.next_sample = self.sample_after(step + 1)
             self._start()
 
-    def _due(self, step: int) -> bool:
-        return step in EARLY_SAMPLES or (step > EARLY_SAMPLES[-1] and step % self.sample_every == 0)
+    def sample_after(self, step: int) -> int:
+        """The first sampled step after `step`: steps 3-5, then every `sample_every`th."""
+        for early in EARLY_SAMPLES:
+            if early > step:
+                return early
+        return (step // self.sample_every + 1) * self.sample_every if self.sample_every > 0 else -1
 
     def turn_off(self, reason: str) -> None:
         """Stop sampling for a reason that is not a failure (e.g. torch.compile in use)."""
         self.on = False
         self.off_reason = reason
         self._stop()
+
+    def install(self, patches: PatchSet) -> None:
+        """Wrap the host reads for the whole attach (CPU backend); they count only when asked."""
+        if not self.on:
+            return
+        for owner, attribute in HOST_READS:
+            kind = attribute.strip("_")
+            patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
 
     def _start(self) -> None:
         self.calls = 0
@@ -118,40 +140,32 @@ class SyncCounter:
             self._start_cuda()
         else:
             self.backend = "cpu"
-            self._start_cpu()
+            self.counting_reads = True
         self.sampling = True
 
     def _stop(self) -> None:
         self.sampling = False
-        if self._patch is not None:
-            self._patch.undo_all()
-            self._patch = None
+        self.counting_reads = False
         if self._cuda_state is not None:
             self._stop_cuda()
 
-    # --- CPU: wrap the host reads for one step --------------------------------------
-
-    def _start_cpu(self) -> None:
-        patch = PatchSet()
-        for owner, attribute in HOST_READS:
-            kind = attribute.strip("_")
-            patch.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
-        self._patch = patch
+    # --- CPU: count the host reads on sampled steps ----------------------------------
 
     def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         counter = self
         timeline = self.timeline
-        thread_id = self.thread_id
         get_ident = threading.get_ident
+        is_compiling = torch.compiler.is_compiling
 
         def host_read(tensor, *args, **kwargs):
             if (
-                counter._busy
-                or not counter.sampling
+                not counter.counting_reads
+                or is_compiling()
+                or counter._busy
                 or timeline.in_loader
                 or timeline.in_optimizer
                 or timeline.in_tuneup
-                or get_ident() != thread_id
+                or get_ident() != counter.thread_id
             ):
                 return original(tensor, *args, **kwargs)
             counter._busy = True  # a read inside a counted read is the same sync

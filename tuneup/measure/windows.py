@@ -1,16 +1,21 @@
 """Summaries of a run of step records (a reporting interval or the rolling window).
 
-Ratios are time-weighted (total data wait / total step time), so one slow step cannot
-swing them the way a mean of per-step ratios would.
+Records arrive column by column (per-step values from StepRing.columns), and the work runs
+on the agent's background thread. Ratios are time-weighted (total data wait / total step
+time), so one slow step cannot swing them the way a mean of per-step ratios would. Data
+wait is measured on every step; the forward/backward/optimizer split on detail steps, so
+its figures come from those steps alone.
 """
 
 from __future__ import annotations
 
 import math
 from statistics import median
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-PARTS = ("data_wait_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")
+SPLIT = ("forward_seconds", "backward_seconds", "optimizer_seconds")
+PARTS = ("data_wait_seconds",) + SPLIT
+Columns = Mapping[str, Sequence[Any]]
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -33,8 +38,8 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def loss_summary(rows: Sequence[dict[str, float]]) -> dict[str, Any] | None:
-    known = [row["loss"] for row in rows if row["loss_known"]]
+def loss_summary(columns: Columns) -> dict[str, Any] | None:
+    known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     if not known:
         return None
     finite = [value for value in known if math.isfinite(value)]
@@ -53,42 +58,61 @@ def loss_summary(rows: Sequence[dict[str, float]]) -> dict[str, Any] | None:
     }
 
 
-def summarize(rows: Sequence[dict[str, float]]) -> dict[str, Any] | None:
-    if not rows:
+def _ratio(amount: float, seconds: float) -> float | None:
+    return amount / seconds if seconds > 0 else None
+
+
+def summarize(columns: Columns) -> dict[str, Any] | None:
+    steps = len(columns["step_seconds"])
+    if not steps:
         return None
-    step_times = [row["step_seconds"] for row in rows]
-    total_time = sum(step_times)
-    totals = {part: sum(row[part] for row in rows) for part in PARTS}
-    samples = sum(row["samples"] for row in rows)
-    fetches = sum(row["fetches"] for row in rows)
-    sampled = [row["syncs"] for row in rows if row["syncs"] >= 0]
-    gpu = [row["gpu_seconds"] for row in rows if row["gpu_seconds"] >= 0]
-    other = [
-        max(0.0, row["step_seconds"] - sum(row[part] for part in PARTS)) for row in rows
-    ]
+    step_seconds = columns["step_seconds"]
+    total_time = sum(step_seconds)
+    data_wait = columns["data_wait_seconds"]
+    samples = sum(columns["samples"])
+    fetches = sum(columns["fetches"])
+    sampled = [value for value in columns["syncs"] if value >= 0]
+    gpu = [value for value in columns["gpu_seconds"] if value >= 0]
+    detailed = [i for i, flag in enumerate(columns["detailed"]) if flag]
+    detailed_time = sum(step_seconds[i] for i in detailed)
     summary: dict[str, Any] = {
-        "steps": len(rows),
-        "first_step": int(rows[0]["step"]),
-        "last_step": int(rows[-1]["step"]),
+        "steps": steps,
+        "first_step": columns["step"][0],
+        "last_step": columns["step"][-1],
         "seconds": total_time,
-        "step_seconds": distribution(step_times),
-        "stall_ratio": totals["data_wait_seconds"] / total_time if total_time > 0 else None,
-        "steps_per_second": len(rows) / total_time if total_time > 0 else None,
-        "samples_per_second": samples / total_time if total_time > 0 and samples else None,
+        "step_seconds": distribution(step_seconds),
+        "stall_ratio": _ratio(sum(data_wait), total_time),
+        "steps_per_second": _ratio(steps, total_time),
+        "samples_per_second": _ratio(samples, total_time) if samples else None,
         "batch_size": samples / fetches if fetches else None,
-        "fetches_per_step": fetches / len(rows),
-        "backward_passes_per_step": sum(row["backward_passes"] for row in rows) / len(rows),
-        "optimizer_steps": int(sum(row["optimizer_steps"] for row in rows)),
-        "skipped_steps": int(sum(row["skipped_steps"] for row in rows)),
+        "fetches_per_step": fetches / steps,
+        "optimizer_steps": int(sum(columns["optimizer_steps"])),
+        "skipped_steps": int(sum(columns["skipped_steps"])),
         "syncs_per_step": sum(sampled) / len(sampled) if sampled else None,
         "sync_sampled_steps": len(sampled),
+        "detailed_steps": len(detailed),
+        "backward_passes_per_step": (
+            sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
+        ),
         "gpu_seconds": distribution(gpu) if gpu else None,
-        "loss": loss_summary(rows),
+        "loss": loss_summary(columns),
+        "data_wait_seconds": {"median": median(data_wait), "mean": sum(data_wait) / steps},
+        "data_wait_ratio": _ratio(sum(data_wait), total_time),
     }
-    for part in PARTS:
-        summary[part] = {"median": median(row[part] for row in rows), "mean": totals[part] / len(rows)}
-        summary[part.replace("_seconds", "_ratio")] = totals[part] / total_time if total_time > 0 else None
-    summary["other_seconds"] = {"median": median(other), "mean": sum(other) / len(other)}
+    if detailed:
+        for part in SPLIT:
+            values = [columns[part][i] for i in detailed]
+            summary[part] = {"median": median(values), "mean": sum(values) / len(values)}
+            summary[part.replace("_seconds", "_ratio")] = _ratio(sum(values), detailed_time)
+        other = [
+            max(0.0, step_seconds[i] - sum(columns[part][i] for part in PARTS)) for i in detailed
+        ]
+        summary["other_seconds"] = {"median": median(other), "mean": sum(other) / len(other)}
+        summary["other_ratio"] = _ratio(sum(other), detailed_time)
+    else:
+        for part in SPLIT + ("other_seconds",):
+            summary[part] = None
+            summary[part.replace("_seconds", "_ratio")] = None
     return summary
 
 
@@ -98,7 +122,10 @@ class Totals:
     def __init__(self) -> None:
         self.steps = 0
         self.seconds = 0.0
-        self.parts = dict.fromkeys(PARTS, 0.0)
+        self.data_wait = 0.0
+        self.detailed_steps = 0
+        self.detailed_seconds = 0.0
+        self.split = dict.fromkeys(SPLIT, 0.0)
         self.samples = 0.0
         self.skipped_steps = 0
         self.optimizer_steps = 0
@@ -109,23 +136,26 @@ class Totals:
         self.last_loss: float | None = None
         self.dropped_steps = 0  # steps the ring overwrote before they were read
 
-    def add(self, rows: Sequence[dict[str, float]]) -> None:
-        for row in rows:
-            self.steps += 1
-            self.seconds += row["step_seconds"]
-            for part in PARTS:
-                self.parts[part] += row[part]
-            self.samples += row["samples"]
-            self.skipped_steps += int(row["skipped_steps"])
-            self.optimizer_steps += int(row["optimizer_steps"])
-            if row["syncs"] >= 0:
-                self.sync_sampled_steps += 1
-                self.syncs += row["syncs"]
-            if row["loss_known"]:
-                self.losses_read += 1
-                self.last_loss = row["loss"]
-                if not math.isfinite(row["loss"]):
-                    self.nonfinite_losses += 1
+    def add(self, columns: Columns) -> None:
+        self.steps += len(columns["step_seconds"])
+        self.seconds += sum(columns["step_seconds"])
+        self.data_wait += sum(columns["data_wait_seconds"])
+        detailed = [i for i, flag in enumerate(columns["detailed"]) if flag]
+        self.detailed_steps += len(detailed)
+        self.detailed_seconds += sum(columns["step_seconds"][i] for i in detailed)
+        for part in SPLIT:
+            self.split[part] += sum(columns[part][i] for i in detailed)
+        self.samples += sum(columns["samples"])
+        self.skipped_steps += int(sum(columns["skipped_steps"]))
+        self.optimizer_steps += int(sum(columns["optimizer_steps"]))
+        sampled = [value for value in columns["syncs"] if value >= 0]
+        self.sync_sampled_steps += len(sampled)
+        self.syncs += sum(sampled)
+        known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
+        self.losses_read += len(known)
+        self.nonfinite_losses += sum(1 for value in known if not math.isfinite(value))
+        if known:
+            self.last_loss = known[-1]
 
     def summary(self) -> dict[str, Any]:
         seconds = self.seconds
@@ -135,15 +165,17 @@ class Totals:
             "samples": int(self.samples),
             "optimizer_steps": self.optimizer_steps,
             "skipped_steps": self.skipped_steps,
-            "stall_ratio": self.parts["data_wait_seconds"] / seconds if seconds > 0 else None,
-            "steps_per_second": self.steps / seconds if seconds > 0 else None,
-            "samples_per_second": self.samples / seconds if seconds > 0 and self.samples else None,
+            "data_wait_seconds": self.data_wait,
+            "stall_ratio": _ratio(self.data_wait, seconds),
+            "steps_per_second": _ratio(self.steps, seconds),
+            "samples_per_second": _ratio(self.samples, seconds) if self.samples else None,
             "syncs_per_step": self.syncs / self.sync_sampled_steps if self.sync_sampled_steps else None,
+            "detailed_steps": self.detailed_steps,
             "losses_read": self.losses_read,
             "nonfinite_losses": self.nonfinite_losses,
             "last_loss": self.last_loss,
             "dropped_steps": self.dropped_steps,
         }
-        for part, total in self.parts.items():
-            out[part] = total
+        for part, total in self.split.items():
+            out[part.replace("_seconds", "_ratio")] = _ratio(total, self.detailed_seconds)
         return out

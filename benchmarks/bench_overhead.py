@@ -1,0 +1,149 @@
+"""Overhead of tuneup in advise mode, against the bare loop and against torch.profiler.
+
+    python benchmarks/bench_overhead.py [--rounds 15]
+
+Two CPU training loops (DataLoader, MLP, a loss.item() every 10 steps): one with a step of
+about 5 ms (AdamW), one of about 0.4 ms (SGD on pre-batched data: close to the smallest full
+training step this kind of 2-core host runs). Each round runs every configuration once, in a
+shuffled order, so slow drifts of the machine hit all of them alike. A run's figure is its
+mean step time (wall time / steps, so the occasional sampled step is paid for); the table
+prints the median over rounds, the ratio to the bare loop and the added time per step, and
+the median (and IQR) of the difference to the bare run of the same round.
+
+torch.profiler runs continuously with schedule(wait=5, warmup=1, active=3, repeat=0) and a
+trace handler that discards the trace: the cheapest way to keep it on for a whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tuneup  # noqa: E402
+
+# name: (features, hidden, hidden layers, batch, optimizer, pre-batched dataset, timed steps per run)
+WORKLOADS = {
+    "~5 ms step": (128, 512, 2, 128, torch.optim.AdamW, False, 200),
+    "~0.4 ms step": (16, 32, 1, 8, torch.optim.SGD, True, 2500),  # about the smallest full step here
+}
+WARMUP_STEPS = 30
+
+
+class Batches(Dataset):
+    """Pre-batched tensors (batch_size=None): the loader adds no collate work."""
+
+    def __init__(self, batches: int, batch: int, features: int) -> None:
+        self.x = torch.randn(batches, batch, features)
+        self.y = torch.randn(batches, batch, 1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+def make(features, hidden, depth, batch, optimizer_class, pre_batched):
+    torch.manual_seed(0)
+    layers = [nn.Linear(features, hidden), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(hidden, 1))
+    optimizer = optimizer_class(model.parameters(), lr=1e-4)
+    if pre_batched:
+        loader = DataLoader(Batches(64, batch, features), batch_size=None, shuffle=True)
+    else:
+        data = TensorDataset(torch.randn(batch * 64, features), torch.randn(batch * 64, 1))
+        loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
+    return loader, model, optimizer
+
+
+def loop(loader, model, optimizer, steps: int, on_step=None) -> float:
+    """Run `steps` steps; returns the wall time of the last `steps - WARMUP_STEPS`."""
+    step = 0
+    started = None
+    while True:
+        for x, y in loader:
+            if step == WARMUP_STEPS:
+                started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if step % 10 == 0:
+                loss.item()
+            if on_step is not None:
+                on_step()
+            step += 1
+            if step == steps:
+                return time.perf_counter() - started
+
+
+def bare(job, steps, _tmp):
+    return loop(*job, steps)
+
+
+def with_tuneup(job, steps, tmp):
+    with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
+        return loop(*job, steps)
+
+
+def with_profiler(job, steps, _tmp):
+    schedule = torch.profiler.schedule(wait=5, warmup=1, active=3, repeat=0)
+    saved = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # kineto logs every cycle to stderr
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
+                                    on_trace_ready=lambda prof: None) as profiler:
+            return loop(*job, steps, on_step=profiler.step)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+CONFIGS = {"bare loop": bare, "tuneup (advise)": with_tuneup, "torch.profiler": with_profiler}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core each for loop and agent thread: less noise on 2-core hosts
+    print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, mean step time per run, "
+          f"median over rounds")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
+            job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+            steps = WARMUP_STEPS + timed
+            per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
+            for _ in range(args.rounds):
+                order = list(CONFIGS.items())
+                random.shuffle(order)
+                for name, run in order:
+                    per_step[name].append(run(job, steps, tmp) / timed)
+            base = statistics.median(per_step["bare loop"])
+            print(f"\n{workload} (batch {batch}, {timed} timed steps per run)")
+            print(f"  {'configuration':<18}{'median step':>14}{'ratio':>9}{'added/step':>13}"
+                  f"{'paired added/step (IQR)':>30}")
+            for name, values in per_step.items():
+                median = statistics.median(values)
+                # Paired with the bare run of the same round: drifts of the machine cancel out.
+                added = [(v - b) * 1e6 for v, b in zip(values, per_step["bare loop"])]
+                q1, q2, q3 = statistics.quantiles(added, n=4)
+                print(f"  {name:<18}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
+                      f"{(median - base) * 1e6:>10.1f} µs{statistics.median(added):>12.1f} µs"
+                      f" ({q1:.1f} to {q3:.1f})")
+
+if __name__ == "__main__":
+    main()

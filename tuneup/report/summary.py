@@ -1,0 +1,168 @@
+"""A readable summary of what the agent measured (a snapshot), for terminals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value * 1e6:.0f} µs"
+
+
+def size(value: float | None) -> str:
+    if value is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "–"
+
+
+def percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+def _rate(value: float | None, unit: str) -> str:
+    return "–" if value is None else f"{value:,.1f} {unit}"
+
+
+def step_table(window: dict[str, Any]) -> Table:
+    title = (f"Where a step's time goes (last {window['steps']} steps; the split from the "
+             f"{window['detailed_steps']} detail steps among them)")
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("part")
+    table.add_column("median", justify="right")
+    table.add_column("share of step time", justify="right")
+    step = window["step_seconds"]
+    table.add_row("step", seconds(step["median"]), f"p90 {seconds(step['p90'])}")
+    for label, part in (("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
+                        ("optimizer", "optimizer"), ("other (your loop)", "other")):
+        entry, share = window.get(f"{part}_seconds"), window.get(f"{part}_ratio")
+        style = "bold red" if part == "data_wait" and share and share >= 0.1 else None
+        table.add_row(Text(label, style=style), seconds(entry["median"]) if entry else "–",
+                      Text(percent(share), style=style))
+    return table
+
+
+def sync_lines(syncs: dict[str, Any]) -> list[str]:
+    if not syncs.get("measured"):
+        reason = syncs.get("off_reason") or "no step was sampled"
+        return [f"Host-device syncs: not measured ({reason})"]
+    lines = [f"Host-device syncs: {syncs['per_step']:.1f} per step ({syncs['meaning']}, "
+             f"{syncs['sampled_steps']} sampled steps)"]
+    for source in syncs["top_sources"][:6]:
+        lines.append(f"    {source['per_step']:4.1f}/step  {source['kind']:<8} {source['location']}  in {source['function']}()")
+    return lines
+
+
+def scaler_line(scaler: dict[str, Any]) -> str:
+    if not scaler.get("present"):
+        return "GradScaler: none in this job"
+    if not scaler.get("enabled"):
+        return "GradScaler: present but disabled (enabled=False)"
+    scale = scaler["scale"]
+    return (
+        f"GradScaler: scale {scale:g}, skipped {scaler['skipped_steps']} of {scaler['steps']} steps "
+        f"({percent(scaler['skip_rate'])}), longest run {scaler['longest_skip_run']}, "
+        f"{scaler['backoff_events']} back-offs, {scaler['growth_events']} growths"
+        if scale is not None else "GradScaler: enabled, no update seen yet"
+    )
+
+
+def system_lines(system: dict[str, Any] | None) -> list[str]:
+    if not system:
+        return []
+    lines = []
+    host = system.get("host")
+    if host:
+        workers = (f", {host['workers']} loader workers using {host['workers_cpu_ratio']:.1f} cores and "
+                   f"{size(host['workers_rss_bytes'])}" if host["workers"] else ", no loader workers")
+        lines.append(f"CPU: training process {host['cpu_ratio']:.1f} of {host['usable_cores']:g} usable cores, "
+                     f"torch threads {host['torch_threads']}, RSS {size(host['rss_bytes'])}{workers}")
+    memory = system.get("memory") or {}
+    if memory.get("available"):
+        for device in memory["devices"]:
+            lines.append(
+                f"GPU memory (cuda:{device['device']}): allocated {size(device['allocated_bytes'])}, reserved "
+                f"{size(device['reserved_bytes'])}, peak {size(device['allocated_peak_bytes'])} of "
+                f"{size(device['total_bytes'])}; {device['alloc_retries']} allocator retries, {device['ooms']} OOMs"
+            )
+    gpu = system.get("gpu") or {}
+    if gpu.get("available"):
+        for sample in gpu["samples"]:
+            power = f", {sample['power_watts']:.0f} W" if sample.get("power_watts") is not None else ""
+            lines.append(f"GPU {sample['gpu']}: {percent(sample['utilization_ratio'])} busy, "
+                         f"{size(sample['memory_used_bytes'])} of {size(sample['memory_total_bytes'])} used{power}")
+    else:
+        lines.append(f"GPU: {gpu.get('reason', 'not sampled')}")
+    return lines
+
+
+def config_lines(config: dict[str, Any] | None) -> list[str]:
+    if not config:
+        return []
+    lines = []
+    for loader in config["loaders"]:
+        prefetch = f", prefetch_factor={loader['prefetch_factor']}" if loader["num_workers"] else ""
+        lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
+                     f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}")
+    for optimizer in config["optimizers"]:
+        lines.append(f"Optimizer: {optimizer['class']} ({optimizer['implementation']}), "
+                     f"lr scheduler: {'yes' if optimizer['lr_scheduler'] else 'none'}")
+    autocast = config.get("autocast") or {}
+    active = [f"{device} {dtype}" for device, dtype in autocast.items() if dtype]
+    lines.append(f"AMP: autocast {', '.join(active) if active else 'off'}; "
+                 f"zero_grad(set_to_none={config['zero_grad_set_to_none']}); "
+                 f"cudnn.benchmark={config['backends']['cudnn_benchmark']}")
+    for model in config["models"]:
+        dtypes = ", ".join(model["dtypes"])
+        lines.append(f"Model: {model['class']}, {model['parameters']:,} parameters ({dtypes}) on "
+                     f"{', '.join(model['devices'])}")
+    return lines
+
+
+def render(snapshot: dict[str, Any]) -> Group:
+    if not snapshot.get("enabled"):
+        return Group(Text(f"tuneup was not measuring: {snapshot.get('reason')}"))
+    totals = snapshot["totals"]
+    window = snapshot["window"]
+    parts: list[Any] = []
+    head = (f"tuneup measured {totals['steps']} steps in {seconds(totals['seconds'])} "
+            f"(run {snapshot['run']['run_id']})")
+    parts.append(Text(head, style="bold"))
+    if window is None:
+        parts.append(Text("No training step was seen: is there an optimizer.step() (or tuneup.step()) in the loop?"))
+        return Group(*parts)
+    throughput = (f"Throughput: {_rate(window['steps_per_second'], 'steps/s')}, "
+                  f"{_rate(window['samples_per_second'], 'samples/s')}")
+    if window.get("batch_size"):
+        throughput += f" (batch {window['batch_size']:g})"
+    parts += [Text(throughput), step_table(window)]
+    lines = sync_lines(snapshot["syncs"]) + [scaler_line(snapshot["scaler"])]
+    loss = window.get("loss")
+    if loss:
+        trend = f", trend {loss['trend']:+.0%} over the window" if loss.get("trend") is not None else ""
+        lines.append(f"Loss: last {loss['last']:.4g}, {loss['nonfinite_steps']} non-finite of the last "
+                     f"{loss['read_steps']}{trend}")
+    lines += system_lines(snapshot.get("system")) + config_lines(snapshot.get("config"))
+    for warning in snapshot.get("warnings", []):
+        lines.append(f"Warning: {warning['message']}")
+    parts += [Text(line) for line in lines]
+    where = snapshot.get("run_log") or "not written (see warnings)"
+    parts.append(Text(f"Run log: {where}", style="bold"))
+    return Group(*parts)
+
+
+def print_summary(snapshot: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(render(snapshot))
