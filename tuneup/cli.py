@@ -5,6 +5,7 @@ Errors are one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +29,12 @@ errors = Console(stderr=True)
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line."""
+
+
+try:  # typer >= 0.29 vendors click and exposes its errors' base class
+    from typer.exceptions import TyperException as CommandLineError
+except ImportError:  # older typer raises click's own
+    from click import ClickException as CommandLineError  # type: ignore[assignment]
 
 
 def _version(value: bool) -> None:
@@ -72,15 +79,31 @@ def demo(
     print_summary(agent.snapshot(), console)
 
 
-def main() -> None:
+def _fail(message: str, code: int) -> None:
+    errors.print(f"tuneup: {message}", style="red", highlight=False, markup=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click's usage errors and our own become one line, never a traceback."""
     try:
-        app()
+        code = app(args=argv, standalone_mode=False)
+    except CommandLineError as exc:  # bad usage: unknown command, out-of-range option, ...
+        if not exc.format_message().strip():
+            sys.exit(0)  # `tuneup` alone: the help was printed
+        context = getattr(exc, "ctx", None)
+        hint = f" (see '{context.command_path} --help')" if context is not None else ""
+        _fail(f"{exc.format_message()}{hint}", getattr(exc, "exit_code", 2))
     except UserError as exc:
-        errors.print(f"tuneup: {exc}", style="red", highlight=False)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        errors.print("tuneup: interrupted", style="red")
-        sys.exit(130)
+        _fail(str(exc), 2)
+    except (KeyboardInterrupt, typer.Abort):
+        _fail("interrupted", 130)
+    except BrokenPipeError:  # `tuneup ... | head`: the reader left; leave quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except Exception as exc:  # a bug of ours: still one line, with what to report
+        _fail(f"internal error: {type(exc).__name__}: {exc} (please report it with the command you ran)", 1)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ class LoaderProbe:
                 ended = perf_counter()
                 tl.in_loader = False
                 try:
-                    # StepTimeline.fetched, inlined with the common (inputs, targets) batch:
-                    # this runs on every step.
+                    # Inline, as this runs on every step: a batch fetched after an optimizer
+                    # stepped closes the step (StepTimeline.waited has the same rule).
                     if tl.group and not tl.manual:
                         tl.close(began)
                     elif tl.step_start is None:

@@ -56,7 +56,8 @@ class OptimizerProbe:
                 weakref.finalize(optimizer, self._seen.discard, id(optimizer))
                 self.optimizers.add(optimizer)
                 self.on_new_optimizer(optimizer)
-            # StepTimeline.optimizer_begin, inlined: this runs on every step.
+            # Inline, as this runs on every step: an optimizer that already stepped in the
+            # open step closes it (a new iteration began without a DataLoader fetch).
             tl = self.timeline
             now = perf_counter()
             if tl.group and not tl.manual and optimizer in tl.group:

@@ -155,7 +155,7 @@ class StepTimeline:
         self.optimizer_steps = 0
         self.skipped = 0
 
-    # --- events (the hottest ones are inlined in the probes; these stay the reference) --
+    # --- events ---------------------------------------------------------------------------
 
     def forward_begin(self, now: float) -> None:
         if self.step_start is None:
@@ -173,18 +173,9 @@ class StepTimeline:
             if self.forward_depth == 0:
                 self.forward += now - self.forward_start
 
-    # The DataLoader probe reports after next() returns: one call per batch. Closing the
-    # previous step there (at `began`) is equivalent to closing it before the fetch.
-
-    def fetched(self, began: float, ended: float, samples: int) -> None:
-        if self.group and not self.manual:
-            self.close(began)
-        elif self.step_start is None:
-            self.step_start = began
-        self.in_optimizer = False
-        self.data_wait += ended - began
-        self.fetches += 1
-        self.samples += samples
+    # The hottest events (a batch fetched, an optimizer step beginning) are handled inline
+    # in the DataLoader and optimizer probes. The rule they apply is the one below: a step
+    # closes when its loop visibly moves on (see the module docstring).
 
     def waited(self, began: float, ended: float) -> None:
         """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
@@ -194,14 +185,6 @@ class StepTimeline:
         elif self.step_start is None:
             self.step_start = began
         self.data_wait += ended - began
-
-    def optimizer_begin(self, optimizer: Any, now: float) -> None:
-        if not self.manual and optimizer in self.group:
-            self.close(now)
-        elif self.step_start is None:
-            self.step_start = now
-        self.optimizer_start = now
-        self.in_optimizer = True
 
     def optimizer_end(self, optimizer: Any, now: float) -> None:
         self.in_optimizer = False

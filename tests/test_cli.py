@@ -1,0 +1,75 @@
+"""The command line: `tuneup demo` end to end, and clear one-line errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+from tuneup import __version__
+from tuneup.export.runlog import read_log
+
+
+def tuneup(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["COLUMNS"] = "200"  # one summary line per line, for the assertions
+    return subprocess.run([sys.executable, "-m", "tuneup", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_demo_measures_its_bottlenecks_and_points_at_the_run_log(tmp_path):
+    run_dir = tmp_path / "demo-run"
+    result = tuneup("demo", "--steps", "60", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "tuneup measured 60 steps" in out
+    data_wait = next(line for line in out.splitlines() if line.startswith("data wait"))
+    assert int(data_wait.split()[-1].rstrip("%")) >= 30  # num_workers=0 with slow decoding
+    assert "Host-device syncs: 4.0 per step" in out  # three .item() + GradScaler's own check
+    assert "tuneup/demo.py:" in out  # the lines to change
+    assert "GradScaler: scale" in out
+    assert f"Run log: {run_dir / 'events.jsonl'}" in out
+    assert "Traceback" not in result.stderr
+    record = read_log(run_dir / "events.jsonl")
+    assert record.last("end")["totals"]["steps"] == 60
+
+
+def test_demo_with_workers_stalls_less(tmp_path):
+    stall = {}
+    for workers in ("0", "2"):
+        result = tuneup("demo", "--steps", "60", "--workers", workers, "--run-dir", str(tmp_path / workers))
+        assert result.returncode == 0, result.stderr
+        stall[workers] = read_log(tmp_path / workers / "events.jsonl").last("end")["totals"]["stall_ratio"]
+    assert stall["2"] < stall["0"]
+
+
+def test_version():
+    result = tuneup("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"tuneup {__version__}"
+
+
+def test_bad_option_is_one_clear_line_and_a_nonzero_exit():
+    result = tuneup("demo", "--steps", "0")
+    assert result.returncode == 2
+    assert re.fullmatch(
+        r"tuneup: Invalid value for '--steps': Input should be greater than or equal to 10 "
+        r"\(see '(python -m )?tuneup demo --help'\)\n",
+        result.stderr,
+    ), result.stderr
+
+
+def test_unknown_command_is_one_clear_line():
+    result = tuneup("frobnicate")
+    assert result.returncode == 2
+    assert re.fullmatch(r"tuneup: No such command 'frobnicate'. \(see '(python -m )?tuneup --help'\)\n",
+                        result.stderr), result.stderr
+
+
+def test_no_arguments_prints_help():
+    result = tuneup()
+    assert result.returncode == 0
+    assert "demo" in result.stdout and result.stderr == ""

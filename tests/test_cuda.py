@@ -1,0 +1,162 @@
+"""The CUDA paths: real syncs counted, none added, device values read asynchronously.
+
+Run on a GPU machine: `python -m pytest -m gpu`. Skipped where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import tuneup
+from tuneup.measure.device_values import DeviceValues
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def cuda_job(hidden: int = 256):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 1)).to(DEVICE)
+    x = torch.randn(128, 64, device=DEVICE)
+    y = torch.randn(128, 1, device=DEVICE)
+    return model, x, y
+
+
+def settle(agent) -> None:
+    """Let in-flight async reads land (the test may sync; the agent never does)."""
+    torch.cuda.synchronize()
+    agent.values.poll()
+
+
+def test_device_values_are_read_without_a_sync():
+    values = DeviceValues()
+    got = []
+    tensor = torch.tensor(3.5, device=DEVICE)
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        values.read(tensor, got.append)
+        values.poll()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    values.poll()
+    assert got == [3.5]
+
+
+def test_the_agent_adds_no_sync_to_a_cuda_loop(run_dir):
+    model, x, y = cuda_job()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # fused: GradScaler never syncs
+    scaler = torch.amp.GradScaler(DEVICE)
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=0, detail_every=1, interval=0.05) as agent:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(50):
+                optimizer.zero_grad()
+                with torch.autocast(DEVICE, dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        time.sleep(0.2)  # background sampling (NVML, allocator) ran meanwhile
+        settle(agent)
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 50
+    assert snapshot["totals"]["losses_read"] >= 45  # read asynchronously, none lost to a sync
+    assert snapshot["scaler"]["scale"] is not None
+    assert snapshot["window"]["gpu_seconds"]["median"] > 0
+    assert snapshot["warnings"] == []
+
+
+def test_real_syncs_are_counted_at_their_source_line(run_dir):
+    model, x, y = cuda_job()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+        for _ in range(30):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss.item()  # one real sync per step
+            _ = (loss > 0).item()  # and another
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["backend"] == "cuda"
+    assert syncs["per_step"] == 2
+    lines = {source["location"].rsplit(":", 1)[1] for source in syncs["top_sources"]}
+    source_lines, first = inspect.getsourcelines(test_real_syncs_are_counted_at_their_source_line)
+    expected = {str(first + i) for i, line in enumerate(source_lines) if ".item()" in line and "#" in line}
+    assert expected <= lines
+    assert torch.cuda.get_sync_debug_mode() == 0  # switched back after every sampled step
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["skip-by-not-stepping", "fused-found-inf"])
+def test_grad_scaler_skips_are_exact_on_cuda(run_dir, fused):
+    model, x, y = cuda_job()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**10, growth_interval=5)
+    overflow = {4, 9, 10, 30}
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for step in range(1, 41):
+            optimizer.zero_grad()
+            with torch.autocast(DEVICE, dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if step in overflow:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+        settle(agent)
+    summary = agent.snapshot()["scaler"]
+    assert summary["skipped_steps"] == len(overflow)
+    assert summary["backoff_events"] == len(overflow)
+    assert summary["scale"] == scaler.get_scale()
+
+
+def test_allocator_and_nvml_on_a_real_gpu(run_dir):
+    model, x, y = cuda_job(hidden=4096)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
+        for _ in range(20):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        time.sleep(0.2)
+    system = agent.snapshot()["system"]
+    (device,) = system["memory"]["devices"]
+    assert device["allocated_bytes"] > 4096 * 64 * 4
+    assert device["total_bytes"] > device["reserved_bytes"] > 0
+    assert system["gpu"]["available"] is True
+    assert system["gpu"]["samples"][0]["memory_total_bytes"] > 0
+
+
+def test_advise_mode_keeps_cuda_numerics_bit_identical(run_dir):
+    def run(with_agent: bool):
+        model, x, y = cuda_job()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+
+        def loop():
+            for _ in range(20):
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+
+        if with_agent:
+            with tuneup.attach(run_dir=run_dir, sync_sample_every=1):
+                loop()
+        else:
+            loop()
+        return losses
+
+    first, second = run(False), run(False)
+    if first != second:
+        pytest.skip("this GPU's kernels are not deterministic run to run")
+    assert run(True) == first
