@@ -112,3 +112,30 @@ def test_cgroup_quota_caps_usable_cores(tmp_path):
     assert cgroup_cpu_limit(tmp_path) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert cgroup_cpu_limit(tmp_path) is None
+
+
+def test_a_short_job_leaves_its_configuration_after_its_objects_are_gone(run_dir, monkeypatch):
+    """The configuration is read as soon as the probes see new objects, not only every N
+    ticks: a job that ends (and drops its loader, optimizer and model) before the next
+    periodic read must still leave its configuration behind."""
+    import gc
+    import time
+
+    from tuneup import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "CONFIG_EVERY_TICKS", 10**9)  # no periodic re-read
+
+    def short_job():
+        model = mlp(hidden=16)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        loader = loader_for(SlowDataset(size=4096, latency=0.0003), batch_size=8, num_workers=0)
+        train(loader, model, optimizer, steps=60)
+
+    with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
+        time.sleep(0.15)  # the first ticks find nothing yet, like a slow start-up
+        short_job()
+        gc.collect()
+    config = agent.snapshot()["config"]
+    assert [entry["class"] for entry in config["optimizers"]] == ["Adam"]
+    assert [entry["num_workers"] for entry in config["loaders"]] == [0]
+    assert [entry["class"] for entry in config["models"]] == ["Sequential"]

@@ -111,6 +111,7 @@ class Agent:
         self._totals = Totals()
         self._system: dict[str, Any] | None = None
         self._config: dict[str, Any] | None = None
+        self._config_seen: tuple = ()
         self._ticks = 0
         self._next_lifecycle = 1
         self._pid = os.getpid()
@@ -288,7 +289,9 @@ class Agent:
             self._ticks += 1
             interval = self._drain()
             self._system = self._sample_system()
-            if final or self._ticks % CONFIG_EVERY_TICKS == 1 or self._config is None:
+            seen = self._config_inputs()
+            if final or seen != self._config_seen or self._ticks % CONFIG_EVERY_TICKS == 1:
+                self._config_seen = seen
                 self._refresh_config()
             self._log({"event": "system", **self._system})
             if interval is not None:
@@ -348,6 +351,14 @@ class Agent:
     def _slow_probe_failed(self, name: str, exc: BaseException) -> None:
         self._slow_probes_on[name] = False
         self._probe_failed(name, exc)
+
+    def _config_inputs(self) -> tuple:
+        """What the probes have seen that the configuration is read from: when it changes
+        (a new loader, optimizer or model, autocast first seen), the configuration is read."""
+        return (
+            len(self.loader.loaders), len(self.optimizer.optimizers), len(self.model.roots),
+            self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
+        )
 
     def _refresh_config(self) -> None:
         if not self._slow_probes_on["config"]:
