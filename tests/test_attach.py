@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -78,7 +81,7 @@ def test_detach_restores_every_patched_object_exactly(run_dir):
     loader, model, optimizer = small_job()
     scaler = torch.amp.GradScaler("cpu")
     agent = tuneup.attach(run_dir=run_dir, sync_sample_every=1)
-    # Stop inside a sampled step: the host-read wrappers are installed at this moment.
+    # Stop inside a sampled step: the host-read wrappers are counting at this moment.
     train(loader, model, optimizer, steps=7, scaler=scaler, host_reads=1)
     assert agent.syncs.sampling
     assert "item" in vars(torch.Tensor), "host reads are wrapped while attached"
@@ -229,3 +232,146 @@ def test_attached_model_can_be_deep_copied_and_pickled(run_dir, tmp_path):
         assert torch.equal(ema(x), model(x)) and torch.equal(restored(x), model(x))
         train(loader, ema, torch.optim.SGD(ema.parameters(), lr=0.01), steps=3)
     assert agent.snapshot()["totals"]["steps"] == 8
+
+
+def test_the_users_exception_passes_through_a_sampled_step_unchanged(run_dir):
+    """Leaving `with tuneup.attach()` by an exception in the middle of a sampled step: the
+    user's exception comes out, not one of tuneup's, and the agent is fully detached."""
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="the user's own error"):
+        with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
+            for step in range(1, 10):
+                optimizer.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                loss.item()  # counted on this sampled step...
+                if step == 3:
+                    raise ValueError("the user's own error")  # ...which never completes
+    assert tuneup.current() is None and not agent.attached
+    assert "item" not in vars(torch.Tensor)
+    snapshot = agent.snapshot()
+    assert snapshot["syncs"]["per_step"] == 1  # only complete sampled steps count
+    assert snapshot["warnings"] == []
+
+
+def test_a_failed_start_leaves_nothing_patched(run_dir, monkeypatch):
+    import threading
+
+    before = state_of_patched()
+    hooks_before = global_hook_counts()
+
+    def cannot_start(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.warns(tuneup.TuneupWarning, match="agent could not start.*training continues unmeasured"):
+        agent = tuneup.attach(run_dir=run_dir)
+    monkeypatch.undo()
+    try:
+        assert not agent.enabled
+        assert state_of_patched() == before
+        assert global_hook_counts() == hooks_before
+    finally:
+        tuneup._forget(agent)
+
+
+def test_attached_objects_are_not_kept_alive(run_dir):
+    """A hyper-parameter search in one process: each trial's model and optimizer are freed."""
+    import gc
+    import weakref
+
+    refs = []
+    with tuneup.attach(run_dir=run_dir):
+        for _ in range(4):
+            model = mlp(hidden=64)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            tuneup.attach(model, optimizer)  # the same agent, told about more objects
+            model(torch.randn(2, 64)).sum().backward()
+            optimizer.step()
+            refs.append((weakref.ref(model), weakref.ref(optimizer)))
+            del model, optimizer
+        gc.collect()
+        assert [(m(), o()) for m, o in refs] == [(None, None)] * 4
+
+
+def test_a_step_function_does_not_switch_off_automatic_boundaries(run_dir):
+    @tuneup.step_function
+    def evaluate(model):
+        with torch.no_grad():
+            model(torch.randn(8, 64))
+
+    loader, model, optimizer = small_job()
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(2):  # two epochs of 16 steps, an evaluation after each
+            train(loader, model, optimizer, steps=16, epochs=1)
+            evaluate(model)
+    window = agent.snapshot()["window"]
+    assert window["steps"] == 2 * 16 + 2
+    assert window["optimizer_steps"] == 32
+    assert agent.timeline.group == []
+
+
+def test_forked_child_does_not_hang_when_the_sampler_held_its_lock(run_dir):
+    """fork() can happen while the sampler thread holds its Event's lock (it does, briefly,
+    every interval): the child must not touch that lock."""
+    import os
+
+    agent = tuneup.attach(run_dir=run_dir)
+    try:
+        with agent._stop._cond:  # held, as the sampler thread holds it inside Event.wait()
+            pid = os.fork()
+            if pid == 0:  # the child: tuneup's at-fork handler has already run
+                os._exit(0 if not agent.attached else 3)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            pytest.fail("the forked child hung in tuneup's at-fork handler")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        agent.detach()
+
+
+def test_a_cpu_job_never_asks_cuda_whether_it_is_available(run_dir, monkeypatch):
+    """torch.cuda.is_available() initializes the CUDA driver on a GPU host (and breaks
+    fork afterwards): a job that does not use CUDA must not have tuneup call it."""
+
+    def forbidden():
+        raise AssertionError("tuneup called torch.cuda.is_available()")
+
+    monkeypatch.setattr(torch.cuda, "is_available", forbidden)
+    loader, model, optimizer = small_job()
+    with tuneup.attach(run_dir=run_dir, interval=0.05, sync_sample_every=1) as agent:
+        train(loader, model, optimizer, steps=70, host_reads=1)
+        time.sleep(0.2)
+    assert agent.snapshot()["warnings"] == []
+
+
+def test_compiled_models_get_no_graph_breaks_from_the_agent(run_dir):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    model = mlp(hidden=16)
+    model.compile(backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir, detail_every=1) as agent:
+            train(loader_for(SlowDataset(size=512), batch_size=8), model, optimizer, steps=10, host_reads=1)
+    assert dict(counters["graph_break"]) == {}
+    assert not [w for w in caught if "Dynamo does not know how to trace" in str(w.message)]
+    snapshot = agent.snapshot()
+    assert snapshot["syncs"]["per_step"] == 1  # the loop's own .item(), outside compiled code
+    # model.compile() in place runs the model inside compiled code, where tuneup does not
+    # time it: the forward is reported as unknown, not as zero.
+    assert snapshot["window"]["forward_seconds"] is None
+    assert snapshot["window"]["backward_seconds"]["median"] > 0
+    torch._dynamo.reset()

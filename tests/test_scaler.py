@@ -83,3 +83,59 @@ def test_nonfinite_losses_are_counted(run_dir):
     assert snapshot["totals"]["losses_read"] == 20
     assert snapshot["scaler"]["skipped_steps"] == 3
     assert snapshot["window"]["loss"]["nonfinite_steps"] == 3
+
+
+def test_an_unmeasured_optimizer_never_counts_as_a_skip(run_dir):
+    """attach(opt_a) while the loop also steps opt_b through the same scaler: opt_b's steps
+    ran, so none of them is a skip."""
+    torch.manual_seed(0)
+    first, second = mlp(hidden=16), mlp(hidden=16)
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 64)
+    with tuneup.attach(opt_a, run_dir=run_dir) as agent:
+        for _ in range(20):
+            loss = first(x).mean() + second(x).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+            scaler.update()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    summary = agent.snapshot()["scaler"]
+    assert summary["skipped_steps"] == 0 and summary["steps"] == 40
+
+
+def test_a_new_scaler_per_epoch_is_not_a_back_off(run_dir):
+    """A fresh GradScaler each epoch may reuse the old one's id(): no phantom events."""
+    import gc
+
+    loader, model, optimizer = job()
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(3):
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=4)
+            train(loader, model, optimizer, steps=8, scaler=scaler)
+            del scaler
+            gc.collect()
+    summary = agent.snapshot()["scaler"]
+    assert summary["backoff_events"] == 0
+    assert summary["growth_events"] == 3 * 2  # 8 clean steps with growth_interval=4, per scaler
+
+
+def test_each_loss_is_recorded_against_its_own_step(run_dir):
+    """Without a DataLoader a step closes at the next optimizer step: the loss the update
+    consumed must still land on that step, also across steps that read no loss."""
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for step in range(1, 41):
+            optimizer.zero_grad()
+            loss = weight.sum() + float(step)  # the loss is the step number
+            loss.backward()
+            optimizer.step()
+    columns = agent.timeline.ring.columns(1, 40)
+    recorded = {step: loss for step, loss, known in zip(columns["step"], columns["loss"], columns["loss_known"])
+                if known}
+    assert len(recorded) >= 10
+    assert all(loss == step for step, loss in recorded.items()), recorded

@@ -28,8 +28,9 @@ def test_stall_ratio_matches_injected_sleep(run_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tuneup.attach(run_dir=run_dir) as agent:
         truth = train(loader, model, optimizer, steps=60, compute=spin(0.008))
-    totals = assert_stall_matches(agent, truth)
-    assert 0.35 < totals["stall_ratio"] < 0.65  # the injected bottleneck is visible
+    assert_stall_matches(agent, truth)
+    # The injected sleep is a floor for every step's wait (a loaded machine only adds to it).
+    assert agent.snapshot()["window"]["data_wait_seconds"]["median"] >= 16 * 0.0005
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -44,7 +45,7 @@ def test_stall_ratio_with_worker_processes(run_dir, context):
     totals = assert_stall_matches(agent, truth)
     assert totals["samples"] == truth.samples == 40 * 8
     # Worker start-up (spawn imports torch in each worker) is data wait too.
-    assert totals["stall_ratio"] > 0.3
+    assert totals["data_wait_seconds"] > 0.05
 
 
 def test_iterable_dataset_with_workers(run_dir):
@@ -115,10 +116,14 @@ def test_forward_backward_optimizer_split(run_dir):
     with tuneup.attach(run_dir=run_dir) as agent:
         train(loader, model, optimizer, steps=30)
     window = agent.snapshot()["window"]
-    assert window["forward_seconds"]["median"] == pytest.approx(0.003, rel=0.25)
+    # The layer spins for 3 ms: a floor for the forward (a loaded machine only adds to it).
+    assert window["forward_seconds"]["median"] >= 0.003
+    assert window["data_wait_seconds"]["median"] < 0.003 <= window["step_seconds"]["median"]
     assert 0 < window["backward_seconds"]["median"] < window["forward_seconds"]["median"]
     assert window["optimizer_seconds"]["median"] > 0
-    parts = sum(window[f"{p}_ratio"] for p in ("data_wait", "forward", "backward", "optimizer"))
-    assert parts <= 1.0 + 1e-9
+    # The split and "other" are shares of the detail steps' time; data wait is the rest.
+    split = sum(window[f"{p}_ratio"] for p in ("forward", "backward", "optimizer", "other"))
+    assert 0.5 < split <= 1.0 + 1e-9
+    assert 0 < window["stall_ratio"] < 0.5
     assert window["samples_per_second"] == pytest.approx(8 * window["steps_per_second"])
     assert window["batch_size"] == 8

@@ -60,6 +60,11 @@ def test_grad_scaler_own_sync_is_counted_at_the_users_line(run_dir):
 
 
 def test_every_kind_of_host_read_is_counted_once(run_dir):
+    try:
+        import numpy  # noqa: F401  (torch does not require it)
+        has_numpy = True
+    except ImportError:
+        has_numpy = False
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 64)
@@ -76,15 +81,17 @@ def test_every_kind_of_host_read_is_counted_once(run_dir):
             int(loss.detach() * 0)
             out.tolist()
             out.detach().cpu()
-            out.detach().numpy()
+            if has_numpy:
+                out.detach().numpy()
             torch.nonzero(out > 0)
             (out > 0).nonzero()
             f"{loss:.3f}"  # Tensor.__format__ reads through .item(): one read, not two
     syncs = agent.snapshot()["syncs"]
-    assert syncs["per_step"] == 9
-    assert syncs["by_kind"] == {
-        "bool": 1, "cpu": 1, "float": 1, "int": 1, "item": 1, "nonzero": 2, "numpy": 1, "tolist": 1,
-    }
+    expected = {"bool": 1, "cpu": 1, "float": 1, "int": 1, "item": 1, "nonzero": 2, "tolist": 1}
+    if has_numpy:
+        expected["numpy"] = 1
+    assert syncs["by_kind"] == expected
+    assert syncs["per_step"] == sum(expected.values())
 
 
 def test_reads_inside_the_dataloader_do_not_count(run_dir):
@@ -121,3 +128,10 @@ def test_sync_sampling_can_be_turned_off(run_dir):
     snapshot = agent.snapshot()
     assert snapshot["syncs"]["measured"] is False
     assert snapshot["probes"]["syncs"] == "turned off (sync_sample_every=0)"
+
+
+def test_host_reads_keep_their_keyword_forms(run_dir):
+    t = torch.tensor([0.0, 1.0, 2.0])
+    with tuneup.attach(run_dir=run_dir):
+        assert torch.nonzero(input=t).tolist() == [[1], [2]]
+        assert torch.Tensor.nonzero(t, as_tuple=True)[0].tolist() == [1, 2]

@@ -38,9 +38,6 @@ class PatchSet:
         """Keep a RemovableHandle (torch hooks) for removal at undo time."""
         self._undo.append(handle.remove)
 
-    def add_undo(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
     def undo_all(self) -> list[BaseException]:
         """Undo in reverse order; never raises, returns what failed."""
         errors: list[BaseException] = []

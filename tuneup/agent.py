@@ -47,6 +47,7 @@ RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms ste
 CONFIG_EVERY_TICKS = 10
 LIFECYCLE_EVERY_STEPS = 64
 MAX_WARNINGS = 50
+LOCK_TIMEOUT = 5.0  # detach never waits longer on a background thread stuck in a driver call
 
 
 def _rank(name: str) -> int | None:
@@ -55,13 +56,14 @@ def _rank(name: str) -> int | None:
 
 
 class Tracked:
-    """Explicit objects per kind. A kind the user named none of is measured in full."""
+    """Explicit objects per kind, held weakly. A kind the user named none of is measured in
+    full (None)."""
 
-    def __init__(self) -> None:
-        self.loaders: weakref.WeakSet | None = None
-        self.optimizers: weakref.WeakSet | None = None
-        self.scalers: weakref.WeakSet | None = None
-        self.models: list[nn.Module] | None = None
+    def __init__(self, kinds: dict[str, list[Any]]) -> None:
+        self.loaders = weakref.WeakSet(kinds["loaders"]) if kinds["loaders"] else None
+        self.optimizers = weakref.WeakSet(kinds["optimizers"]) if kinds["optimizers"] else None
+        self.scalers = weakref.WeakSet(kinds["scalers"]) if kinds["scalers"] else None
+        self.models = bool(kinds["models"])
 
     @staticmethod
     def split(objects: Iterable[Any]) -> dict[str, list[Any]]:
@@ -115,10 +117,9 @@ class Agent:
         self._ticks = 0
         self._next_lifecycle = 1
         self._pid = os.getpid()
-        self._kinds = Tracked.split(objects)
         self.run_info = self._run_info()
         if self.enabled:
-            self._build()
+            self._build(Tracked.split(objects))
 
     # --- construction ------------------------------------------------------------------
 
@@ -138,22 +139,13 @@ class Agent:
             "mode": self.options.mode,
         }
 
-    def _build(self) -> None:
-        kinds = self._kinds
-        tracked = Tracked()
-        if kinds["loaders"]:
-            tracked.loaders = weakref.WeakSet(kinds["loaders"])
-        if kinds["optimizers"]:
-            tracked.optimizers = weakref.WeakSet(kinds["optimizers"])
-        if kinds["scalers"]:
-            tracked.scalers = weakref.WeakSet(kinds["scalers"])
-        if kinds["models"]:
-            tracked.models = list(kinds["models"])
-        self.tracked = tracked
+    def _build(self, kinds: dict[str, list[Any]]) -> None:
+        # The objects themselves are not kept: the job owns them (weak sets only).
+        tracked = self.tracked = Tracked(kinds)
         self.timeline = StepTimeline(RING_CAPACITY, self._probe_failed, self.options.detail_every)
         self.values = DeviceValues()
         self.loader = LoaderProbe(self.timeline, tracked.loaders)
-        self.model = ModelProbe(self.timeline, tracked.models)
+        self.model = ModelProbe(self.timeline, kinds["models"] or None)
         self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
         self.syncs = SyncCounter(self.timeline, self.options.sync_sample_every, threading.get_ident())
@@ -164,22 +156,41 @@ class Agent:
         self._slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
 
     def start(self) -> "Agent":
+        """Install the probes and start sampling; on any failure undo all of it and raise."""
         if not self.enabled or self.attached:
             return self
         self.attached = True
-        self.timeline.attached_at = time.perf_counter()
-        self.timeline.add_listener("agent", self._on_close)
-        for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
-            probe.install(self._patches)
         try:
-            self.host = HostProbe()
-        except Exception as exc:
-            self._probe_failed("host", exc)
-        self._open_run_log()
-        self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
-        self._thread.start()
-        atexit.register(self.detach)
+            self.timeline.attached_at = time.perf_counter()
+            self.timeline.add_listener("syncs", self.syncs.on_close)
+            self.timeline.add_listener("step_close", self._on_close)
+            for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
+                probe.install(self._patches)
+            try:
+                self.host = HostProbe()
+            except Exception as exc:
+                self._slow_probe_failed("host", exc)
+            self._open_run_log()
+            self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
+            self._thread.start()
+            atexit.register(self.detach)
+        except BaseException:
+            self._stop.set()
+            self._stop_probes()
+            if self.run_log is not None:
+                self.run_log.close()
+            self.gpus.close()
+            self.attached = False
+            raise
         return self
+
+    def _stop_probes(self) -> None:
+        """Quiet every probe and undo every patch (detach, or a start that failed)."""
+        for probe in self._hot_probes:
+            probe.on = False
+        self.syncs.close()
+        self.model.uninstall_discovery()
+        self._patches.undo_all()
 
     def _open_run_log(self) -> None:
         if not self.options.log:
@@ -202,9 +213,8 @@ class Agent:
             if current is not None:
                 for obj in kinds[kind]:
                     current.add(obj)
-        if self.tracked.models is not None:
+        if self.tracked.models:
             for model in kinds["models"]:
-                self.tracked.models.append(model)
                 self.model._hook_root(model)
 
     # --- training-thread callbacks ---------------------------------------------------
@@ -215,10 +225,8 @@ class Agent:
 
     def _on_close(self, step: int) -> None:
         """At the close of detail steps and of the steps asked for through `wake_at`, on the
-        training thread: read the loss, start and stop sync sampling, collect device values."""
+        training thread: read the loss, collect device values, plan the next wake-up."""
         syncs = self.syncs
-        if syncs.sampling or step + 1 == syncs.next_sample:
-            syncs.on_close(step)
         tl = self.timeline
         loss = tl.step_loss
         if loss is not None:
@@ -233,7 +241,7 @@ class Agent:
                     ring.loss[slot] = value
                     ring.loss_step[slot] = step
             elif loss.numel() == 1:
-                self.values.read(loss, lambda value: ring.put("loss", step, value))
+                self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:
             self.values.poll()
         if step >= self._next_lifecycle:
@@ -251,17 +259,27 @@ class Agent:
         """Rare checks that must run on the training thread."""
         if step == 1:
             self.syncs.thread_id = threading.get_ident()  # the thread that really trains
-        if self.gpu_timer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.gpu_timer = CudaStepTimer(self.timeline)
+        # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
+        if self.gpu_timer is None and torch.cuda.is_initialized():
+            self.gpu_timer = CudaStepTimer(self.timeline, self._training_device())
             self.timeline.gpu_timer = self.gpu_timer
             self.timeline.add_listener("gpu_time", self.gpu_timer.on_close)
-        if self.syncs.on and any(_compiled(model) for model in list(self.model.roots)):
-            self.syncs.turn_off("torch.compile is in use: sync sampling would cause graph breaks")
         self.model.read_config_next_forward = True
 
     # --- failures ----------------------------------------------------------------------
 
+    def _training_device(self) -> torch.device | None:
+        """The CUDA device the models train on (their first parameter's), if any."""
+        for model in self.model.root_models():
+            parameter = next(model.parameters(), None)
+            if parameter is not None and parameter.is_cuda:
+                return parameter.device
+        return None
+
     def _probe_failed(self, name: str, exc: BaseException) -> None:
+        if name in ("syncs", "step_close"):
+            # No sampled step may stay open without the listeners that end it.
+            self.syncs.turn_off(f"stopped: the {name} listener failed")
         self._warn_once(name, f"{name} probe turned off after an internal error: {type(exc).__name__}: {exc}")
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -281,13 +299,13 @@ class Agent:
             try:
                 self._tick()
             except Exception as exc:  # the tick itself must never die silently
-                self._warn_once("agent", f"background sampling stopped after an internal error: {exc!r}")
+                self._warn_once("background", f"background sampling stopped after an internal error: {exc!r}")
                 return
 
     def _tick(self, final: bool = False) -> None:
         with self._lock:
             self._ticks += 1
-            interval = self._drain()
+            interval = self._drain(final)
             self._system = self._sample_system()
             seen = self._config_inputs()
             if final or seen != self._config_seen or self._ticks % CONFIG_EVERY_TICKS == 1:
@@ -303,20 +321,31 @@ class Agent:
             self._log(dict(self.warnings[self._warnings_logged], event="warning"))
             self._warnings_logged += 1
 
-    def _drain(self) -> dict[str, Any] | None:
-        """Move new step records into the totals; return their interval summary."""
+    def _drain(self, final: bool = False) -> dict[str, Any] | None:
+        """Move closed steps into the totals; return their interval summary. Steps whose
+        device values (loss, skips, GPU time) are still in flight wait for the next drain."""
         ring = self.timeline.ring
-        count = ring.count
-        if count <= self._drained:
+        last = ring.count
+        if not final:
+            pending = [self.values.oldest_pending_step()]
+            if self.gpu_timer is not None:
+                pending.append(self.gpu_timer.oldest_pending_step())
+            waiting = [step for step in pending if step is not None]
+            if waiting:
+                last = min(last, min(waiting) - 1)
+        if last <= self._drained:
             return None
         first = self._drained + 1
-        if count - first + 1 > ring.capacity:
-            self._totals.dropped_steps += count - ring.capacity - self._drained
-            first = count - ring.capacity + 1
-        columns = ring.columns(first, count)
-        self._drained = count
-        self._totals.add(columns)
-        return summarize(columns)
+        oldest_held = ring.count - ring.capacity + 2  # its predecessor's record is needed too
+        if first < oldest_held:
+            self._totals.dropped_steps += oldest_held - first
+            first = oldest_held
+        columns = ring.columns(first, last)
+        self._drained = last
+        interval = summarize(columns, forward_measured=bool(self.model.roots))
+        if interval is not None:
+            self._totals.add(interval)
+        return interval
 
     def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
         event = {"event": "steps", "time": time.time(), **interval}
@@ -367,7 +396,7 @@ class Agent:
             config = read_config(
                 loaders=list(self.loader.loaders),
                 optimizers=list(self.optimizer.optimizers),
-                models=list(self.model.roots),
+                models=self.model.root_models(),
                 leaf_order=self.model.leaf_order,
                 autocast=self.model.autocast,
                 set_to_none=self.optimizer.set_to_none,
@@ -406,7 +435,10 @@ class Agent:
     def begin_step(self) -> None:
         """Mark the start of a training step (used by @tuneup.step_function)."""
         if self.enabled and self.attached:
-            self.timeline.activity(time.perf_counter())
+            try:
+                self.timeline.step_begins(time.perf_counter())
+            except Exception as exc:
+                self._probe_failed("steps", exc)
 
     def step(self) -> None:
         """Mark the end of a training step (loops without an optimizer)."""
@@ -417,37 +449,54 @@ class Agent:
                 self._probe_failed("steps", exc)
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything measured so far, as plain data (the run log holds the same)."""
+        """Everything measured so far, as plain data (the run log holds the same). Never
+        raises: a failure inside tuneup comes back as {"error": ...} with one warning."""
         if not self.enabled:
             return {"enabled": False, "reason": self.inert_reason, "run": self.run_info}
-        with self._lock:
-            self._drain()
-            if self._system is None:
-                self._system = self._sample_system()
-            if self._config is None or not self.attached:
-                self._refresh_config()
-            ring = self.timeline.ring
-            window = summarize(ring.columns(ring.count - self.options.window_steps + 1, ring.count))
-            return {
-                "enabled": True,
-                "attached": self.attached,
-                "run": self.run_info,
-                "run_dir": str(self.run_dir) if self.run_dir else None,
-                "run_log": str(self.run_log.path) if self.run_log else None,
-                "totals": self._totals.summary(),
-                "window": window,
-                "syncs": self.syncs.summary(),
-                "scaler": self.scaler.summary(),
-                "system": self._system,
-                "config": self._config,
-                "probes": self.probe_states(),
-                "warnings": list(self.warnings),
-            }
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT):
+            return {"enabled": True, "run": self.run_info, "error": "the background sampler is busy"}
+        try:
+            return self._snapshot()
+        except Exception as exc:
+            self._warn_once("snapshot", f"snapshot failed: {type(exc).__name__}: {exc}")
+            return {"enabled": True, "run": self.run_info, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self._lock.release()
+
+    def _snapshot(self) -> dict[str, Any]:
+        self._drain()
+        if self._system is None:
+            self._system = self._sample_system()
+        if self._config is None or not self.attached:
+            self._refresh_config()
+        ring = self.timeline.ring
+        window = summarize(ring.columns(ring.count - self.options.window_steps + 1, ring.count),
+                           forward_measured=bool(self.model.roots))
+        return {
+            "enabled": True,
+            "attached": self.attached,
+            "run": self.run_info,
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "run_log": str(self.run_log.path) if self.run_log else None,
+            "totals": self._totals_summary(),
+            "window": window,
+            "syncs": self.syncs.summary(),
+            "scaler": self.scaler.summary(),
+            "system": self._system,
+            "config": self._config,
+            "probes": self.probe_states(),
+            "warnings": list(self.warnings),
+        }
+
+    def _totals_summary(self) -> dict[str, Any]:
+        return dict(self._totals.summary(), device_reads_dropped=self.values.dropped)
 
     def probe_states(self) -> dict[str, str]:
         """Each probe: "on", "off" (turned off after an error; see warnings) or why it is idle."""
         names = [probe.name for probe in self._hot_probes] + list(self._slow_probes_on)
         states = {name: "off" if name in self._warned else "on" for name in names}
+        for name in self._warned:  # listeners and the background sampler
+            states.setdefault(name, "off")
         if not self.gpus.available:
             states["gpu"] = "no GPU"
         if not self.options.log:
@@ -461,14 +510,22 @@ class Agent:
         return states
 
     def detach(self) -> None:
-        """Stop measuring and put every patched object back exactly as it was."""
+        """Stop measuring and put every patched object back exactly as it was. Never raises
+        (it runs in `with` blocks and at exit, where it must not mask the job's own error)."""
         if not self.attached:
             return
         self.attached = False
         try:
-            atexit.unregister(self.detach)
-        except Exception:
-            pass
+            self._detach()
+        except Exception as exc:
+            self._warn_once("detach", f"detach could not finish cleanly: {type(exc).__name__}: {exc}")
+        finally:
+            from . import _forget
+
+            _forget(self)
+
+    def _detach(self) -> None:
+        atexit.unregister(self.detach)
         if os.getpid() != self._pid:
             return  # a forked child: the parent owns the log and the patches
         self._stop.set()
@@ -478,30 +535,29 @@ class Agent:
             self.timeline.flush()
         except Exception as exc:
             self._probe_failed("steps", exc)
-        self.syncs.close()
-        self.model.uninstall_discovery()
-        for probe in self._hot_probes:
-            probe.on = False
-        self._patches.undo_all()
-        with self._lock:
-            try:
-                self.values.poll()
-                self._tick(final=True)
-                self._log({"event": "end", "time": time.time(), "totals": self._totals.summary(),
-                           "syncs": self.syncs.summary(), "scaler": self.scaler.summary(),
-                           "warnings": self.warnings})
-            finally:
-                if self.run_log is not None:
-                    self.run_log.close()
-                self.gpus.close()
-        from . import _forget
-
-        _forget(self)
+        self._stop_probes()
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT):  # the sampler is stuck (e.g. in NVML)
+            self._warn_once("background", "the background sampler did not stop; the run log has no end event")
+            return
+        try:
+            self.values.poll()
+            self._tick(final=True)
+            self._log({"event": "end", "time": time.time(), "totals": self._totals_summary(),
+                       "syncs": self.syncs.summary(), "scaler": self.scaler.summary(),
+                       "warnings": self.warnings})
+        finally:
+            self._lock.release()
+            if self.run_log is not None:
+                self.run_log.close()
+            self.gpus.close()
 
     def forked(self) -> None:
-        """In a forked child (DataLoader worker): go quiet, touch nothing shared."""
+        """In a forked child (DataLoader worker): go quiet, touch nothing shared. The
+        inherited Event and lock may have been held by the sampler thread at the fork:
+        replace them rather than use them."""
         self.attached = False
-        self._stop.set()
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
         if self.enabled:
             for probe in self._hot_probes:
                 probe.on = False
@@ -520,10 +576,6 @@ class Agent:
             return f"<tuneup.Agent inert: {self.inert_reason}>"
         state = "attached" if self.attached else "detached"
         return f"<tuneup.Agent {state} mode={self.options.mode} steps={self.timeline.ring.count}>"
-
-
-def _compiled(model: nn.Module) -> bool:
-    return type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _options_dict(options: Options) -> dict[str, Any]:

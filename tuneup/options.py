@@ -112,7 +112,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "interval": ("TUNEUP_INTERVAL", _float_in(0.05, 60.0)),
     "sync_sample_every": ("TUNEUP_SYNC_SAMPLE_EVERY", _int_in(0, 1_000_000)),
     "detail_every": ("TUNEUP_DETAIL_EVERY", _int_in(1, 1_000_000)),
-    "window_steps": ("TUNEUP_WINDOW_STEPS", _int_in(10, 100_000)),
+    "window_steps": ("TUNEUP_WINDOW_STEPS", _int_in(10, 10_000)),  # < the agent's ring of 16384
     "gpu": ("TUNEUP_GPU", _bool),
     "nvml_module": ("TUNEUP_NVML_MODULE", _text),
     "disable": ("TUNEUP_DISABLE", _bool),

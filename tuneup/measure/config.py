@@ -55,6 +55,18 @@ def loader_config(loader: DataLoader) -> dict[str, Any]:
     }
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """torch.compile(model) (an OptimizedModule) or model.compile() (in place)."""
+    return type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None
+
+
+def _number(value: Any) -> float | None:
+    """A plain number from a hyperparameter that may be a tensor; never reads a device."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().item()) if value.is_cpu and value.numel() == 1 else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _implementation(optimizer: torch.optim.Optimizer) -> str:
     """for-loop, foreach or fused: what optimizer.step() actually runs."""
     defaults = optimizer.defaults
@@ -85,7 +97,7 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "param_groups": len(groups),
         "parameters": sum(p.numel() for p in params),
         "devices": sorted({p.device.type for p in params}),
-        "lr": groups[0].get("lr") if groups else None,
+        "lr": _number(groups[0].get("lr")) if groups else None,
         "lr_scheduler": bool(groups and "initial_lr" in groups[0])
         or bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False)),
     }
@@ -163,8 +175,7 @@ def model_config(model: nn.Module, leaf_order: list[nn.Module] | None) -> dict[s
         "training": model.training,
         "memory_format": memory_format,
         "parallel": wrapper,
-        "compiled": type(model).__name__ == "OptimizedModule"
-        or getattr(model, "_compiled_call_impl", None) is not None,
+        "compiled": is_compiled(model),
         "convolutions": sum(1 for m in model.modules() if isinstance(m, _CONV)),
         "conv_bias_before_batchnorm": _conv_bias_before_batchnorm(order, names),
         "module_order": order_source,
@@ -204,7 +215,7 @@ def read_config(
         "torch": {
             "version": torch.__version__,
             "cuda": torch.version.cuda,
-            "cuda_initialized": torch.cuda.is_available() and torch.cuda.is_initialized(),
+            "cuda_initialized": torch.cuda.is_initialized(),
         },
         "backends": backends(),
         "debug": debug_tools(),

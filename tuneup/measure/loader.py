@@ -96,20 +96,21 @@ class LoaderProbe:
                     tl.in_loader = False
                     tl.waited(began, perf_counter())
                     raise
-                ended = perf_counter()
                 tl.in_loader = False
                 try:
                     # Inline, as this runs on every step: a batch fetched after an optimizer
                     # stepped closes the step (StepTimeline.waited has the same rule).
-                    if tl.group and not tl.manual:
+                    if tl.group:
                         tl.close(began)
                     elif tl.step_start is None:
                         tl.step_start = began
                     tl.in_optimizer = False
-                    tl.data_wait += ended - began
                     tl.fetches += 1
                     first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
                     tl.samples += len(first) if type(first) is torch.Tensor and first.dim() else batch_size(batch)
+                    # Timed after the bookkeeping: data wait is what a timer around the loop's
+                    # next() shows (the few µs of closing the step count as waiting for it).
+                    tl.data_wait += perf_counter() - began
                 except Exception as exc:
                     probe.fail(exc)
                 return batch

@@ -20,7 +20,7 @@ _KEYS = {
 
 
 def allocator_stats() -> dict[str, Any]:
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not torch.cuda.is_initialized():  # is_available() alone would initialize the driver
         return {"available": False, "reason": "CUDA is not in use: no device allocator"}
     devices = []
     for index in range(torch.cuda.device_count()):

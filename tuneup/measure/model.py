@@ -48,16 +48,18 @@ class ModelProbe:
     def __init__(self, timeline: StepTimeline, explicit: list[nn.Module] | None) -> None:
         self.on = True
         self.timeline = timeline
-        self.explicit = explicit
-        self.roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self.root_ids: set[int] = set()
+        self.explicit = explicit is not None  # models were named: no discovery
+        self._named = explicit or []  # hooked at install, then let go (the job owns them)
+        # Roots by id, held weakly: a model class may define __eq__ (and so be unhashable),
+        # and the job owns its models.
+        self.roots: dict[int, weakref.ref] = {}
         self._patched_classes: set[type] = set()
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
         self.autocast: dict[str, str | None] | None = None
         self.read_config_next_forward = True
         self._patches: PatchSet | None = None
         self._discovery: list[Any] = []
-        self._candidates: list[nn.Module] = []
+        self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
 
     # --- install --------------------------------------------------------------------
@@ -65,18 +67,19 @@ class ModelProbe:
     def install(self, patches: PatchSet) -> None:
         self._patches = patches
         patches.replace(torch.autograd, "backward", self._wrap_backward)
-        if self.explicit is not None:
-            for model in self.explicit:
+        if self.explicit:
+            for model in self._named:
                 self._hook_root(model)
         else:
             self.discover()
+        self._named = []
 
     def discover(self) -> None:
         """Watch the next step with global hooks to find root modules (auto mode)."""
-        if self.explicit is not None or self._discovery or not self.on:
+        if self.explicit or self._discovery or not self.on:
             return
         self._depth = 0
-        self._candidates = []
+        self._candidates = {}
         self._discovery = [
             module_hooks.register_module_forward_pre_hook(self._discovery_pre),
             module_hooks.register_module_forward_hook(self._discovery_post, always_call=True),
@@ -93,9 +96,9 @@ class ModelProbe:
         if not self._candidates:
             return  # no forward seen yet: keep watching
         self._stop_discovery()
-        for model in self._candidates:
+        for model in self._candidates.values():
             self._hook_root(model)
-        self._candidates = []
+        self._candidates = {}
 
     def _stop_discovery(self) -> None:
         for handle in self._discovery:
@@ -103,17 +106,20 @@ class ModelProbe:
         self._discovery = []
         self.timeline.remove_listener("model-discovery")
 
+    def root_models(self) -> list[nn.Module]:
+        """The root models still alive."""
+        return [model for model in (ref() for ref in list(self.roots.values())) if model is not None]
+
     def _hook_root(self, model: nn.Module) -> None:
-        if model in self.roots or self._patches is None:
+        key = id(model)
+        if key in self.roots or self._patches is None:
             return
-        self.roots.add(model)
+        self.roots[key] = weakref.ref(model)
+        weakref.finalize(model, self.roots.pop, key, None)  # an id is reused once its object dies
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
             self._patches.add_handle(model.register_forward_hook(_RootHook(self._root_post), always_call=True))
             return
-        key = id(model)
-        self.root_ids.add(key)
-        weakref.finalize(model, self.root_ids.discard, key)  # an id is reused once its object dies
         cls = type(model)
         if cls not in self._patched_classes:
             self._patched_classes.add(cls)
@@ -123,11 +129,13 @@ class ModelProbe:
         probe = self
         tl = self.timeline
 
-        root_ids = self.root_ids
+        root_ids = self.roots  # a dict: `in` tests its keys, the ids
+        is_compiling = torch.compiler.is_compiling
 
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
-            if not (probe.on and tl.detail) or id(module) not in root_ids:
+            # is_compiling() first: dynamo folds it to True and traces straight through.
+            if is_compiling() or not (probe.on and tl.detail) or id(module) not in root_ids:
                 return original(module, *args, **kwargs)
             # StepTimeline.forward_begin/forward_end, inlined: this runs on every step.
             began = perf_counter()
@@ -163,13 +171,13 @@ class ModelProbe:
     # --- hooks ----------------------------------------------------------------------
 
     def _discovery_pre(self, module: nn.Module, args: Any) -> None:
-        if not self.on:
+        if not self.on or torch.compiler.is_compiling():  # dynamo: trace straight through
             return
         try:
             if self._depth == 0:
                 self.timeline.forward_begin(perf_counter())
-                if module not in self._candidates and module not in self.roots:
-                    self._candidates.append(module)
+                if id(module) not in self._candidates and id(module) not in self.roots:
+                    self._candidates[id(module)] = module
                     self._read_config()
             self._depth += 1
             if len(self.leaf_order) < 10_000 and next(module.children(), None) is None:
@@ -179,7 +187,7 @@ class ModelProbe:
             self.fail(exc)
 
     def _discovery_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.on:
+        if not self.on or torch.compiler.is_compiling():
             return
         try:
             if self._depth > 0:
@@ -222,12 +230,12 @@ class ModelProbe:
             if not (probe.on and tl.detail):
                 return original(tensors, *args, **kwargs)
             began = perf_counter()
-            if type(tensors) is torch.Tensor and id(tensors) != tl.scaled_loss_id:
-                tl.loss = tensors.detach()  # read at the step's close if it holds one value
+            if type(tensors) is torch.Tensor and id(tensors) != tl.scaled_loss_id and tensors.numel() == 1:
+                tl.loss = tensors.detach()  # read when the step closes
             try:
                 return original(tensors, *args, **kwargs)
             finally:
-                # StepTimeline.backward_done, inlined: this runs on every step.
+                # Inline: the backward share of the step, on detail steps.
                 if tl.step_start is None:
                     tl.step_start = began
                 tl.backward += perf_counter() - began

@@ -36,7 +36,7 @@ class OptimizerProbe:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._seen: set[int] = set()  # ids of self.optimizers: a cheaper test on every step
         self.set_to_none: bool | None = None  # as last passed to zero_grad
-        self.total_steps = 0  # optimizer.step() calls that ran (monotonic)
+        self.total_steps = 0  # optimizer.step() calls that ran, of any optimizer (monotonic)
 
     def install(self, patches: PatchSet) -> None:
         patches.add_handle(optimizer_hooks.register_optimizer_step_pre_hook(self._pre))
@@ -60,7 +60,7 @@ class OptimizerProbe:
             # open step closes it (a new iteration began without a DataLoader fetch).
             tl = self.timeline
             now = perf_counter()
-            if tl.group and not tl.manual and optimizer in tl.group:
+            if tl.group and id(optimizer) in tl.group:
                 tl.close(now)
             elif tl.step_start is None:
                 tl.step_start = now
@@ -70,10 +70,10 @@ class OptimizerProbe:
             self.fail(exc)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
         if not self.on or (self.tracked is not None and optimizer not in self.tracked):
             return
         try:
-            self.total_steps += 1
             self.timeline.optimizer_end(optimizer, perf_counter())
         except Exception as exc:
             self.fail(exc)

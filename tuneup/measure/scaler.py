@@ -48,7 +48,7 @@ class ScalerProbe:
         self.growth_events = 0
         self.backoff_events = 0
         self.scale: float | None = None
-        self._last_scale: dict[int, float] = {}
+        self._last_scale: weakref.WeakKeyDictionary[GradScaler, float] = weakref.WeakKeyDictionary()
 
     def install(self, patches: PatchSet) -> None:
         patches.replace(GradScaler, "scale", self._wrap_scale)
@@ -74,10 +74,10 @@ class ScalerProbe:
                         probe.seen += 1
                         start = getattr(scaler, "_scale", None)  # absent on a disabled scaler
                         if start is not None:  # the starting scale, so a first back-off counts
-                            key = id(scaler)
-                            probe.values.read(start, lambda v: probe._last_scale.setdefault(key, v))
+                            ref = weakref.ref(scaler)
+                            probe.values.read(start, lambda value: probe._scale_read(ref, value, True))
                     probe.enabled = bool(scaler._enabled)
-                    if tl.detail and result is not outputs and type(outputs) is torch.Tensor:
+                    if tl.detail and result is not outputs and type(outputs) is torch.Tensor and outputs.numel() == 1:
                         tl.loss = outputs.detach()  # the unscaled loss, on detail steps
                         tl.scaled_loss_id = id(result)
                 except Exception as exc:
@@ -112,8 +112,10 @@ class ScalerProbe:
             if flags:
                 step = self.timeline.ring.count + 1
                 total = flags[0] if len(flags) == 1 else torch.stack([f.reshape(()) for f in flags]).sum()
-                self.values.read(total, lambda found: self._resolved(found > 0, step))
+                self.values.read(total, lambda found: self._resolved(found > 0, step), step)
             return
+        if not self.optimizers.on:
+            return  # its hooks report nothing reliable any more
         skipped = self.optimizers.total_steps == ran_before
         if skipped and self.optimizers._measured(optimizer):
             self.timeline.optimizer_skipped(optimizer, perf_counter())
@@ -142,23 +144,27 @@ class ScalerProbe:
             current = getattr(scaler, "_scale", None)
             if probe._measured(scaler) and scaler._enabled and current is not None:
                 try:
-                    key = id(scaler)
-                    manual = new_scale is not None
-                    probe.values.read(current, lambda value: probe._scale_read(key, value, manual))
+                    ref = weakref.ref(scaler)
+                    set_by_hand = new_scale is not None
+                    probe.values.read(current, lambda value: probe._scale_read(ref, value, set_by_hand))
                 except Exception as exc:
                     probe.fail(exc)
             return result
 
         return update
 
-    def _scale_read(self, key: int, value: float, manual: bool) -> None:
-        previous = self._last_scale.get(key)
-        if previous is not None and not manual:
+    def _scale_read(self, ref: weakref.ref, value: float, reset: bool) -> None:
+        """A scale value arrived. `reset`: the starting scale, or one set by hand (no event)."""
+        scaler = ref()
+        if scaler is None:
+            return
+        previous = self._last_scale.get(scaler)
+        if previous is not None and not reset:
             if value < previous:
                 self.backoff_events += 1
             elif value > previous:
                 self.growth_events += 1
-        self._last_scale[key] = value
+        self._last_scale[scaler] = value
         self.scale = value
 
     # --- results -------------------------------------------------------------------------

@@ -122,11 +122,10 @@ class StepTimeline:
         self.fail = fail
         self.detail_every = detail_every
         self.detail = True  # measure the split and the loss on the open step
-        self.manual = False
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
         self.step_start: float | None = None
         self.last_optimizer_end: float | None = None
-        self.group: list[Any] = []  # optimizers stepped in the open step
+        self.group: list[int] = []  # ids of the optimizers stepped in the open step (not the objects)
         # Regions whose host reads are not the user's: inside the loader, inside
         # optimizer.step (its CPU-side step counters), inside tuneup's own bookkeeping.
         self.in_loader = False
@@ -180,7 +179,7 @@ class StepTimeline:
     def waited(self, began: float, ended: float) -> None:
         """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
         next() that raised (StopIteration at the end of an epoch, the user's exception)."""
-        if self.group and not self.manual:
+        if self.group:
             self.close(began)
         elif self.step_start is None:
             self.step_start = began
@@ -191,25 +190,28 @@ class StepTimeline:
         self.optimizer += now - self.optimizer_start
         self.optimizer_steps += 1
         self.last_optimizer_end = now
-        self.group.append(optimizer)
+        self.group.append(id(optimizer))
         if self.loss is not None:
             self.step_loss, self.loss = self.loss, None
 
     def optimizer_skipped(self, optimizer: Any, now: float) -> None:
         """GradScaler skipped optimizer.step(): still one step of the loop."""
-        if not self.manual and optimizer in self.group:
+        if id(optimizer) in self.group:
             self.close(now)
         elif self.step_start is None:
             self.step_start = now
         self.skipped += 1
         self.last_optimizer_end = now
-        self.group.append(optimizer)
+        self.group.append(id(optimizer))
         if self.loss is not None:
             self.step_loss, self.loss = self.loss, None
 
-    def activity(self, now: float) -> None:
-        """Something of the step happened (a step function began): the step has started."""
-        if self.step_start is None:
+    def step_begins(self, now: float) -> None:
+        """A @tuneup.step_function call begins: it is a step of its own, so a step the
+        loop left open (an optimizer stepped since the last close) closes here."""
+        if self.group:
+            self.close(now)
+        elif self.step_start is None:
             self.step_start = now
 
     # --- closing ------------------------------------------------------------------------
@@ -224,8 +226,9 @@ class StepTimeline:
             now, self.data_wait, self.forward, self.backward, self.optimizer, self.samples,
             self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.detail,
         )
-        if self.detail or step >= self.wake_at:
+        if self.detail or step >= self.wake_at or self.step_loss is not None:
             self._notify(step)
+        self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
         following = step + 1
         self.detail = following <= EARLY_DETAIL_STEPS or following % self.detail_every == 0
@@ -233,14 +236,15 @@ class StepTimeline:
 
     def _notify(self, step: int) -> None:
         self.in_tuneup = True
-        for name, listener in self.on_close:
-            try:
-                listener(step)
-            except Exception as exc:
-                self.remove_listener(name)
-                self.fail(name, exc)
-        self.in_tuneup = False
-        self.step_loss = None
+        try:
+            for name, listener in self.on_close:
+                try:
+                    listener(step)
+                except Exception as exc:
+                    self.remove_listener(name)
+                    self.fail(name, exc)
+        finally:
+            self.in_tuneup = False  # also after a KeyboardInterrupt inside a listener
 
     def flush(self) -> None:
         """Close the open step at detach, ending it at its last optimizer step."""
@@ -248,7 +252,8 @@ class StepTimeline:
             self.close(self.last_optimizer_end)
 
     def manual_step(self, now: float | None = None) -> None:
-        self.manual = True
+        """tuneup.step(): close the step now. Automatic boundaries go on working (the
+        optimizers stepped so far are forgotten at every close, so none fires twice)."""
         if self.step_loss is None and self.loss is not None:
             self.step_loss, self.loss = self.loss, None
         self.close(perf_counter() if now is None else now)

@@ -91,6 +91,11 @@ class SyncCounter:
         self.sampled_steps = 0
         self.sampled_calls = 0
         self.max_per_step = 0
+        # Counted into the step under way, merged into the totals when it completes, so a
+        # step cut short (detach, an exception) never skews the per-step figures.
+        self.step_kinds: dict[str, int] = {}
+        self.step_sources: dict[tuple[str, int, str, str], int] = {}
+        self.step_unattributed = 0
         self.by_kind: dict[str, int] = {}
         self.sources: dict[tuple[str, int, str, str], int] = {}  # (file, line, function, kind)
         self.unattributed = 0
@@ -101,13 +106,21 @@ class SyncCounter:
     # --- step boundaries (a timeline listener) --------------------------------------
 
     def on_close(self, step: int) -> None:
-        """Called by the agent at the close of a sampled step and of the step before one."""
+        """A timeline listener: ends a sampled step and starts the next one when due."""
         if self.sampling:
+            self._stop()
             self.timeline.ring.put("syncs", step, self.calls)
             self.sampled_steps += 1
             self.sampled_calls += self.calls
             self.max_per_step = max(self.max_per_step, self.calls)
-            self._stop()
+            for kind, count in self.step_kinds.items():
+                self.by_kind[kind] = self.by_kind.get(kind, 0) + count
+            for key, count in self.step_sources.items():
+                if key in self.sources or len(self.sources) < MAX_SOURCES:
+                    self.sources[key] = self.sources.get(key, 0) + count
+                else:
+                    self.unattributed += count
+            self.unattributed += self.step_unattributed
         if step + 1 == self.next_sample and self.on:
             self.next_sample = self.sample_after(step + 1)
             self._start()
@@ -135,7 +148,14 @@ class SyncCounter:
 
     def _start(self) -> None:
         self.calls = 0
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        self.step_kinds = {}
+        self.step_sources = {}
+        self.step_unattributed = 0
+        # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
+        if torch.cuda.is_initialized():
+            if torch.cuda.get_sync_debug_mode() != 0:
+                self.turn_off("the job set torch.cuda.set_sync_debug_mode itself")
+                return
             self.backend = "cuda"
             self._start_cuda()
         else:
@@ -157,7 +177,7 @@ class SyncCounter:
         get_ident = threading.get_ident
         is_compiling = torch.compiler.is_compiling
 
-        def host_read(tensor, *args, **kwargs):
+        def host_read(*args, **kwargs):  # (tensor, ...) or torch.nonzero(input=tensor)
             if (
                 not counter.counting_reads
                 or is_compiling()
@@ -167,11 +187,11 @@ class SyncCounter:
                 or timeline.in_tuneup
                 or get_ident() != counter.thread_id
             ):
-                return original(tensor, *args, **kwargs)
+                return original(*args, **kwargs)
             counter._busy = True  # a read inside a counted read is the same sync
             try:
                 counter.record(kind, sys._getframe(1))
-                return original(tensor, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 counter._busy = False
 
@@ -214,26 +234,24 @@ class SyncCounter:
     # --- recording -------------------------------------------------------------------
 
     def record(self, kind: str, frame: FrameType | None) -> None:
+        """One host read (or CUDA sync) on the sampled step under way."""
         self.calls += 1
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
         frame = user_frame(frame)
         if frame is None:
-            self.unattributed += 1
+            self.step_unattributed += 1
             return
         key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
-        sources = self.sources
-        if key in sources:
-            sources[key] += 1
-        elif len(sources) < MAX_SOURCES:
-            sources[key] = 1
+        if key in self.step_sources or len(self.step_sources) < MAX_SOURCES:
+            self.step_sources[key] = self.step_sources.get(key, 0) + 1
         else:
-            self.unattributed += 1
+            self.step_unattributed += 1
 
     # --- results ---------------------------------------------------------------------
 
     def summary(self, top: int = 10) -> dict[str, Any]:
         sampled = self.sampled_steps
-        ranked = sorted(self.sources.items(), key=lambda item: -item[1])[:top]
+        ranked = sorted(dict(self.sources).items(), key=lambda item: -item[1])[:top] if sampled else []
         return {
             "measured": sampled > 0,
             "backend": self.backend,
@@ -241,7 +259,7 @@ class SyncCounter:
             "sampled_steps": sampled,
             "per_step": self.sampled_calls / sampled if sampled else None,
             "max_per_step": self.max_per_step if sampled else None,
-            "by_kind": {kind: count / sampled for kind, count in sorted(self.by_kind.items())} if sampled else {},
+            "by_kind": {kind: count / sampled for kind, count in sorted(dict(self.by_kind).items())} if sampled else {},
             "top_sources": [
                 {
                     "location": format_location(filename, lineno),
@@ -251,6 +269,7 @@ class SyncCounter:
                 }
                 for (filename, lineno, function, kind), count in ranked
             ],
+            "unattributed_per_step": self.unattributed / sampled if sampled else None,
             "off_reason": self.off_reason,
         }
 

@@ -62,120 +62,123 @@ def _ratio(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def summarize(columns: Columns) -> dict[str, Any] | None:
+def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any] | None:
+    """`forward_measured`: whether any model is timed; without one the forward hides in
+    "other", so both are reported as unknown rather than as a misleading zero."""
     steps = len(columns["step_seconds"])
     if not steps:
         return None
     step_seconds = columns["step_seconds"]
-    total_time = sum(step_seconds)
-    data_wait = columns["data_wait_seconds"]
-    samples = sum(columns["samples"])
-    fetches = sum(columns["fetches"])
-    sampled = [value for value in columns["syncs"] if value >= 0]
-    gpu = [value for value in columns["gpu_seconds"] if value >= 0]
     detailed = [i for i, flag in enumerate(columns["detailed"]) if flag]
-    detailed_time = sum(step_seconds[i] for i in detailed)
+    known_losses = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
+    synced = [value for value in columns["syncs"] if value >= 0]
+    gpu = [value for value in columns["gpu_seconds"] if value >= 0]
+    # Plain sums, kept in the summary so the agent's running totals add them up.
+    sums = {
+        "steps": steps,
+        "seconds": sum(step_seconds),
+        "data_wait_seconds": sum(columns["data_wait_seconds"]),
+        "samples": sum(columns["samples"]),
+        "fetches": sum(columns["fetches"]),
+        "optimizer_steps": int(sum(columns["optimizer_steps"])),
+        "skipped_steps": int(sum(columns["skipped_steps"])),
+        "sync_sampled_steps": len(synced),
+        "syncs": sum(synced),
+        "detailed_steps": len(detailed),
+        "detailed_seconds": sum(step_seconds[i] for i in detailed),
+        "losses_read": len(known_losses),
+        "nonfinite_losses": sum(1 for value in known_losses if not math.isfinite(value)),
+        "last_loss": known_losses[-1] if known_losses else None,
+    }
+    for part in SPLIT:
+        sums[part] = sum(columns[part][i] for i in detailed)
+    total_time = sums["seconds"]
+    data_wait = columns["data_wait_seconds"]
     summary: dict[str, Any] = {
         "steps": steps,
         "first_step": columns["step"][0],
         "last_step": columns["step"][-1],
         "seconds": total_time,
         "step_seconds": distribution(step_seconds),
-        "stall_ratio": _ratio(sum(data_wait), total_time),
+        "stall_ratio": _ratio(sums["data_wait_seconds"], total_time),
         "steps_per_second": _ratio(steps, total_time),
-        "samples_per_second": _ratio(samples, total_time) if samples else None,
-        "batch_size": samples / fetches if fetches else None,
-        "fetches_per_step": fetches / steps,
-        "optimizer_steps": int(sum(columns["optimizer_steps"])),
-        "skipped_steps": int(sum(columns["skipped_steps"])),
-        "syncs_per_step": sum(sampled) / len(sampled) if sampled else None,
-        "sync_sampled_steps": len(sampled),
+        "samples_per_second": _ratio(sums["samples"], total_time) if sums["samples"] else None,
+        "batch_size": sums["samples"] / sums["fetches"] if sums["fetches"] else None,
+        "fetches_per_step": sums["fetches"] / steps,
+        "optimizer_steps": sums["optimizer_steps"],
+        "skipped_steps": sums["skipped_steps"],
+        "syncs_per_step": sums["syncs"] / len(synced) if synced else None,
+        "sync_sampled_steps": len(synced),
         "detailed_steps": len(detailed),
         "backward_passes_per_step": (
             sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
         "loss": loss_summary(columns),
-        "data_wait_seconds": {"median": median(data_wait), "mean": sum(data_wait) / steps},
-        "data_wait_ratio": _ratio(sum(data_wait), total_time),
+        "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }
     if detailed:
-        for part in SPLIT:
+        for part in SPLIT if forward_measured else SPLIT[1:]:
             values = [columns[part][i] for i in detailed]
-            summary[part] = {"median": median(values), "mean": sum(values) / len(values)}
-            summary[part.replace("_seconds", "_ratio")] = _ratio(sum(values), detailed_time)
-        other = [
-            max(0.0, step_seconds[i] - sum(columns[part][i] for part in PARTS)) for i in detailed
-        ]
-        summary["other_seconds"] = {"median": median(other), "mean": sum(other) / len(other)}
-        summary["other_ratio"] = _ratio(sum(other), detailed_time)
+            summary[part] = {"median": median(values), "mean": sums[part] / len(values)}
+            summary[part.replace("_seconds", "_ratio")] = _ratio(sums[part], sums["detailed_seconds"])
+        if forward_measured:
+            other = [
+                max(0.0, step_seconds[i] - sum(columns[part][i] for part in PARTS)) for i in detailed
+            ]
+            summary["other_seconds"] = {"median": median(other), "mean": sum(other) / len(other)}
+            summary["other_ratio"] = _ratio(sum(other), sums["detailed_seconds"])
+        else:
+            for part in ("forward_seconds", "other_seconds"):
+                summary[part] = None
+                summary[part.replace("_seconds", "_ratio")] = None
     else:
         for part in SPLIT + ("other_seconds",):
             summary[part] = None
             summary[part.replace("_seconds", "_ratio")] = None
+    summary["sums"] = sums
     return summary
 
 
 class Totals:
-    """Running sums over every step since attach (constant memory)."""
+    """Running sums over every step since attach (constant memory), from interval summaries."""
+
+    ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
+             "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
+             "nonfinite_losses") + SPLIT
 
     def __init__(self) -> None:
-        self.steps = 0
-        self.seconds = 0.0
-        self.data_wait = 0.0
-        self.detailed_steps = 0
-        self.detailed_seconds = 0.0
-        self.split = dict.fromkeys(SPLIT, 0.0)
-        self.samples = 0.0
-        self.skipped_steps = 0
-        self.optimizer_steps = 0
-        self.sync_sampled_steps = 0
-        self.syncs = 0.0
-        self.losses_read = 0
-        self.nonfinite_losses = 0
+        self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
         self.last_loss: float | None = None
         self.dropped_steps = 0  # steps the ring overwrote before they were read
 
-    def add(self, columns: Columns) -> None:
-        self.steps += len(columns["step_seconds"])
-        self.seconds += sum(columns["step_seconds"])
-        self.data_wait += sum(columns["data_wait_seconds"])
-        detailed = [i for i, flag in enumerate(columns["detailed"]) if flag]
-        self.detailed_steps += len(detailed)
-        self.detailed_seconds += sum(columns["step_seconds"][i] for i in detailed)
-        for part in SPLIT:
-            self.split[part] += sum(columns[part][i] for i in detailed)
-        self.samples += sum(columns["samples"])
-        self.skipped_steps += int(sum(columns["skipped_steps"]))
-        self.optimizer_steps += int(sum(columns["optimizer_steps"]))
-        sampled = [value for value in columns["syncs"] if value >= 0]
-        self.sync_sampled_steps += len(sampled)
-        self.syncs += sum(sampled)
-        known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
-        self.losses_read += len(known)
-        self.nonfinite_losses += sum(1 for value in known if not math.isfinite(value))
-        if known:
-            self.last_loss = known[-1]
+    def add(self, interval: dict[str, Any]) -> None:
+        sums = interval["sums"]
+        for name in self.ADDED:
+            self.sums[name] += sums[name]
+        if sums["last_loss"] is not None:
+            self.last_loss = sums["last_loss"]
 
     def summary(self) -> dict[str, Any]:
-        seconds = self.seconds
+        sums = self.sums
+        seconds = sums["seconds"]
         out: dict[str, Any] = {
-            "steps": self.steps,
+            "steps": int(sums["steps"]),
             "seconds": seconds,
-            "samples": int(self.samples),
-            "optimizer_steps": self.optimizer_steps,
-            "skipped_steps": self.skipped_steps,
-            "data_wait_seconds": self.data_wait,
-            "stall_ratio": _ratio(self.data_wait, seconds),
-            "steps_per_second": _ratio(self.steps, seconds),
-            "samples_per_second": _ratio(self.samples, seconds) if self.samples else None,
-            "syncs_per_step": self.syncs / self.sync_sampled_steps if self.sync_sampled_steps else None,
-            "detailed_steps": self.detailed_steps,
-            "losses_read": self.losses_read,
-            "nonfinite_losses": self.nonfinite_losses,
+            "samples": int(sums["samples"]),
+            "optimizer_steps": int(sums["optimizer_steps"]),
+            "skipped_steps": int(sums["skipped_steps"]),
+            "data_wait_seconds": sums["data_wait_seconds"],
+            "stall_ratio": _ratio(sums["data_wait_seconds"], seconds),
+            "steps_per_second": _ratio(sums["steps"], seconds),
+            "samples_per_second": _ratio(sums["samples"], seconds) if sums["samples"] else None,
+            "syncs_per_step": sums["syncs"] / sums["sync_sampled_steps"] if sums["sync_sampled_steps"] else None,
+            "detailed_steps": int(sums["detailed_steps"]),
+            "losses_read": int(sums["losses_read"]),
+            "nonfinite_losses": int(sums["nonfinite_losses"]),
             "last_loss": self.last_loss,
             "dropped_steps": self.dropped_steps,
         }
-        for part, total in self.split.items():
-            out[part.replace("_seconds", "_ratio")] = _ratio(total, self.detailed_seconds)
+        for part in SPLIT:
+            out[part.replace("_seconds", "_ratio")] = _ratio(sums[part], sums["detailed_seconds"])
         return out

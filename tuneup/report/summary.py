@@ -48,7 +48,8 @@ def step_table(window: dict[str, Any]) -> Table:
     table.add_row("step", seconds(step["median"]), f"p90 {seconds(step['p90'])}")
     for label, part in (("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
                         ("optimizer", "optimizer"), ("other (your loop)", "other")):
-        entry, share = window.get(f"{part}_seconds"), window.get(f"{part}_ratio")
+        entry = window.get(f"{part}_seconds")
+        share = window["stall_ratio"] if part == "data_wait" else window.get(f"{part}_ratio")
         style = "bold red" if part == "data_wait" and share and share >= 0.1 else None
         table.add_row(Text(label, style=style), seconds(entry["median"]) if entry else "–",
                       Text(percent(share), style=style))

@@ -1,0 +1,58 @@
+"""The background drain: late device values reach the totals, and an overflowing ring is
+accounted for exactly."""
+
+from __future__ import annotations
+
+import torch
+
+import tuneup
+from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tuneup import agent as agent_module
+
+
+class EventNotYetDone:
+    """Stands in for a torch.cuda.Event (no GPU here): query() says whether it completed."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_steps_with_device_values_in_flight_wait_for_them(run_dir):
+    """A GradScaler found-inf flag copied from the GPU arrives steps after its step closed:
+    the totals must still count that skip (the GPU runs a few steps behind the CPU)."""
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=4096), batch_size=8)
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:
+        train(loader, model, optimizer, steps=5)
+        # A device read for step 5, still in flight: exactly what DeviceValues queues on CUDA.
+        values = agent.values
+        values._host = torch.zeros(values.capacity)
+        event = EventNotYetDone()
+        values._pending.append((0, event, lambda found: agent.scaler._resolved(found > 0, 5), 5))
+        values.pending = 1
+        values._host[0] = 1.0  # the flag: inf found
+        train(loader, model, optimizer, steps=10)
+        agent._tick()
+        assert agent._drained == 4  # steps from 5 on wait for the value
+        event.done = True
+        agent.values.poll()
+        agent._tick()
+        assert agent._drained >= 14
+    totals = agent.snapshot()["totals"]
+    assert totals["skipped_steps"] == 1
+    assert totals["steps"] == 15
+
+
+def test_steps_lost_to_a_full_ring_are_counted(run_dir, monkeypatch):
+    monkeypatch.setattr(agent_module, "RING_CAPACITY", 64)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:  # no background read meanwhile
+        train(loader_for(SlowDataset(size=4096), batch_size=8), model, optimizer, steps=200)
+    totals = agent.snapshot()["totals"]
+    assert totals["steps"] + totals["dropped_steps"] == 200
+    assert totals["steps"] == 63  # the ring's capacity, less the record the first one needs
