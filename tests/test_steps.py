@@ -127,3 +127,20 @@ def test_forward_backward_optimizer_split(run_dir):
     assert 0 < window["stall_ratio"] < 0.5
     assert window["samples_per_second"] == pytest.approx(8 * window["steps_per_second"])
     assert window["batch_size"] == 8
+
+
+def test_the_split_survives_the_job_dropping_its_model(run_dir):
+    """The summary after a training function returned (its model freed) keeps the forward."""
+    import gc
+
+    def job():
+        model = mlp(hidden=32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        train(loader_for(SlowDataset(size=512), batch_size=8), model, optimizer, steps=20)
+
+    with tuneup.attach(run_dir=run_dir) as agent:
+        job()
+        gc.collect()
+    window = agent.snapshot()["window"]
+    assert window["forward_seconds"]["median"] > 0
+    assert window["other_seconds"] is not None

@@ -342,7 +342,7 @@ class Agent:
             first = oldest_held
         columns = ring.columns(first, last)
         self._drained = last
-        interval = summarize(columns, forward_measured=bool(self.model.roots))
+        interval = summarize(columns, forward_measured=self.model.timed)
         if interval is not None:
             self._totals.add(interval)
         return interval
@@ -471,7 +471,7 @@ class Agent:
             self._refresh_config()
         ring = self.timeline.ring
         window = summarize(ring.columns(ring.count - self.options.window_steps + 1, ring.count),
-                           forward_measured=bool(self.model.roots))
+                           forward_measured=self.model.timed)
         return {
             "enabled": True,
             "attached": self.attached,

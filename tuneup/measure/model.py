@@ -53,6 +53,7 @@ class ModelProbe:
         # Roots by id, held weakly: a model class may define __eq__ (and so be unhashable),
         # and the job owns its models.
         self.roots: dict[int, weakref.ref] = {}
+        self.timed = False  # a root was ever timed (it may be gone since: the job dropped it)
         self._patched_classes: set[type] = set()
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
         self.autocast: dict[str, str | None] | None = None
@@ -115,6 +116,7 @@ class ModelProbe:
         if key in self.roots or self._patches is None:
             return
         self.roots[key] = weakref.ref(model)
+        self.timed = True
         weakref.finalize(model, self.roots.pop, key, None)  # an id is reused once its object dies
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))

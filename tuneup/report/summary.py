@@ -37,10 +37,10 @@ def _rate(value: float | None, unit: str) -> str:
     return "–" if value is None else f"{value:,.1f} {unit}"
 
 
-def step_table(window: dict[str, Any]) -> Table:
-    title = (f"Where a step's time goes (last {window['steps']} steps; the split from the "
-             f"{window['detailed_steps']} detail steps among them)")
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+def step_table(window: dict[str, Any]) -> Group:
+    title = Text(f"Where a step's time goes (last {window['steps']} steps; the split from the "
+                 f"{window['detailed_steps']} detail steps among them)")
+    table = Table(show_edge=False, pad_edge=False)
     table.add_column("part")
     table.add_column("median", justify="right")
     table.add_column("share of step time", justify="right")
@@ -53,7 +53,7 @@ def step_table(window: dict[str, Any]) -> Table:
         style = "bold red" if part == "data_wait" and share and share >= 0.1 else None
         table.add_row(Text(label, style=style), seconds(entry["median"]) if entry else "–",
                       Text(percent(share), style=style))
-    return table
+    return Group(title, table)
 
 
 def sync_lines(syncs: dict[str, Any]) -> list[str]:
