@@ -177,6 +177,10 @@ class ModelProbe:
             return
         try:
             if self._depth == 0:
+                if next(module.parameters(), None) is None:
+                    # A loss module or other parameter-free callable, not a model: the model
+                    # may run compiled, where these hooks never see it.
+                    return
                 self.timeline.forward_begin(perf_counter())
                 if id(module) not in self._candidates and id(module) not in self.roots:
                     self._candidates[id(module)] = module
