@@ -27,10 +27,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_agent_left(monkeypatch):
+def no_agent_left(monkeypatch, tmp_path_factory):
     for name in list(os.environ):
         if name.startswith("TUNEUP_"):
             monkeypatch.delenv(name)
+    # Agents in tests listen on a free port and announce themselves in a private registry.
+    monkeypatch.setenv("TUNEUP_PORT", "0")
+    monkeypatch.setenv("TUNEUP_REGISTRY_DIR", str(tmp_path_factory.mktemp("registry")))
     yield
     agent = tuneup.current()
     if agent is not None:
@@ -50,6 +53,7 @@ def run_program(name: str, *args: str, env: dict[str, str] | None = None, timeou
                 **kwargs) -> subprocess.CompletedProcess:
     """Run tests/programs/<name> in a fresh interpreter (for faults that end a process)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    full_env.update({k: os.environ[k] for k in ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR") if k in os.environ})
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
     return subprocess.run(

@@ -1,8 +1,10 @@
 """The in-process agent: wires the probes into the training loop, samples the slow probes on
-a background thread, writes the run log and answers `snapshot()`.
+a background thread, writes the run log, runs the advice rules and answers `snapshot()`,
+`findings()`, `report()` and the loopback HTTP endpoint.
 
 Data flow: hooks (training thread) → StepTimeline → StepRing → background thread →
-window summaries, system samples, configuration → run log and snapshot.
+interval summaries, system samples, configuration → events → run log + RunHistory →
+rules (findings) → report / HTTP endpoint.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ from torch.utils.data import DataLoader
 
 from . import __version__
 from ._patching import PatchSet
+from .diagnose import Evaluation, evaluate
+from .export import registry
 from .export.runlog import RunLog, log_name
+from .export.server import AgentServer
 from .measure.config import read_config
 from .measure.device_values import DeviceValues, raw_item
 from .measure.gpu import open_gpus
 from .measure.gpu_time import CudaStepTimer
 from .measure.host import HostProbe
+from .measure.habits import HabitsProbe
+from .measure.history import RunHistory
 from .measure.loader import LoaderProbe
 from .measure.memory import allocator_stats
 from .measure.model import ModelProbe
@@ -41,10 +48,11 @@ from .measure.scaler import ScalerProbe
 from .measure.steps import StepTimeline
 from .measure.syncs import SyncCounter
 from .measure.windows import Totals, summarize
-from .options import Options, TuneupWarning, default_run_dir
+from .options import DEFAULT_PORT, Options, TuneupWarning, default_run_dir
 
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
 CONFIG_EVERY_TICKS = 10
+FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
 LIFECYCLE_EVERY_STEPS = 64
 MAX_WARNINGS = 50
 LOCK_TIMEOUT = 5.0  # detach never waits longer on a background thread stuck in a driver call
@@ -117,6 +125,11 @@ class Agent:
         self._ticks = 0
         self._next_lifecycle = 1
         self._pid = os.getpid()
+        self.history = RunHistory()  # the events, in memory: what rules and reports read
+        self._evaluation = Evaluation(findings=[])
+        self._findings_logged: tuple = ()
+        self.server: AgentServer | None = None
+        self._announced: Path | None = None
         self.run_info = self._run_info()
         if self.enabled:
             self._build(Tracked.split(objects))
@@ -144,7 +157,8 @@ class Agent:
         tracked = self.tracked = Tracked(kinds)
         self.timeline = StepTimeline(RING_CAPACITY, self._probe_failed, self.options.detail_every)
         self.values = DeviceValues()
-        self.loader = LoaderProbe(self.timeline, tracked.loaders)
+        self.habits = HabitsProbe(self.timeline)
+        self.loader = LoaderProbe(self.timeline, tracked.loaders, self.habits)
         self.model = ModelProbe(self.timeline, kinds["models"] or None)
         self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
@@ -152,7 +166,7 @@ class Agent:
         self.host: HostProbe | None = None
         self.gpus = open_gpus(self.options.nvml_module, self.options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
-        self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs)
+        self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits)
         self._slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
 
     def start(self) -> "Agent":
@@ -164,12 +178,13 @@ class Agent:
             self.timeline.attached_at = time.perf_counter()
             self.timeline.add_listener("syncs", self.syncs.on_close)
             self.timeline.add_listener("step_close", self._on_close)
-            for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
+            for probe in self._hot_probes:
                 probe.install(self._patches)
             try:
                 self.host = HostProbe()
             except Exception as exc:
                 self._slow_probe_failed("host", exc)
+            self._serve()
             self._open_run_log()
             self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
             self._thread.start()
@@ -192,11 +207,54 @@ class Agent:
         self.model.uninstall_discovery()
         self._patches.undo_all()
 
+    def _serve(self) -> None:
+        """Start the loopback endpoint (a failure is one warning: the job goes on)."""
+        if not self.options.serve:
+            return
+        from prometheus_client import CollectorRegistry
+
+        port = self.options.port
+        if port is None:
+            port = DEFAULT_PORT + (self.local_rank or 0)
+        server = AgentServer(self._run_payload, CollectorRegistry(auto_describe=True))
+        try:
+            note = server.start(self.options.host, port)
+        except Exception as exc:
+            self._warn_once("http", f"no HTTP endpoint: cannot listen on {self.options.host}:{port} ({exc}); "
+                                    "measuring continues (set TUNEUP_PORT or TUNEUP_SERVE=0)")
+            return
+        if note:
+            self._warn_once("http", note)
+        self.server = server
+        self.run_info["url"] = server.url
+
+    def _announce(self) -> None:
+        if self.server is not None:
+            self._announced = registry.announce({
+                "pid": self._pid, "url": self.server.url, "run_id": self.run_info["run_id"],
+                "run_dir": str(self.run_dir) if self.run_dir else None, "rank": self.rank,
+                "local_rank": self.local_rank, "argv": self.run_info["argv"],
+                "started_at": self.run_info["started_at"], "host": self.run_info["host"],
+            })
+
+    def _run_payload(self) -> dict[str, Any]:
+        """What /api/run answers: the run's events and the current findings."""
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT):
+            raise RuntimeError("the background sampler is busy")
+        try:
+            return {"events": self.history.events(), "findings": self._evaluation.to_dict(),
+                    "attached": self.attached}
+        finally:
+            self._lock.release()
+
     def _open_run_log(self) -> None:
+        self.run_dir = (self.options.run_dir or default_run_dir(self.rank)) if self.options.log else None
+        header = dict(self.run_info, event="run", time=time.time(), options=_options_dict(self.options),
+                      run_dir=str(self.run_dir) if self.run_dir else None)
+        self.history.add(header)
+        self._announce()
         if not self.options.log:
             return
-        self.run_dir = self.options.run_dir or default_run_dir(self.rank)
-        header = dict(self.run_info, event="run", time=time.time(), options=_options_dict(self.options))
         log = RunLog(self.run_dir / log_name(self.rank), self.options.log_max_bytes, header)
         if log.open():
             self.run_log = log
@@ -315,6 +373,22 @@ class Agent:
             if interval is not None:
                 self._log(self._steps_event(interval))
             self._log_warnings()
+            if final or self._ticks % FINDINGS_EVERY_TICKS == 1:
+                self._diagnose()
+
+    def _diagnose(self) -> None:
+        """Run the rules over the history (off the training thread); log what changed."""
+        try:
+            self._evaluation = evaluate(self.history.snapshot(self.options.window_steps),
+                                        silence=self.options.silence)
+        except Exception as exc:
+            self._warn_once("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
+            return
+        current = tuple((f.rule, f.severity) for f in self._evaluation.findings)
+        if current != self._findings_logged:
+            self._findings_logged = current
+            self._log({"event": "findings", "time": time.time(),
+                       "findings": [f.to_dict() for f in self._evaluation.findings]})
 
     def _log_warnings(self) -> None:
         while self._warnings_logged < len(self.warnings):
@@ -353,7 +427,11 @@ class Agent:
             event["scaler"] = self.scaler.summary()
         if self.syncs.sampled_steps:
             event["syncs"] = self.syncs.summary(top=5)
+        event["habits"] = self._habits()
         return event
+
+    def _habits(self) -> dict[str, Any]:
+        return dict(self.habits.summary(self.timeline.ring.count), eval_forwards_with_grad=self.model.eval_with_grad)
 
     def _sample_system(self) -> dict[str, Any]:
         system: dict[str, Any] = {"time": time.time()}
@@ -417,6 +495,7 @@ class Agent:
             self._log({"event": "config", "time": time.time(), **config})
 
     def _log(self, event: dict[str, Any]) -> None:
+        self.history.add(event)
         log = self.run_log
         if log is not None and not log.write(event):
             self.run_log = None
@@ -482,11 +561,26 @@ class Agent:
             "window": window,
             "syncs": self.syncs.summary(),
             "scaler": self.scaler.summary(),
+            "habits": self._habits(),
             "system": self._system,
             "config": self._config,
             "probes": self.probe_states(),
             "warnings": list(self.warnings),
         }
+
+    def findings(self) -> list[dict[str, Any]]:
+        """The current findings, ranked by estimated gain (the rules run every few seconds
+        on the background thread; after detach, on the whole run)."""
+        return [finding.to_dict() for finding in self._evaluation.findings]
+
+    def report(self, format: str = "text") -> str:
+        """The advice report (text, markdown, json or html), as `tuneup report` prints it."""
+        from .report import render
+
+        with self._lock:
+            events = self.history.events()
+        return render.render_events(events, format, source=str(self.run_log.path) if self.run_log else "memory",
+                                    silence=self.options.silence, window_steps=self.options.window_steps)
 
     def _totals_summary(self) -> dict[str, Any]:
         return dict(self._totals.summary(), device_reads_dropped=self.values.dropped)
@@ -544,12 +638,15 @@ class Agent:
             self._tick(final=True)
             self._log({"event": "end", "time": time.time(), "totals": self._totals_summary(),
                        "syncs": self.syncs.summary(), "scaler": self.scaler.summary(),
-                       "warnings": self.warnings})
+                       "habits": self._habits(), "warnings": self.warnings})
         finally:
             self._lock.release()
             if self.run_log is not None:
                 self.run_log.close()
             self.gpus.close()
+            registry.withdraw(self._announced)
+            if self.server is not None:
+                self.server.stop()
 
     def forked(self) -> None:
         """In a forked child (DataLoader worker): go quiet, touch nothing shared. The
@@ -558,6 +655,10 @@ class Agent:
         self.attached = False
         self._stop = threading.Event()
         self._lock = threading.RLock()
+        if self.server is not None:
+            self.server.forget_in_child()
+            self.server = None
+        self._announced = None
         if self.enabled:
             for probe in self._hot_probes:
                 probe.on = False

@@ -56,18 +56,20 @@ def demo(
     run_dir: Optional[Path] = typer.Option(None, help="Where to write the run log (default ./tuneup-runs/<run>)."),
     workers: int = typer.Option(0, min=0, max=64, help="DataLoader workers (0 shows the data stall)."),
 ) -> None:
-    """Run the built-in CPU training job with real bottlenecks, measured by tuneup."""
+    """Run the built-in CPU training job with real bottlenecks, measured by tuneup, then print the report."""
     import tuneup
     from . import demo as demo_job
-    from .report.summary import print_summary
+    from .report.text import render_text
 
     console.print(
         f"tuneup demo: a small conv net on slowly decoded images, num_workers={workers}, "
-        f"three .item() calls per step, GradScaler with a few unnormalized records ({steps} steps)."
+        f"{demo_job.HOST_READS} .item() calls per step, GradScaler with a few unnormalized records ({steps} steps)."
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's CPU GradScaler notes; ours print below
         agent = tuneup.attach(run_dir=run_dir)
+        if agent.server is not None:
+            console.print(f"live while it trains: tuneup watch {agent.server.url}   (Prometheus: {agent.server.url}/metrics)")
         try:
             with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TextColumn("loss {task.fields[loss]:.3f}"), console=console, transient=True) as bar:
@@ -76,7 +78,147 @@ def demo(
                                progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
         finally:
             agent.detach()
-    print_summary(agent.snapshot(), console)
+    render_text(_document_of(agent), console)
+    if agent.run_dir is not None:
+        console.print(f"Run log: {agent.run_log.path if agent.run_log else agent.run_dir}   "
+                      f"(again: tuneup report {agent.run_dir})")
+
+
+def _document_of(agent) -> dict:
+    from .report.document import build
+
+    return build([agent.history], source=str(agent.run_log.path) if agent.run_log else "memory",
+                 silence=agent.options.silence, window_steps=agent.options.window_steps)
+
+
+def _check_rules(ids: list[str]) -> tuple[str, ...]:
+    from .diagnose.engine import unknown_rules
+
+    unknown = unknown_rules(ids)
+    if unknown:
+        raise UserError(f"unknown rule id {unknown[0]!r} for --silence (see `tuneup rules` for the ids)")
+    return tuple(ids)
+
+
+@app.command()
+def report(
+    target: str = typer.Argument(..., help="A run directory, a run log file, or the URL of a live agent."),
+    format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
+    silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
+    window: int = typer.Option(1000, min=10, max=1_000_000, help="Steps in the window the rules read."),
+) -> None:
+    """Ranked advice for a run (finished or live), with the measured evidence and the fix."""
+    from .report.document import build
+    from .report.render import FORMATS, render_document
+    from .report.sources import ReportSourceError, load
+
+    if format not in FORMATS:
+        raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
+    silenced = _check_rules(silence)
+    try:
+        histories, source = load(target)
+    except ReportSourceError as exc:
+        raise UserError(str(exc)) from None
+    document = build(histories, source=source, silence=silenced, window_steps=window)
+    if output is None:
+        if format == "text":
+            from .report.text import render_text
+
+            render_text(document, console)
+        else:
+            sys.stdout.write(render_document(document, format) + "\n")
+        return
+    text = render_document(document, format)
+    try:
+        output.write_text(text + ("\n" if not text.endswith("\n") else ""), encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc} (choose another -o path)") from None
+    errors.print(f"tuneup: wrote the {format} report to {output}", highlight=False)
+
+
+@app.command()
+def watch(
+    url: Optional[str] = typer.Argument(None, help="A live agent's URL (default: the one job running here)."),
+    interval: float = typer.Option(2.0, min=0.2, max=60.0, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+) -> None:
+    """A live view of a running job: the step breakdown and the current findings, refreshing."""
+    from .report.live import watch as run_watch
+    from .report.sources import ReportSourceError
+
+    try:
+        run_watch(url, console, interval=interval, once=once)
+    except ReportSourceError as exc:
+        raise UserError(str(exc)) from None
+
+
+@app.command()
+def doctor() -> None:
+    """Check the environment: torch, CUDA, cuDNN, NVML and driver, TF32, bf16, CPU, tuneup's own needs."""
+    from .report.doctor import run_checks
+
+    failed = run_checks(console)
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="The training script (or, with -m, a module)."),
+    module: bool = typer.Option(False, "-m", help="TARGET is a module, run as `python -m TARGET`."),
+    apply: bool = typer.Option(False, "--apply", help="Apply safe changes as measured experiments."),
+) -> None:
+    """Run a training script with the agent attached, no code change: `tuneup run train.py --lr 0.1`.
+
+    The script's arguments, exit code and exceptions are its own. Options for tuneup go
+    before the script (or into TUNEUP_* environment variables)."""
+    from .launch import LaunchError, exec_script
+
+    overrides = {}
+    if apply:
+        overrides["TUNEUP_MODE"] = "apply"
+    try:
+        exec_script(target, list(ctx.args), module=module, env_overrides=overrides)
+    except LaunchError as exc:
+        raise UserError(str(exc)) from None
+
+
+@app.command()
+def rules(
+    format: str = typer.Option("text", "--format", "-f", help="text or markdown."),
+) -> None:
+    """The advice rules: ids (for --silence / TUNEUP_SILENCE), thresholds and why."""
+    from .diagnose import RULES
+
+    if format not in ("text", "markdown"):
+        raise UserError(f"unknown --format {format!r}: use text or markdown")
+    if format == "markdown":
+        sys.stdout.write(rules_markdown())
+        return
+    for rule in RULES.values():
+        console.print(f"[bold]{rule.id}[/bold] ({rule.severity}{', applicable' if rule.can_apply else ''}): {rule.title}",
+                      highlight=False)
+        console.print(f"    threshold: {rule.threshold}", highlight=False, markup=False)
+        console.print(f"    why: {rule.why}", highlight=False, markup=False)
+
+
+def rules_markdown() -> str:
+    from .diagnose import RULES
+
+    lines = ["# tuneup advice rules", "",
+             "Generated by `tuneup rules --format markdown`. Silence a rule with `--silence ID` or "
+             "`TUNEUP_SILENCE=id,id`.", ""]
+    for rule in RULES.values():
+        lines += [f"## `{rule.id}` — {rule.title}", "",
+                  f"- **Severity:** {rule.severity}",
+                  f"- **Inputs:** {rule.inputs}",
+                  f"- **Threshold:** {rule.threshold}",
+                  f"- **Why this threshold:** {rule.why}",
+                  f"- **tuneup can apply the fix:** {'yes' if rule.can_apply else 'no'}",
+                  f"- **Docs:** {rule.doc}", ""]
+    return "\n".join(lines)
 
 
 def _fail(message: str, code: int) -> None:

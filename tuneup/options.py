@@ -88,6 +88,24 @@ def _text(value: Any) -> str:
     return str(value).strip()
 
 
+def _port(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return None
+    return _int_in(0, 65535)(value)
+
+
+def _rule_ids(value: Any) -> tuple[str, ...]:
+    """Rule ids to silence: a comma-separated string or an iterable of ids."""
+    from .diagnose import RULES
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    ids = tuple(str(item).strip() for item in items if str(item).strip())
+    unknown = [rule_id for rule_id in ids if rule_id not in RULES]
+    if unknown:
+        raise ValueError(f"unknown rule id {unknown[0]!r} (see `tuneup rules` for the ids)")
+    return ids
+
+
 @dataclass(frozen=True)
 class Options:
     mode: str = "advise"
@@ -97,10 +115,17 @@ class Options:
     interval: float = 1.0
     sync_sample_every: int = 20
     detail_every: int = 4
-    window_steps: int = 200
+    window_steps: int = 1000
     gpu: bool = True
     nvml_module: str = "pynvml"
     disable: bool = False
+    serve: bool = True
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: DEFAULT_PORT + the local rank; 0: any free port
+    silence: tuple[str, ...] = ()
+
+
+DEFAULT_PORT = 9477
 
 
 # option name -> (environment variable, parser); the assert keeps it in step with Options.
@@ -116,6 +141,10 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "gpu": ("TUNEUP_GPU", _bool),
     "nvml_module": ("TUNEUP_NVML_MODULE", _text),
     "disable": ("TUNEUP_DISABLE", _bool),
+    "serve": ("TUNEUP_SERVE", _bool),
+    "host": ("TUNEUP_HOST", _text),
+    "port": ("TUNEUP_PORT", _port),
+    "silence": ("TUNEUP_SILENCE", _rule_ids),
 }
 assert set(_SPEC) == {f.name for f in fields(Options)}
 

@@ -22,21 +22,36 @@ def log_name(rank: int | None) -> str:
     return LOG_NAME if rank is None else f"events-rank{rank}.jsonl"
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN or infinity: write them as strings, everything else as is."""
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as strings, everything else as is
+    (`restore_nonfinite` reads them back)."""
     if isinstance(value, float):
         if math.isfinite(value):
             return value
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
+    return value
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def restore_nonfinite(value: Any) -> Any:
+    """The inverse of json_safe: "nan", "inf" and "-inf" strings become floats again."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: restore_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_nonfinite(v) for v in value]
     return value
 
 
 def _encode(event: dict[str, Any]) -> bytes:
-    return (json.dumps(_clean(event), separators=(",", ":"), default=str) + "\n").encode("utf-8")
+    return (json.dumps(json_safe(event), separators=(",", ":"), default=str) + "\n").encode("utf-8")
 
 
 class RunLog:
@@ -162,7 +177,7 @@ def read_log(path: Path) -> RunRecord:
                     else:
                         record.skipped_lines += 1
                     continue
-                record.events.append(event)
+                record.events.append(restore_nonfinite(event))
     except OSError as exc:
         raise RunLogError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not record.events:

@@ -184,6 +184,44 @@ def model_config(model: nn.Module, leaf_order: list[nn.Module] | None) -> dict[s
     }
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_CPU_FLAGS: set[str] | None = None
+
+
+def hardware() -> dict[str, Any]:
+    """What the AMP and TF32 rules need: bf16 on this CPU (AVX512-BF16 or AMX: where CPU
+    autocast pays off) and, once the job initialized CUDA, each GPU's compute capability."""
+    global _CPU_FLAGS
+    if _CPU_FLAGS is None:
+        _CPU_FLAGS = _cpu_flags()
+    out: dict[str, Any] = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16": bool(_CPU_FLAGS & {"avx512_bf16", "amx_bf16"}),
+        "cuda_devices": [],
+    }
+    if torch.cuda.is_initialized():  # never initialize CUDA for the job
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            out["cuda_devices"].append({
+                "index": index,
+                "name": torch.cuda.get_device_name(index),
+                "capability": [major, minor],
+                "bf16": major >= 8,
+                "tensor_cores": major >= 7,
+            })
+    return out
+
+
 def distributed() -> dict[str, Any]:
     try:
         import torch.distributed as dist
@@ -218,6 +256,7 @@ def read_config(
             "cuda_initialized": torch.cuda.is_initialized(),
         },
         "backends": backends(),
+        "hardware": hardware(),
         "debug": debug_tools(),
         "autocast": autocast,
         "zero_grad_set_to_none": set_to_none,

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .._patching import PatchSet
+from .habits import HabitsProbe
 from .steps import StepTimeline
 
 _TAG = "_tuneup_measured"
@@ -46,8 +47,9 @@ def batch_size(batch: Any) -> int:
 class LoaderProbe:
     name = "dataloader"
 
-    def __init__(self, timeline: StepTimeline, tracked: weakref.WeakSet | None) -> None:
+    def __init__(self, timeline: StepTimeline, tracked: weakref.WeakSet | None, habits: HabitsProbe) -> None:
         self.on = True
+        self.habits = habits  # inspects a few batches (pinned? shapes? normalized?)
         self.timeline = timeline
         self.tracked = tracked  # None: every loader
         self.loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # seen, for the config probe
@@ -106,6 +108,8 @@ class LoaderProbe:
                         tl.step_start = began
                     tl.in_optimizer = False
                     tl.fetches += 1
+                    if tl.fetches >= probe.habits.next_inspect:
+                        probe.habits.inspect(batch)
                     first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
                     tl.samples += len(first) if type(first) is torch.Tensor and first.dim() else batch_size(batch)
                     # Timed after the bookkeeping: data wait is what a timer around the loop's

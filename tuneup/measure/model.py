@@ -62,6 +62,7 @@ class ModelProbe:
         self._discovery: list[Any] = []
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
+        self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
 
     # --- install --------------------------------------------------------------------
 
@@ -133,12 +134,17 @@ class ModelProbe:
 
         root_ids = self.roots  # a dict: `in` tests its keys, the ids
         is_compiling = torch.compiler.is_compiling
+        grad_enabled = torch.is_grad_enabled
 
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
             # is_compiling() first: dynamo folds it to True and traces straight through.
             if is_compiling() or not (probe.on and tl.detail) or id(module) not in root_ids:
+                if not module.training and grad_enabled() and probe.on and id(module) in root_ids:
+                    probe.eval_with_grad += 1  # an evaluation forward that builds a graph
                 return original(module, *args, **kwargs)
+            if not module.training and grad_enabled():
+                probe.eval_with_grad += 1
             # StepTimeline.forward_begin/forward_end, inlined: this runs on every step.
             began = perf_counter()
             if tl.forward_depth == 0:
@@ -207,6 +213,8 @@ class ModelProbe:
         if not self.on:
             return
         try:
+            if not module.training and torch.is_grad_enabled():
+                self.eval_with_grad += 1
             self.timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
                 self._read_config()

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 SPLIT = ("forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]
+SPIKE_FACTOR = 3.0
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -49,9 +50,14 @@ def loss_summary(columns: Columns) -> dict[str, Any] | None:
         earlier, later = median(finite[:half]), median(finite[half:])
         if earlier:
             trend = (later - earlier) / abs(earlier)  # relative change: < 0 is a falling loss
+    middle = median(finite) if finite else None
     return {
         "last": known[-1],
-        "median": median(finite) if finite else None,
+        "median": middle,
+        "max": max(finite) if finite else None,
+        # A loss over SPIKE_FACTOR times the interval's median: the pattern gradient
+        # clipping guards against (a bad batch, an exploding gradient).
+        "spikes": sum(1 for value in finite if middle and middle > 0 and value > SPIKE_FACTOR * middle),
         "read_steps": len(known),
         "nonfinite_steps": len(known) - len(finite),
         "trend": trend,

@@ -8,29 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-
-def seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if value >= 1:
-        return f"{value:.2f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.1f} ms"
-    return f"{value * 1e6:.0f} µs"
-
-
-def size(value: float | None) -> str:
-    if value is None:
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return "–"
-
-
-def percent(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.0f}%"
+from ..format import percent, seconds, size
 
 
 def _rate(value: float | None, unit: str) -> str:

@@ -1,0 +1,222 @@
+"""What a rule is, what it reads, and what it produces.
+
+A rule is a function of `Facts` (a run's measurements, see `measure.history`) registered
+with `@rule(...)`: its stable id, title, severity, a documented threshold with the reason
+for it, whether tuneup can apply the fix, and a doc link. It returns `Evidence` when its
+threshold is crossed and None when not; when an input it needs was not measured (no GPU,
+no model seen, too few steps) it raises `Missing` through the Facts accessors and stays
+silent. The engine turns Evidence into a `Finding`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+SEVERITIES = ("high", "medium", "low")
+MIN_STEPS = 20  # fewer measured steps than this: too little to judge a rate or a share
+
+
+class Missing(Exception):
+    """A rule's input was not measured: the rule stays silent."""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a rule measured. `observed` reads as a sentence with the numbers; `gain` is the
+    estimated share of step time the fix can save (0-1), derived from the measurement, or
+    None where it cannot be derived (then `gain_text` says what the fix buys)."""
+
+    observed: str
+    numbers: dict[str, Any]
+    fix: str
+    gain: float | None = None
+    gain_text: str | None = None
+    severity: str | None = None  # overrides the rule's default (e.g. a larger stall)
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    title: str
+    severity: str
+    observed: str
+    threshold: str
+    evidence: dict[str, Any]
+    gain: float | None
+    gain_text: str
+    fix: str
+    can_apply: bool
+    doc: str
+    rank: int | None = None  # the distributed rank it was measured on
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    title: str
+    severity: str
+    inputs: str
+    threshold: str
+    why: str
+    doc: str
+    can_apply: bool
+    check: Callable[["Facts"], Evidence | None] = field(repr=False, compare=False)
+
+    def finding(self, evidence: Evidence, rank: int | None = None) -> Finding:
+        if evidence.gain is not None:
+            gain_text = evidence.gain_text or f"up to {100 * evidence.gain:.0f}% shorter steps"
+        else:
+            gain_text = evidence.gain_text or "not measurable from step times alone"
+        return Finding(
+            rule=self.id,
+            title=self.title,
+            severity=evidence.severity or self.severity,
+            observed=evidence.observed,
+            threshold=self.threshold,
+            evidence=evidence.numbers,
+            gain=evidence.gain,
+            gain_text=gain_text,
+            fix=evidence.fix.strip("\n"),
+            can_apply=self.can_apply,
+            doc=self.doc,
+            rank=rank,
+        )
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(*, id: str, title: str, severity: str, inputs: str, threshold: str, why: str, doc: str,
+         can_apply: bool = False) -> Callable[[Callable[["Facts"], Evidence | None]], Rule]:
+    """Register a rule function under a stable id."""
+    if severity not in SEVERITIES:
+        raise ValueError(f"severity must be one of {SEVERITIES}")
+
+    def register(check: Callable[["Facts"], Evidence | None]) -> Rule:
+        if id in RULES:
+            raise ValueError(f"rule id {id!r} registered twice")
+        RULES[id] = Rule(id, title, severity, inputs, threshold, why, doc, can_apply, check)
+        return RULES[id]
+
+    return register
+
+
+class Facts:
+    """Typed, checked access to a run's measurements (the snapshot shape): every accessor
+    raises Missing when what it returns was not measured."""
+
+    def __init__(self, snapshot: dict[str, Any], ranks: Iterable[dict[str, Any]] = ()) -> None:
+        self.snapshot = snapshot
+        self.ranks = list(ranks)  # other ranks' snapshots of the same job (straggler rule)
+
+    @staticmethod
+    def need(value: Any, what: str = "") -> Any:
+        if value is None:
+            raise Missing(what)
+        return value
+
+    @property
+    def window(self) -> dict[str, Any]:
+        window = self.snapshot.get("window")
+        if not window or window.get("steps", 0) < MIN_STEPS:
+            raise Missing("window")
+        return window
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.need(self.snapshot.get("config"), "config")
+
+    @property
+    def host(self) -> dict[str, Any]:
+        return self.need((self.snapshot.get("system") or {}).get("host"), "host")
+
+    @property
+    def habits(self) -> dict[str, Any]:
+        habits = self.snapshot.get("habits")
+        if not habits:
+            raise Missing("habits")
+        return habits
+
+    @property
+    def scaler(self) -> dict[str, Any]:
+        return self.snapshot.get("scaler") or {"present": False}
+
+    @property
+    def syncs(self) -> dict[str, Any]:
+        syncs = self.snapshot.get("syncs") or {}
+        if not syncs.get("measured") or syncs.get("per_step") is None:
+            raise Missing("syncs")
+        return syncs
+
+    @property
+    def gpus(self) -> list[dict[str, Any]]:
+        """Per-GPU means over the recent NVML samples."""
+        history = self.snapshot.get("gpu_history") or {}
+        devices = history.get("devices")
+        if not devices:
+            raise Missing("gpu")
+        return devices
+
+    @property
+    def allocator(self) -> list[dict[str, Any]]:
+        memory = (self.snapshot.get("system") or {}).get("memory") or {}
+        if not memory.get("available") or not memory.get("devices"):
+            raise Missing("allocator")
+        return memory["devices"]
+
+    @property
+    def models(self) -> list[dict[str, Any]]:
+        models = self.config.get("models")
+        if not models:
+            raise Missing("models")
+        return models
+
+    @property
+    def optimizers(self) -> list[dict[str, Any]]:
+        optimizers = self.config.get("optimizers")
+        if not optimizers:
+            raise Missing("optimizers")
+        return optimizers
+
+    @property
+    def loaders(self) -> list[dict[str, Any]]:
+        loaders = self.config.get("loaders")
+        if not loaders:
+            raise Missing("loaders")
+        return loaders
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the job trains on CUDA devices (its parameters or batches are there)."""
+        config = self.snapshot.get("config") or {}
+        devices: set[str] = set()
+        for entry in (config.get("models") or []) + (config.get("optimizers") or []):
+            devices.update(entry.get("devices") or ())
+        batches = (self.snapshot.get("habits") or {}).get("batches") or {}
+        devices.update(batches.get("devices") or ())
+        return "cuda" in devices
+
+    @property
+    def reduced_precision(self) -> str | None:
+        """The autocast dtype in use (or the model's own half dtype), else None."""
+        autocast = (self.snapshot.get("config") or {}).get("autocast") or {}
+        for dtype in autocast.values():
+            if dtype:
+                return dtype
+        for model in (self.snapshot.get("config") or {}).get("models") or []:
+            for dtype in (model.get("dtypes") or {}):
+                if dtype in ("float16", "bfloat16"):
+                    return dtype
+        return None
+
+    def share(self, part: str) -> float:
+        """A part's share of step time in the window (forward, backward, optimizer, other)."""
+        return self.need(self.window.get(f"{part}_ratio"), part)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.window["step_seconds"]["median"]

@@ -1,0 +1,3 @@
+"""The rule catalog, one module per area; importing this package registers every rule."""
+
+from . import code, distributed, gpu, input, precision, syncs  # noqa: F401

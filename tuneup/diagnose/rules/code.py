@@ -1,0 +1,191 @@
+"""The training loop's and model's code: zero_grad, Conv bias before BatchNorm, evaluation
+with autograd on, debugging tools left on, single-tensor optimizers, no LR schedule, no
+gradient clipping."""
+
+from __future__ import annotations
+
+from ...format import percent
+from ..rule import Evidence, Facts, Missing, rule
+
+GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
+
+
+@rule(
+    id="zero-grad-keeps-tensors",
+    title="zero_grad() fills gradients with zeros instead of freeing them",
+    severity="low",
+    inputs="the set_to_none argument of the job's zero_grad calls",
+    threshold="zero_grad(set_to_none=False) seen",
+    why="Zeroing writes every gradient tensor each step; set_to_none=True (the default since "
+        "PyTorch 2.0) frees them and the next backward allocates them with the first write.",
+    doc=f"{GUIDE}#use-parameter-grad-none-instead-of-model-zero-grad-or-optimizer-zero-grad",
+    can_apply=True,
+)
+def zero_grad_keeps_tensors(facts: Facts) -> Evidence | None:
+    set_to_none = facts.need(facts.config.get("zero_grad_set_to_none"), "a zero_grad call")
+    if set_to_none:
+        return None
+    return Evidence(
+        observed="optimizer.zero_grad(set_to_none=False) zeroes every gradient tensor each step",
+        numbers={"set_to_none": False},
+        fix="optimizer.zero_grad(set_to_none=True)",
+        gain_text="one memset per parameter tensor per step less, and less memory between steps",
+    )
+
+
+@rule(
+    id="conv-bias-before-bn",
+    title="Convolutions with a bias directly followed by BatchNorm",
+    severity="low",
+    inputs="the model's layers in execution order",
+    threshold="any Conv with bias=True whose output goes straight into a BatchNorm of the same channels",
+    why="BatchNorm subtracts the per-channel mean, so the conv's bias cancels out: wasted "
+        "parameters, gradient and optimizer work.",
+    doc=f"{GUIDE}#disable-bias-for-convolutions-directly-followed-by-a-batch-norm",
+)
+def conv_bias_before_bn(facts: Facts) -> Evidence | None:
+    layers = [name for model in facts.models for name in model.get("conv_bias_before_batchnorm") or []]
+    if not layers:
+        return None
+    return Evidence(
+        observed=f"{len(layers)} convolutions with bias feed a BatchNorm: {', '.join(layers[:5])}",
+        numbers={"layers": layers},
+        fix="nn.Conv2d(in_channels, out_channels, kernel_size, bias=False)   # followed by nn.BatchNorm2d",
+        gain_text="fewer parameters and a little less work per step",
+    )
+
+
+@rule(
+    id="eval-with-grad",
+    title="Evaluation forwards build autograd graphs",
+    severity="medium",
+    inputs="forwards of the model in eval() mode and whether autograd was recording",
+    threshold="any forward of a model in eval() mode with grad enabled",
+    why="model.eval() changes dropout and BatchNorm but not autograd: without no_grad the "
+        "forward keeps every activation for a backward that never comes (time and memory).",
+    doc=f"{GUIDE}#disable-gradient-calculation-for-validation-or-inference",
+)
+def eval_with_grad(facts: Facts) -> Evidence | None:
+    count = facts.habits.get("eval_forwards_with_grad")
+    if count is None:
+        raise Missing("model forwards")
+    if not count:
+        return None
+    return Evidence(
+        observed=f"{count} forwards of the model in eval() mode ran with autograd recording",
+        numbers={"eval_forwards_with_grad": count},
+        fix="model.eval()\nwith torch.inference_mode():   # or torch.no_grad()\n    outputs = model(x)",
+        gain_text="evaluation without saved activations: faster and much less memory",
+    )
+
+
+@rule(
+    id="debug-tools-on",
+    title="Debugging tools are left on during training",
+    severity="high",
+    inputs="autograd anomaly detection and profiler state",
+    threshold="anomaly detection or the autograd profiler enabled while training",
+    why="Anomaly detection records a traceback for every autograd node and checks every "
+        "backward output for NaN (commonly 2-10x slower steps); a profiler records every op.",
+    doc=f"{GUIDE}#disable-debugging-apis",
+)
+def debug_tools_on(facts: Facts) -> Evidence | None:
+    debug = facts.need(facts.config.get("debug"), "debug state")
+    on = [name for name in ("anomaly_detection", "profiler") if debug.get(name)]
+    if not on:
+        return None
+    fixes = {"anomaly_detection": "torch.autograd.set_detect_anomaly(False)   # only while hunting a NaN",
+             "profiler": "# stop torch.profiler / autograd.profiler outside the steps you profile"}
+    return Evidence(
+        observed=" and ".join(name.replace("_", " ") for name in on) + " enabled during training",
+        numbers={name: True for name in on},
+        fix="\n".join(fixes[name] for name in on),
+        gain_text="anomaly detection alone commonly slows steps 2-10x",
+    )
+
+
+@rule(
+    id="single-tensor-optimizer",
+    title="The optimizer updates parameters one tensor at a time on the GPU",
+    severity="medium",
+    inputs="the optimizer's implementation (for-loop, foreach, fused) and parameter devices; optimizer share",
+    threshold="a for-loop optimizer over CUDA parameters",
+    why="The for-loop implementation launches several kernels per parameter tensor; foreach "
+        "batches them and fused does the whole update in one kernel per group (about half "
+        "the optimizer time or less).",
+    doc="https://docs.pytorch.org/docs/stable/optim.html#algorithms",
+)
+def single_tensor_optimizer(facts: Facts) -> Evidence | None:
+    slow = [o for o in facts.optimizers if o.get("implementation") == "for-loop" and "cuda" in (o.get("devices") or ())]
+    if not slow:
+        if not any("cuda" in (o.get("devices") or ()) for o in facts.optimizers):
+            raise Missing("CUDA parameters")
+        return None
+    share = facts.window.get("optimizer_ratio")
+    name = slow[0]["class"]
+    return Evidence(
+        observed=f"{name} runs its for-loop implementation"
+                 + (f"; the optimizer takes {percent(share)} of a step" if share is not None else ""),
+        numbers={"optimizer": name, "optimizer_ratio": share},
+        fix=f"optimizer = torch.optim.{name}(model.parameters(), lr=..., fused=True)   # or foreach=True",
+        gain=share / 2 if share is not None else None,
+    )
+
+
+MIN_STEPS_FOR_SCHEDULE = 100
+
+
+@rule(
+    id="no-lr-schedule",
+    title="No learning-rate schedule",
+    severity="low",
+    inputs="whether an LR scheduler wraps the optimizer",
+    threshold=f"no scheduler after {MIN_STEPS_FOR_SCHEDULE} steps",
+    why="A warm-up and decay (OneCycleLR, cosine) usually reaches the same loss in fewer steps; "
+        "low severity because a constant LR can be deliberate.",
+    doc="https://docs.pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+)
+def no_lr_schedule(facts: Facts) -> Evidence | None:
+    optimizers = facts.optimizers
+    steps = (facts.snapshot.get("totals") or {}).get("steps") or 0
+    if steps < MIN_STEPS_FOR_SCHEDULE:
+        raise Missing("enough steps")
+    if any(o.get("lr_scheduler") for o in optimizers):
+        return None
+    return Evidence(
+        observed=f"{optimizers[0]['class']} ran {steps} steps at a constant learning rate",
+        numbers={"optimizer": optimizers[0]["class"], "lr": optimizers[0].get("lr"), "steps": steps},
+        fix="scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps)\n"
+            "# after optimizer.step():\nscheduler.step()",
+        gain_text="fewer steps to the same loss",
+    )
+
+
+@rule(
+    id="no-grad-clipping",
+    title="Loss spikes without gradient clipping",
+    severity="low",
+    inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls, GradScaler",
+    threshold="no clip_grad_norm_/clip_grad_value_ call and a loss > 3x its interval's median, "
+              "or a non-finite loss without a GradScaler",
+    why="A spike or a non-finite loss often comes from an exploding gradient; clipping bounds the "
+        "update. Under GradScaler non-finite values are expected and handled (steps skipped).",
+    doc="https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html",
+)
+def no_grad_clipping(facts: Facts) -> Evidence | None:
+    habits = facts.habits
+    if habits.get("clip_grad_calls"):
+        return None
+    loss = facts.need(facts.window.get("loss"), "losses")
+    spikes = loss.get("spikes") or 0
+    nonfinite = loss.get("nonfinite_steps") or 0 if not facts.scaler.get("enabled") else 0
+    if not spikes and not nonfinite:
+        return None
+    return Evidence(
+        observed=f"{spikes} loss spikes (> 3x the median) and {nonfinite} non-finite losses among "
+                 f"{loss['read_steps']} losses read, and no gradient clipping",
+        numbers={"spikes": spikes, "nonfinite_losses": nonfinite, "losses_read": loss["read_steps"],
+                 "max_loss": loss.get("max"), "median_loss": loss.get("median")},
+        fix="loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()",
+        gain_text="steadier training (bounded updates)",
+    )

@@ -1,0 +1,170 @@
+"""Input pipeline: waiting for batches, pageable copies, NumPy copies, unnormalized inputs,
+and a CPU oversubscribed by loader workers and torch threads."""
+
+from __future__ import annotations
+
+from ..rule import Evidence, Facts, Missing, rule
+from ...format import percent, seconds
+
+GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
+STALL_THRESHOLD = 0.10
+
+
+@rule(
+    id="data-stall",
+    title="The training loop waits for the DataLoader",
+    severity="medium",
+    inputs="data wait and step time on every step; the loader's configuration",
+    threshold=f"data wait >= {percent(STALL_THRESHOLD)} of step time over the window",
+    why="Below 10% the gain is within run-to-run noise and other fixes come first; above it, "
+        "loading in parallel worker processes usually hides most of the wait.",
+    doc=f"{GUIDE}#enable-async-data-loading-and-augmentation",
+    can_apply=True,
+)
+def data_stall(facts: Facts) -> Evidence | None:
+    window = facts.window
+    stall = facts.need(window.get("stall_ratio"))
+    if stall < STALL_THRESHOLD:
+        return None
+    loader = max(facts.loaders, key=lambda entry: entry.get("num_workers") or 0) if facts.config.get("loaders") else {}
+    workers = loader.get("num_workers")
+    cores = (facts.snapshot.get("system") or {}).get("host", {}).get("usable_cores")
+    suggested = max(2, min(8, cores or 4)) if not workers else min(2 * workers, max(workers + 1, cores or 2 * workers))
+    options = [f"num_workers={suggested}", "persistent_workers=True", "prefetch_factor=4"]
+    if facts.on_cuda and not loader.get("pin_memory"):
+        options.append("pin_memory=True")
+    setting = ", ".join(f"{name}={loader.get(name)}" for name in ("num_workers", "pin_memory", "persistent_workers",
+                                                                   "prefetch_factor") if name in loader)
+    observed = (f"the loop waited {seconds(window['data_wait_seconds']['median'])} per step for its next batch: "
+                f"{percent(stall)} of a {seconds(window['step_seconds']['median'])} step")
+    if setting:
+        observed += f" ({setting})"
+    return Evidence(
+        observed=observed,
+        numbers={"stall_ratio": stall, "data_wait_seconds": window["data_wait_seconds"]["median"],
+                 "step_seconds": window["step_seconds"]["median"], "num_workers": workers,
+                 "usable_cores": cores},
+        fix=f"loader = DataLoader(dataset, batch_size=..., {', '.join(options)})",
+        gain=stall,
+        severity="high" if stall >= 0.3 else None,
+    )
+
+
+@rule(
+    id="pageable-copies",
+    title="Batches are copied to the GPU from pageable memory",
+    severity="medium",
+    inputs="sampled batches (device, pinned) of a job training on CUDA; the loader's pin_memory",
+    threshold="a CUDA job whose sampled CPU batches are not in pinned memory",
+    why="A copy from pageable memory is staged through a pinned buffer by the driver and "
+        "cannot overlap with compute; from pinned memory with non_blocking=True it can.",
+    doc="https://docs.pytorch.org/docs/stable/data.html#memory-pinning",
+    can_apply=True,
+)
+def pageable_copies(facts: Facts) -> Evidence | None:
+    if not facts.on_cuda:
+        raise Missing("a CUDA job")
+    batches = facts.habits.get("batches") or {}
+    checked = batches.get("pin_checked") or 0
+    if not checked or "cpu" not in (batches.get("devices") or ()):
+        raise Missing("sampled CPU batches")
+    pinned = batches.get("pinned") or 0
+    if pinned >= checked:
+        return None
+    return Evidence(
+        observed=f"{checked - pinned} of {checked} sampled batches were in pageable host memory",
+        numbers={"pageable_batches": checked - pinned, "sampled_batches": checked},
+        fix="loader = DataLoader(dataset, ..., pin_memory=True)\n"
+            "x = x.to(device, non_blocking=True)\ny = y.to(device, non_blocking=True)",
+        gain_text="host-to-device copies overlap with compute",
+    )
+
+
+NUMPY_COPIES_PER_STEP = 0.5
+
+
+@rule(
+    id="numpy-copies",
+    title="torch.tensor(ndarray) copies arrays in the loop",
+    severity="low",
+    inputs="calls of torch.tensor with a NumPy array, their time and source lines",
+    threshold=f">= {NUMPY_COPIES_PER_STEP} torch.tensor(ndarray) calls per step",
+    why="torch.tensor always copies; torch.as_tensor / torch.from_numpy share the array's "
+        "memory. Once per step or more means the copy is in the loop, not in setup.",
+    doc="https://docs.pytorch.org/docs/stable/generated/torch.as_tensor.html",
+)
+def numpy_copies(facts: Facts) -> Evidence | None:
+    habits = facts.habits
+    per_step = habits.get("numpy_copies_per_step")
+    if per_step is None or per_step < NUMPY_COPIES_PER_STEP:
+        return None
+    totals = facts.snapshot.get("totals") or {}
+    seconds = totals.get("seconds") or 0
+    share = habits["numpy_copy_seconds"] / seconds if seconds else None
+    sources = ", ".join(source["location"] for source in habits.get("numpy_copy_sources") or [])
+    return Evidence(
+        observed=f"{per_step:.1f} torch.tensor(ndarray) copies per step"
+                 + (f" taking {percent(share)} of the run's time" if share is not None else "")
+                 + (f", at {sources}" if sources else ""),
+        numbers={"copies_per_step": per_step, "copy_seconds": habits["numpy_copy_seconds"],
+                 "sources": habits.get("numpy_copy_sources")},
+        fix="x = torch.from_numpy(array)      # shares memory; or torch.as_tensor(array, dtype=...)",
+        gain=share,
+    )
+
+
+NORMALIZED_MEAN = 3.0
+NORMALIZED_STD = 5.0
+
+
+@rule(
+    id="input-not-normalized",
+    title="Input features look unnormalized",
+    severity="low",
+    inputs="mean and standard deviation of sampled float input batches",
+    threshold=f"|mean| > {NORMALIZED_MEAN} or std > {NORMALIZED_STD} in a sampled batch",
+    why="Standardized inputs have mean ~0 and std ~1 and [0, 1]-scaled ones std < 0.5; values "
+        "in raw units (pixels 0-255) slow convergence and overflow fp16 activations sooner.",
+    doc="https://docs.pytorch.org/vision/stable/generated/torchvision.transforms.Normalize.html",
+)
+def input_not_normalized(facts: Facts) -> Evidence | None:
+    inputs = facts.need((facts.habits.get("batches") or {}).get("inputs"), "input statistics")
+    mean, std = inputs["mean"], inputs["std"]
+    if abs(mean) <= NORMALIZED_MEAN and std <= NORMALIZED_STD:
+        return None
+    return Evidence(
+        observed=f"a sampled {inputs['dtype']} input batch {inputs['shape']} has mean {mean:.3g} and std {std:.3g}",
+        numbers=dict(inputs),
+        fix="mean, std = train_features.mean(0), train_features.std(0)   # once, on the training set\n"
+            "x = (x - mean) / std                                         # in the Dataset or transform",
+        gain_text="faster, steadier convergence (fewer steps), not shorter steps",
+    )
+
+
+@rule(
+    id="cpu-oversubscribed",
+    title="More busy threads than usable CPU cores",
+    severity="medium",
+    inputs="usable cores, torch threads, loader workers, measured CPU use of the process and workers",
+    threshold="torch threads + loader workers > usable cores while the CPU is >= 90% busy",
+    why="Workers and torch's intra-op threads then preempt each other; the configured demand "
+        "alone is not enough (idle I/O workers cost nothing), so the measured load must be high too.",
+    doc="https://docs.pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html",
+)
+def cpu_oversubscribed(facts: Facts) -> Evidence | None:
+    host = facts.host
+    cores = facts.need(host.get("usable_cores"))
+    threads = host.get("torch_threads") or 1
+    workers = host.get("workers") or 0
+    busy = (host.get("cpu_ratio") or 0) + (host.get("workers_cpu_ratio") or 0)
+    demand = threads + workers
+    if demand <= cores or busy < 0.9 * cores:
+        return None
+    keep = max(1, cores - workers)
+    return Evidence(
+        observed=f"{threads} torch threads + {workers} loader workers on {cores} usable cores, "
+                 f"{busy:.1f} cores busy",
+        numbers={"usable_cores": cores, "torch_threads": threads, "workers": workers, "busy_cores": busy},
+        fix=f"torch.set_num_threads({keep})   # leave a core per loader worker",
+        gain_text="less contention between the loader workers and the training thread",
+    )

@@ -1,0 +1,214 @@
+"""Mixed precision: AMP and TF32 left off, fp16 without a GradScaler, GradScaler skipping
+steps, and layer sizes Tensor Cores cannot use fully."""
+
+from __future__ import annotations
+
+from ...format import percent
+from ..rule import Evidence, Facts, Missing, rule
+
+AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
+# Tensor-Core (or AMX) matmuls and convolutions run at least twice as fast in bf16/fp16 as in
+# fp32, so autocast can save up to about half of the forward and backward time.
+AMP_SPEEDUP_SHARE = 0.5
+# TF32 runs fp32 matmuls on Tensor Cores: conservatively a third of forward + backward.
+TF32_SPEEDUP_SHARE = 1 / 3
+
+
+def _compute_share(facts: Facts) -> float | None:
+    window = facts.window
+    forward, backward = window.get("forward_ratio"), window.get("backward_ratio")
+    if forward is None or backward is None:
+        return None
+    return forward + backward
+
+
+def _accelerated(facts: Facts) -> str | None:
+    """Where reduced precision pays: 'cuda' (bf16/fp16 Tensor Cores), 'cpu' (AVX512-BF16 or
+    AMX), or None."""
+    hardware = facts.config.get("hardware") or {}
+    if facts.on_cuda:
+        devices = hardware.get("cuda_devices")
+        if not devices:
+            raise Missing("CUDA device capability")
+        return "cuda" if all(device.get("tensor_cores") for device in devices) else None
+    if hardware.get("cpu_bf16") is None:
+        raise Missing("CPU capability")
+    return "cpu" if hardware["cpu_bf16"] else None
+
+
+@rule(
+    id="amp-off",
+    title="Mixed precision (AMP) is off on hardware that accelerates it",
+    severity="medium",
+    inputs="autocast state seen inside the forward, parameter dtypes, GPU compute capability or CPU bf16 support",
+    threshold="no autocast and fp32 parameters on Tensor-Core GPUs (sm_70+) or a CPU with AVX512-BF16/AMX",
+    why="On such hardware bf16/fp16 matmuls and convolutions run at least 2x faster than fp32 and "
+        "move half the bytes; without this hardware (e.g. AVX2-only CPUs) autocast can be slower.",
+    doc=AMP_DOC,
+    can_apply=True,
+)
+def amp_off(facts: Facts) -> Evidence | None:
+    if facts.reduced_precision is not None:
+        return None
+    autocast = facts.config.get("autocast")
+    if autocast is None:
+        raise Missing("autocast state (no forward seen)")
+    device = _accelerated(facts)
+    if device is None:
+        return None
+    share = _compute_share(facts)
+    bf16 = device == "cpu" or all(d.get("bf16") for d in facts.config["hardware"]["cuda_devices"])
+    if bf16:
+        fix = (f"with torch.autocast(device_type=\"{device}\", dtype=torch.bfloat16):\n"
+               "    loss = loss_fn(model(x), y)\nloss.backward()")
+    else:
+        fix = ("scaler = torch.amp.GradScaler(\"cuda\")\n"
+               "with torch.autocast(device_type=\"cuda\", dtype=torch.float16):\n"
+               "    loss = loss_fn(model(x), y)\n"
+               "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
+    return Evidence(
+        observed=f"autocast is off and the model is fp32 on {device.upper()} hardware with "
+                 f"{'bf16' if bf16 else 'fp16'} acceleration"
+                 + (f"; forward + backward take {percent(share)} of a step" if share is not None else ""),
+        numbers={"device": device, "dtype": "bfloat16" if bf16 else "float16", "compute_share": share},
+        fix=fix,
+        gain=AMP_SPEEDUP_SHARE * share if share is not None else None,
+        gain_text=None if share is not None else "typically 1.5-3x faster matmuls and convolutions",
+    )
+
+
+@rule(
+    id="tf32-off",
+    title="TF32 is off for fp32 matmuls on an Ampere-or-newer GPU",
+    severity="low",
+    inputs="float32 matmul precision and TF32 flags, GPU compute capability, autocast state",
+    threshold="fp32 training (no autocast) on sm_80+ with float32_matmul_precision 'highest'",
+    why="TF32 runs fp32 matmuls on Tensor Cores with a 10-bit mantissa, accurate enough for "
+        "training in practice (PyTorch's own guidance); 'highest' leaves that speed unused.",
+    doc="https://docs.pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices",
+)
+def tf32_off(facts: Facts) -> Evidence | None:
+    if not facts.on_cuda:
+        raise Missing("a CUDA job")
+    if facts.reduced_precision is not None:
+        return None
+    devices = facts.need((facts.config.get("hardware") or {}).get("cuda_devices") or None, "GPU capability")
+    backends = facts.config["backends"]
+    if not all(d["capability"][0] >= 8 for d in devices):
+        return None
+    if backends.get("float32_matmul_precision") != "highest" or backends.get("matmul_allow_tf32"):
+        return None
+    share = _compute_share(facts)
+    return Evidence(
+        observed="float32 matmuls run in full fp32 precision on "
+                 + ", ".join(d["name"] for d in devices),
+        numbers={"float32_matmul_precision": backends.get("float32_matmul_precision"),
+                 "cudnn_allow_tf32": backends.get("cudnn_allow_tf32"), "compute_share": share},
+        fix='torch.set_float32_matmul_precision("high")   # TF32 for fp32 matmuls\n'
+            "torch.backends.cudnn.allow_tf32 = True",
+        gain=TF32_SPEEDUP_SHARE * share if share is not None else None,
+    )
+
+
+@rule(
+    id="fp16-without-scaler",
+    title="fp16 autocast without a GradScaler",
+    severity="high",
+    inputs="autocast dtype seen inside the forward; GradScaler presence and state",
+    threshold="float16 autocast with no enabled GradScaler",
+    why="fp16 gradients below 6e-8 flush to zero: without loss scaling small gradients vanish "
+        "and training silently stalls or diverges. bf16 has fp32's range and needs no scaler.",
+    doc="https://docs.pytorch.org/docs/stable/notes/amp_examples.html",
+)
+def fp16_without_scaler(facts: Facts) -> Evidence | None:
+    autocast = facts.need(facts.config.get("autocast"), "autocast state")
+    fp16 = [device for device, dtype in autocast.items() if dtype == "float16"]
+    if not fp16:
+        return None
+    scaler = facts.scaler
+    if scaler.get("present") and scaler.get("enabled"):
+        return None
+    device = fp16[0]
+    return Evidence(
+        observed=f"autocast runs in float16 on {device} and no enabled GradScaler scales the loss",
+        numbers={"autocast": autocast, "grad_scaler": {k: scaler.get(k) for k in ("present", "enabled")}},
+        fix=f"scaler = torch.amp.GradScaler(\"{device}\")\n"
+            "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()\n"
+            f"# or: torch.autocast(\"{device}\", dtype=torch.bfloat16) and no scaler",
+        gain_text="correct gradients (no underflow), not speed",
+    )
+
+
+SKIP_RATE = 0.02
+MIN_SCALER_STEPS = 50
+
+
+@rule(
+    id="scaler-skips",
+    title="GradScaler skips optimizer steps",
+    severity="high",
+    inputs="GradScaler skipped steps, back-offs and scale, read without a sync per step",
+    threshold=f"skip rate >= {percent(SKIP_RATE)} over >= {MIN_SCALER_STEPS} steps past warm-up, or scale < 1",
+    why="By design GradScaler skips about 1 step in 2000 (a back-off after each growth); 2% is "
+        "40x that: real overflows in fp16, each a wasted step. A scale below 1 means gradients "
+        "overflow even unscaled.",
+    doc="https://docs.pytorch.org/docs/stable/amp.html#gradient-scaling",
+)
+def scaler_skips(facts: Facts) -> Evidence | None:
+    scaler = facts.scaler
+    if not scaler.get("present") or not scaler.get("enabled"):
+        raise Missing("an enabled GradScaler")
+    window = facts.window
+    steps = window["steps"]
+    skipped = window.get("skipped_steps") or 0
+    if steps < MIN_SCALER_STEPS:
+        raise Missing("enough steps")
+    rate = skipped / steps
+    scale = scaler.get("scale")
+    collapsed = scale is not None and scale < 1
+    if rate < SKIP_RATE and not collapsed:
+        return None
+    return Evidence(
+        observed=f"{skipped} of the last {steps} optimizer steps were skipped ({percent(rate)}), "
+                 f"longest run {scaler.get('longest_skip_run')}, {scaler.get('backoff_events')} back-offs, "
+                 f"scale now {scale:g}" if scale is not None else f"{skipped} of {steps} steps skipped",
+        numbers={"skip_rate": rate, "skipped_steps": skipped, "steps": steps, "scale": scale,
+                 "longest_skip_run": scaler.get("longest_skip_run"), "backoff_events": scaler.get("backoff_events")},
+        fix=f'with torch.autocast(device_type="{"cuda" if facts.on_cuda else "cpu"}", dtype=torch.bfloat16):'
+            "   # fp32 range: no overflow, no scaler\n"
+            "    loss = loss_fn(model(x), y)\n"
+            "# staying on fp16? find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
+            "#   scores = scores.float().softmax(-1)   and use torch.finfo(x.dtype).min instead of -inf constants",
+        gain=rate,
+        gain_text=f"{percent(rate)} of steps stop being wasted" if rate >= 0.005 else None,
+    )
+
+
+@rule(
+    id="tensor-core-alignment",
+    title="Layer sizes are not multiples of 8 under reduced precision",
+    severity="low",
+    inputs="Linear/Conv/Embedding sizes of the model; autocast dtype",
+    threshold="fp16/bf16 in use and any Linear/Conv/Embedding size not divisible by 8",
+    why="Tensor Cores (and AMX tiles) work on blocks of 8 (fp16/bf16) elements; other sizes fall "
+        "back to padded or slower kernels.",
+    doc="https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html#tensor-core-shape",
+)
+def tensor_core_alignment(facts: Facts) -> Evidence | None:
+    dtype = facts.reduced_precision
+    if dtype is None:
+        raise Missing("reduced precision in use")
+    misaligned = [entry for model in facts.models for entry in model.get("not_multiple_of_8") or []]
+    count = sum(model.get("not_multiple_of_8_count") or 0 for model in facts.models)
+    if not count:
+        return None
+    listed = ", ".join(
+        f"{entry['module']} ({entry['type']} " + "x".join(str(v) for k, v in entry.items() if k not in ("module", "type")) + ")"
+        for entry in misaligned[:4])
+    return Evidence(
+        observed=f"{count} layers under {dtype} have sizes not divisible by 8: {listed}",
+        numbers={"count": count, "layers": misaligned[:10], "dtype": dtype},
+        fix="nn.Linear(in_features, 8 * math.ceil(out_features / 8))   # pad sizes (and vocabularies) to multiples of 8",
+        gain_text="full Tensor-Core throughput for those layers",
+        severity="medium" if facts.on_cuda else None,
+    )

@@ -1,0 +1,53 @@
+"""Host-device synchronizations in the training loop."""
+
+from __future__ import annotations
+
+from ..rule import Evidence, Facts, rule
+
+SYNCS_PER_STEP = 1.0
+
+
+@rule(
+    id="host-syncs",
+    title="The loop reads device values on the host every step",
+    severity="medium",
+    inputs="host-device syncs counted on sampled steps, with their source lines",
+    threshold=f">= {SYNCS_PER_STEP:g} sync per step on average",
+    why="Each sync stops the host until the GPU has finished all queued work, so the host can "
+        "no longer run ahead and the GPU idles while the next kernels are launched. One per step "
+        "already drains the queue every step.",
+    doc="https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html#avoid-unnecessary-cpu-gpu-synchronization",
+)
+def host_syncs(facts: Facts) -> Evidence | None:
+    syncs = facts.syncs
+    per_step = syncs["per_step"]
+    if per_step < SYNCS_PER_STEP:
+        return None
+    sources = syncs.get("top_sources") or []
+    where = "; ".join(f"{s['kind']} at {s['location']} ({s['per_step']:.1f}/step)" for s in sources[:3])
+    on_gpu = syncs.get("backend") == "cuda"
+    gain = None
+    gain_text = None
+    if on_gpu:
+        window = facts.window
+        gpu = (window.get("gpu_seconds") or {}).get("median")
+        step = window["step_seconds"]["median"]
+        if gpu is not None and step:
+            idle = max(0.0, 1 - gpu / step - (window.get("stall_ratio") or 0))
+            gain = idle
+            gain_text = f"up to {100 * idle:.0f}% shorter steps (the GPU idles {100 * (1 - gpu / step):.0f}% of a step)"
+    else:
+        gain_text = "on a GPU: the host runs ahead of the GPU instead of waiting for it every step"
+    meaning = "syncs" if on_gpu else "host reads that would sync on a GPU"
+    return Evidence(
+        observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
+        numbers={"syncs_per_step": per_step, "backend": syncs.get("backend"),
+                 "sampled_steps": syncs.get("sampled_steps"), "top_sources": sources[:5]},
+        fix="running_loss += loss.detach()            # stays on the device: no sync\n"
+            "if step % 100 == 0:\n"
+            "    print(running_loss.item() / 100)     # one sync every 100 steps\n"
+            "    running_loss.zero_()",
+        gain=gain,
+        gain_text=gain_text,
+        severity="high" if per_step >= 3 and on_gpu else None,
+    )

@@ -1,0 +1,110 @@
+"""The agent's loopback HTTP endpoint: Prometheus metrics and the run for the CLI.
+
+    /metrics     Prometheus exposition (prometheus-client's own WSGI app)
+    /api/run     the run's events and current findings, as JSON (`tuneup report URL`, `watch`)
+    /api/health  liveness
+
+Served by the standard library's WSGI server on a daemon thread, one thread per request
+(as prometheus-client's own start_http_server does), bound to 127.0.0.1 unless asked. A
+busy port is reported once and the agent serves on a free port instead, so the job goes on
+and the registry still tells the CLI and the node daemon where to find it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import socketserver
+import threading
+from typing import Any, Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from .runlog import json_safe
+
+RunPayload = Callable[[], dict[str, Any]]
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # never write to the job's stderr
+        pass
+
+
+def _json(start_response: Callable, payload: Any, status: str = "200 OK") -> Iterable[bytes]:
+    body = json.dumps(payload, default=str, allow_nan=False).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class AgentServer:
+    """Serves one agent; `url` is where it listens once started."""
+
+    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry) -> None:
+        self._run_payload = run_payload
+        self._metrics = make_wsgi_app(registry)
+        self._server: _ThreadingServer | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    def app(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/metrics":
+            return self._metrics(environ, start_response)
+        if path == "/api/run":
+            try:
+                return _json(start_response, json_safe(self._run_payload()))
+            except Exception as exc:  # never let a request take the agent down
+                return _json(start_response, {"error": f"{type(exc).__name__}: {exc}"}, "500 Internal Server Error")
+        if path == "/api/health":
+            return _json(start_response, {"ok": True})
+        if path == "/":
+            body = b"tuneup agent: /metrics (Prometheus), /api/run (tuneup report/watch), /api/health\n"
+            start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+            return [body]
+        return _json(start_response, {"error": f"no such endpoint: {path}"}, "404 Not Found")
+
+    def start(self, host: str, port: int) -> str | None:
+        """Listen on host:port, or on a free port when that one is taken. Returns a note
+        for the user when the requested port was busy."""
+        note = None
+        try:
+            self._server = make_server(host, port, self.app, _ThreadingServer, _QuietHandler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or port == 0:
+                raise
+            self._server = make_server(host, 0, self.app, _ThreadingServer, _QuietHandler)
+            note = (f"port {port} on {host} is in use (another job?); serving on port "
+                    f"{self._server.server_port} instead (set TUNEUP_PORT to choose one)")
+        self.url = f"http://{_url_host(host)}:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="tuneup-http", daemon=True)
+        self._thread.start()
+        return note
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close the inherited listening socket, touch nothing else."""
+        if self._server is not None:
+            try:
+                self._server.socket.close()
+            except OSError:
+                pass
+            self._server = None
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,78 @@
+"""Run a training script under tuneup without changing it: `tuneup run [--apply] train.py ARGS...`.
+
+The technique of ddtrace-run and opentelemetry-instrument: put a directory holding only a
+`sitecustomize.py` first on PYTHONPATH and exec the same interpreter on the script. Python
+imports that bootstrap at start-up, before the script, and the bootstrap attaches the agent.
+The script then runs as under plain `python train.py ARGS...`: the same sys.argv, __main__,
+sys.path, tracebacks, exit code and signals, and the same pid, because exec replaces this
+process (torchrun, which starts `python -m tuneup run train.py` per rank, still supervises
+the process that trains). The bootstrap puts PYTHONPATH back at once, so the job's own
+children (DataLoader workers, subprocesses) never see it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+__all__ = ["exec_script", "LaunchError"]
+
+_BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+
+# Read and removed by bootstrap/sitecustomize.py, which spells them out too: the pid it may
+# attach in, and PYTHONPATH as it was (absent when PYTHONPATH was unset, so it can be unset again).
+_PID_VARIABLE = "TUNEUP_LAUNCH_PID"
+_PYTHONPATH_VARIABLE = "TUNEUP_LAUNCH_PYTHONPATH"
+
+
+class LaunchError(Exception):
+    """The script or module cannot be launched; the message is one line: the problem and the fix."""
+
+
+def exec_script(
+    target: str,
+    args: list[str],
+    *,
+    module: bool = False,
+    env_overrides: dict[str, str] | None = None,
+) -> NoReturn:
+    """Replace this process with `python target args...` (or `python -m target args...`), measured.
+
+    Raises LaunchError before exec for a script that is missing, a directory without
+    __main__.py, or unreadable, and for an empty module name. A module's existence is not
+    checked here: importing it would run its package's code in this process; Python reports
+    a missing module itself, exactly as `python -m` does.
+    """
+    if module:
+        if not target.strip():
+            raise LaunchError("-m needs a module name, e.g. -m mypackage.train")
+        command = [sys.executable, "-m", target, *args]
+    else:
+        _check_script(target)
+        command = [sys.executable, target, *args]
+    env = dict(os.environ)
+    original = env.get("PYTHONPATH")
+    env.pop(_PYTHONPATH_VARIABLE, None)
+    if original is not None:
+        env[_PYTHONPATH_VARIABLE] = original
+    env["PYTHONPATH"] = os.pathsep.join([str(_BOOTSTRAP_DIR), *([original] if original else [])])
+    env[_PID_VARIABLE] = str(os.getpid())
+    env.update(env_overrides or {})
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()  # exec discards anything still buffered in this process
+    os.execve(sys.executable, command, env)
+
+
+def _check_script(target: str) -> None:
+    path = Path(target)
+    if not path.exists():
+        raise LaunchError(f"no script at {target!r}; check the path (for a module, use -m package.module)")
+    if path.is_dir() and not (path / "__main__.py").is_file():
+        raise LaunchError(
+            f"{target!r} is a directory without __main__.py; give the training script's path instead"
+        )
+    if not os.access(path, os.R_OK):
+        raise LaunchError(f"cannot read {target!r}; check its permissions")

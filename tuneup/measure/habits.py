@@ -1,0 +1,192 @@
+"""Code habits the advice rules need, measured where they happen:
+
+- `torch.tensor(ndarray)` calls (a copy; `torch.as_tensor`/`torch.from_numpy` share the
+  array's memory), with their time and source lines;
+- gradient clipping calls (`clip_grad_norm_`, `clip_grad_value_`);
+- samples of the input batches: whether they are pinned, on which device, whether their
+  shapes change (cudnn.benchmark needs static shapes), and value statistics of the float
+  inputs (normalization) — on a few fetches only (1-5, then sparser), never on the GPU.
+
+Evaluation forwards that build autograd graphs are counted by the model probe.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from .._patching import PatchSet
+from .device_values import raw_item
+from .steps import StepTimeline
+from .syncs import format_location
+
+MAX_SOURCES = 10
+MAX_SHAPES = 64
+SAMPLE_ROWS = 8  # rows of a batch read for its statistics
+_CLIP = ("clip_grad_norm_", "clip_grad_value_")
+
+
+def _inspect_schedule(fetch: int) -> int:
+    """The fetch after `fetch` to inspect: 1-5, 10, 20, 50, 100, then every 100th."""
+    if fetch < 5:
+        return fetch + 1
+    for mark in (10, 20, 50, 100):
+        if fetch < mark:
+            return mark
+    return fetch + 100
+
+
+def _tensors(batch: Any, limit: int = 8) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    pending = [batch]
+    while pending and len(out) < limit:
+        item = pending.pop(0)
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item[:limit])
+        elif isinstance(item, Mapping):
+            pending.extend(list(item.values())[:limit])
+    return out
+
+
+class HabitsProbe:
+    name = "habits"
+
+    def __init__(self, timeline: StepTimeline) -> None:
+        self.on = True
+        self.timeline = timeline
+        self.numpy_copies = 0
+        self.numpy_copy_seconds = 0.0
+        self.numpy_copies_in_loader = 0
+        self.numpy_sources: dict[str, int] = {}
+        self.clip_calls = 0
+        self.next_inspect = 1
+        self.inspected = 0
+        self.pinned = 0
+        self.pin_known = 0
+        self.devices: set[str] = set()
+        self.shapes: set[tuple] = set()
+        self.shape_changes = 0
+        self._last_shape: tuple | None = None
+        self.inputs: dict[str, Any] | None = None  # the newest float-input statistics
+
+    def install(self, patches: PatchSet) -> None:
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        if numpy is not None:
+            patches.replace(torch, "tensor", self._wrap_tensor(numpy.ndarray))
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in _CLIP:
+                if hasattr(module, name):
+                    patches.replace(module, name, self._wrap_clip)
+
+    def _wrap_tensor(self, ndarray: type):
+        probe = self
+        tl = self.timeline
+
+        def wrap(original):
+            @functools.wraps(original)
+            def tensor(data, *args, **kwargs):
+                if type(data) is not ndarray or not probe.on:
+                    return original(data, *args, **kwargs)
+                began = perf_counter()
+                try:
+                    return original(data, *args, **kwargs)
+                finally:
+                    try:
+                        probe.numpy_copy_seconds += perf_counter() - began
+                        probe.numpy_copies += 1
+                        if tl.in_loader:
+                            probe.numpy_copies_in_loader += 1
+                        if len(probe.numpy_sources) < MAX_SOURCES or probe.numpy_copies % 64 == 0:
+                            frame = sys._getframe(1)
+                            where = format_location(frame.f_code.co_filename, frame.f_lineno)
+                            probe.numpy_sources[where] = probe.numpy_sources.get(where, 0) + 1
+                    except Exception as exc:
+                        probe.fail(exc)
+
+            return tensor
+
+        return wrap
+
+    def _wrap_clip(self, original):
+        probe = self
+
+        @functools.wraps(original)
+        def clip(*args, **kwargs):
+            probe.clip_calls += 1
+            return original(*args, **kwargs)
+
+        return clip
+
+    def inspect(self, batch: Any) -> None:
+        """Called by the loader probe on scheduled fetches (off the common path)."""
+        self.next_inspect = _inspect_schedule(self.timeline.fetches)
+        if not self.on:
+            return
+        try:
+            tensors = _tensors(batch)
+            if not tensors:
+                return
+            self.inspected += 1
+            shape = tuple(tuple(t.shape) for t in tensors)
+            if self._last_shape is not None and shape != self._last_shape:
+                self.shape_changes += 1
+            self._last_shape = shape
+            if len(self.shapes) < MAX_SHAPES:
+                self.shapes.add(shape)
+            self.devices.update(t.device.type for t in tensors)
+            if torch.cuda.is_initialized():  # is_pinned() would initialize CUDA otherwise
+                self.pin_known += 1
+                if all(t.is_pinned() for t in tensors if t.device.type == "cpu"):
+                    self.pinned += 1
+            first = next((t for t in tensors if t.is_floating_point() and t.dim() >= 2 and t.is_cpu), None)
+            if first is not None:
+                rows = first[:SAMPLE_ROWS].detach().float()
+                if rows.numel() > 1:
+                    finite = rows[torch.isfinite(rows)]
+                    if finite.numel() > 1:
+                        # raw_item: tuneup's own reads are not the job's host-device syncs
+                        self.inputs = {
+                            "mean": raw_item(finite.mean()),
+                            "std": raw_item(finite.std()),
+                            "abs_max": raw_item(finite.abs().max()),
+                            "shape": list(first.shape),
+                            "dtype": str(first.dtype).replace("torch.", ""),
+                        }
+        except Exception as exc:
+            self.fail(exc)
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        per_step = (lambda n: n / steps) if steps else (lambda n: None)
+        sources = sorted(self.numpy_sources.items(), key=lambda item: -item[1])[:5]
+        return {
+            "numpy_copies": self.numpy_copies,
+            "numpy_copies_per_step": per_step(self.numpy_copies),
+            "numpy_copies_in_loader": self.numpy_copies_in_loader,
+            "numpy_copy_seconds": self.numpy_copy_seconds,
+            "numpy_copy_sources": [{"location": where, "calls": calls} for where, calls in sources],
+            "clip_grad_calls": self.clip_calls,
+            "batches": {
+                "inspected": self.inspected,
+                "devices": sorted(self.devices),
+                "pinned": self.pinned if self.pin_known else None,
+                "pin_checked": self.pin_known,
+                "distinct_shapes": len(self.shapes),
+                "shape_changes": self.shape_changes,
+                "inputs": self.inputs,
+            },
+        }
+
+    def fail(self, exc: BaseException) -> None:
+        self.on = False
+        self.timeline.fail(self.name, exc)
+

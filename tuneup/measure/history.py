@@ -1,0 +1,351 @@
+"""A run as its event stream: the run log's events, held in memory or read back from disk.
+
+Rules and reports read a run only through `RunHistory`, built from the same events whether
+they come from a live agent (its in-memory copy, over its loopback endpoint) or from the
+run log after the job ended, so both give the same findings and the same report.
+
+Memory is bounded: past `max_intervals` interval summaries, the older half is merged pair
+by pair (sums add; medians become step-weighted medians of medians), so recent intervals
+stay fine-grained for the window the rules read, and old ones coarsen for the plots.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+from .windows import PARTS, SPLIT, Totals
+
+MAX_INTERVALS = 1024
+MAX_SYSTEM_SAMPLES = 1024
+# The first steps (allocator warm-up, GradScaler's scale search, cuDNN autotuning) are left
+# out of the window the rules read when enough later steps exist.
+WARMUP_STEPS = 20
+MIN_WINDOW_STEPS = 50
+
+
+def weighted_median(pairs: Sequence[tuple[float, float]], q: float = 0.5) -> float | None:
+    """The q-quantile of values given as (value, weight) pairs."""
+    pairs = sorted((value, weight) for value, weight in pairs if value is not None and weight > 0)
+    total = sum(weight for _, weight in pairs)
+    if not total:
+        return None
+    running = 0.0
+    for value, weight in pairs:
+        running += weight
+        if running >= q * total:
+            return value
+    return pairs[-1][0]
+
+
+def _median_of(intervals: Sequence[dict[str, Any]], field: str, weight: str = "steps", key: str = "median"):
+    pairs = [((entry.get(field) or {}).get(key), entry["sums"].get(weight, entry["steps"]))
+             for entry in intervals if entry.get(field)]
+    return weighted_median(pairs) if pairs else None
+
+
+def combine(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """One summary (the shape of windows.summarize's) of consecutive interval summaries.
+    Sums, means and ratios are exact; medians and the p90 are step-weighted medians of the
+    intervals' own (exact when there is one interval)."""
+    intervals = [entry for entry in intervals if entry and entry.get("steps")]
+    if not intervals:
+        return None
+    if len(intervals) == 1:
+        return intervals[0]
+    totals = Totals()
+    for entry in intervals:
+        totals.add(entry)
+    sums = dict(totals.sums)
+    sums["last_loss"] = totals.last_loss
+    sums["fetches"] = sum(entry["sums"].get("fetches", 0) for entry in intervals)
+    steps = int(sums["steps"])
+    seconds = sums["seconds"]
+    detailed = sums["detailed_steps"]
+    step_dist = {
+        "median": _median_of(intervals, "step_seconds"),
+        "mean": seconds / steps,
+        "p90": weighted_median([(e["step_seconds"]["p90"], e["steps"]) for e in intervals], 0.9),
+        "min": min(e["step_seconds"]["min"] for e in intervals),
+        "max": max(e["step_seconds"]["max"] for e in intervals),
+    }
+    summary: dict[str, Any] = {
+        "steps": steps,
+        "first_step": intervals[0]["first_step"],
+        "last_step": intervals[-1]["last_step"],
+        "seconds": seconds,
+        "step_seconds": step_dist,
+        "stall_ratio": sums["data_wait_seconds"] / seconds if seconds > 0 else None,
+        "steps_per_second": steps / seconds if seconds > 0 else None,
+        "samples_per_second": sums["samples"] / seconds if seconds > 0 and sums["samples"] else None,
+        "batch_size": sums["samples"] / sums["fetches"] if sums["fetches"] else None,
+        "fetches_per_step": sums["fetches"] / steps,
+        "optimizer_steps": int(sums["optimizer_steps"]),
+        "skipped_steps": int(sums["skipped_steps"]),
+        "syncs_per_step": sums["syncs"] / sums["sync_sampled_steps"] if sums["sync_sampled_steps"] else None,
+        "sync_sampled_steps": int(sums["sync_sampled_steps"]),
+        "detailed_steps": int(detailed),
+        "backward_passes_per_step": weighted_median(
+            [(e.get("backward_passes_per_step"), e["sums"]["detailed_steps"]) for e in intervals]),
+        "gpu_seconds": _gpu(intervals),
+        "loss": _loss(intervals),
+        "data_wait_seconds": {"median": _median_of(intervals, "data_wait_seconds"),
+                              "mean": sums["data_wait_seconds"] / steps},
+    }
+    forward_known = all(e.get("forward_seconds") is not None for e in intervals if e["sums"]["detailed_steps"])
+    for part in SPLIT + ("other_seconds",):
+        ratio = part.replace("_seconds", "_ratio")
+        known = [e for e in intervals if e.get(part) is not None]
+        if not detailed or not known or (part in ("forward_seconds", "other_seconds") and not forward_known):
+            summary[part] = summary[ratio] = None
+            continue
+        if part == "other_seconds":
+            amount = sum(e["other_seconds"]["mean"] * e["sums"]["detailed_steps"] for e in known)
+        else:
+            amount = sums[part]
+        summary[part] = {"median": _median_of(known, part, "detailed_steps"), "mean": amount / detailed}
+        summary[ratio] = amount / sums["detailed_seconds"] if sums["detailed_seconds"] > 0 else None
+    summary["sums"] = sums
+    return summary
+
+
+def _gpu(intervals: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    known = [e for e in intervals if e.get("gpu_seconds")]
+    if not known:
+        return None
+    steps = sum(e["steps"] for e in known)
+    return {
+        "median": _median_of(known, "gpu_seconds"),
+        "mean": sum(e["gpu_seconds"]["mean"] * e["steps"] for e in known) / steps,
+        "p90": weighted_median([(e["gpu_seconds"]["p90"], e["steps"]) for e in known], 0.9),
+        "min": min(e["gpu_seconds"]["min"] for e in known),
+        "max": max(e["gpu_seconds"]["max"] for e in known),
+    }
+
+
+def _loss(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    known = [e["loss"] for e in intervals if e.get("loss")]
+    if not known:
+        return None
+    medians = [entry["median"] for entry in known if entry.get("median") is not None]
+    trend = None
+    if len(medians) >= 4:
+        half = len(medians) // 2
+        earlier = sorted(medians[:half])[half // 2]
+        later = sorted(medians[half:])[(len(medians) - half) // 2]
+        if earlier:
+            trend = (later - earlier) / abs(earlier)
+    return {
+        "last": known[-1]["last"],
+        "median": weighted_median([(entry.get("median"), entry["read_steps"]) for entry in known]),
+        "max": max((entry.get("max") for entry in known if entry.get("max") is not None), default=None),
+        "read_steps": sum(entry["read_steps"] for entry in known),
+        "nonfinite_steps": sum(entry["nonfinite_steps"] for entry in known),
+        "spikes": sum(entry.get("spikes") or 0 for entry in known),
+        "trend": trend,
+    }
+
+
+class RunHistory:
+    """The events of one run (one rank), bounded, with the views reports and rules read."""
+
+    def __init__(self, max_intervals: int = MAX_INTERVALS) -> None:
+        self.max_intervals = max_intervals
+        self.run: dict[str, Any] | None = None
+        self.config: dict[str, Any] | None = None
+        self.system: list[dict[str, Any]] = []
+        self.intervals: list[dict[str, Any]] = []
+        self.warnings: list[dict[str, Any]] = []
+        self.actions: list[dict[str, Any]] = []
+        self.latest: dict[str, Any] = {}  # the newest cumulative sections: syncs, scaler, habits
+        self.end: dict[str, Any] | None = None
+        self.source: str | None = None
+
+    @classmethod
+    def of(cls, events: Iterable[dict[str, Any]], source: str | None = None) -> "RunHistory":
+        history = cls()
+        history.source = source
+        for event in events:
+            history.add(event)
+        return history
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "run":
+            if self.run is None or not event.get("continued"):
+                self.run = {k: v for k, v in event.items() if k != "event"}
+        elif kind == "config":
+            self.config = {k: v for k, v in event.items() if k not in ("event", "time")}
+        elif kind == "system":
+            self.system.append({k: v for k, v in event.items() if k != "event"})
+            if len(self.system) > MAX_SYSTEM_SAMPLES:
+                del self.system[: MAX_SYSTEM_SAMPLES // 2 : 2]  # thin the older half
+        elif kind == "steps" and isinstance(event.get("sums"), dict):
+            interval = {k: v for k, v in event.items() if k not in ("event", "syncs", "scaler", "habits")}
+            if event.get("scaler"):
+                interval["scale"] = event["scaler"].get("scale")
+            self.intervals.append(interval)
+            for section in ("syncs", "scaler", "habits"):
+                if event.get(section) is not None:
+                    self.latest[section] = event[section]
+            if len(self.intervals) > self.max_intervals:
+                self._coarsen()
+        elif kind == "warning":
+            self.warnings.append({k: v for k, v in event.items() if k != "event"})
+        elif kind == "action":
+            self.actions.append({k: v for k, v in event.items() if k != "event"})
+        elif kind == "end":
+            self.end = {k: v for k, v in event.items() if k != "event"}
+            for section in ("syncs", "scaler", "habits"):
+                if event.get(section) is not None:
+                    self.latest[section] = event[section]
+
+    def _coarsen(self) -> None:
+        half = len(self.intervals) // 2
+        older, newer = self.intervals[:half], self.intervals[half:]
+        merged = [combine(older[i : i + 2]) for i in range(0, len(older), 2)]
+        self.intervals = [entry for entry in merged if entry] + newer
+
+    def events(self) -> list[dict[str, Any]]:
+        """The history as events again (what a live agent sends to `tuneup report URL`)."""
+        out: list[dict[str, Any]] = []
+        if self.run is not None:
+            out.append({"event": "run", **self.run})
+        if self.config is not None:
+            out.append({"event": "config", **self.config})
+        out += [{"event": "system", **sample} for sample in self.system]
+        for i, interval in enumerate(self.intervals):
+            event = {"event": "steps", **interval}
+            if i == len(self.intervals) - 1:
+                event.update({k: v for k, v in self.latest.items()})
+            out.append(event)
+        out += [{"event": "warning", **warning} for warning in self.warnings]
+        out += [{"event": "action", **action} for action in self.actions]
+        if self.end is not None:
+            out.append({"event": "end", **self.end})
+        return out
+
+    # --- views -----------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        return self.intervals[-1]["last_step"] if self.intervals else 0
+
+    def window(self, window_steps: int) -> dict[str, Any] | None:
+        """The last `window_steps` steps (whole intervals), past the warm-up where possible."""
+        chosen: list[dict[str, Any]] = []
+        count = 0
+        for interval in reversed(self.intervals):
+            if count >= window_steps:
+                break
+            if interval["last_step"] <= WARMUP_STEPS and count >= MIN_WINDOW_STEPS:
+                break
+            chosen.append(interval)
+            count += interval["steps"]
+        return combine(chosen[::-1])
+
+    def totals(self) -> dict[str, Any]:
+        if self.end is not None and self.end.get("totals"):
+            return self.end["totals"]
+        totals = Totals()
+        for interval in self.intervals:
+            totals.add(interval)
+        return totals.summary()
+
+    def snapshot(self, window_steps: int = 1000) -> dict[str, Any]:
+        """The shape of Agent.snapshot(), from the events alone."""
+        run = self.run or {}
+        return {
+            "enabled": True,
+            "attached": self.end is None,
+            "state": "ended" if self.end is not None else "running or ended abruptly",
+            "run": {k: v for k, v in run.items() if k not in ("options", "time")},
+            "run_dir": run.get("run_dir"),
+            "run_log": self.source,
+            "totals": self.totals(),
+            "window": self.window(window_steps),
+            "syncs": self.latest.get("syncs") or {"measured": False},
+            "scaler": self.latest.get("scaler") or {"present": False},
+            "habits": self.latest.get("habits") or {},
+            "system": self.system[-1] if self.system else None,
+            "gpu_history": _gpu_history(self.system[-120:]),
+            "config": self.config,
+            "warnings": list(self.warnings),
+            "actions": list(self.actions),
+        }
+
+    def series(self, max_points: int = 400) -> dict[str, list]:
+        """Per-interval values for plots (step-time breakdown, stall, scale, skips, loss, GPU)."""
+        intervals = self.intervals
+        while len(intervals) > max_points:
+            intervals = [combine(intervals[i : i + 2]) for i in range(0, len(intervals), 2)]
+        out: dict[str, list] = {name: [] for name in (
+            "time", "step", "step_seconds", "stall_ratio", "samples_per_second", "loss", "skipped_steps",
+            "scale") + tuple(p.replace("_seconds", "") for p in PARTS) + ("other",)}
+        scale = None
+        for interval in intervals:
+            sums = interval["sums"]
+            steps = interval["steps"]
+            detailed = sums["detailed_steps"]
+            out["time"].append(interval.get("time"))
+            out["step"].append(interval["last_step"])
+            out["step_seconds"].append(interval["step_seconds"]["median"])
+            out["stall_ratio"].append(interval["stall_ratio"])
+            out["samples_per_second"].append(interval.get("samples_per_second"))
+            out["loss"].append((interval.get("loss") or {}).get("median"))
+            out["skipped_steps"].append(interval.get("skipped_steps", 0))
+            scale = interval.get("scale", scale)
+            out["scale"].append(scale)
+            mean_step = sums["seconds"] / steps
+            wait = sums["data_wait_seconds"] / steps
+            out["data_wait"].append(wait)
+            known = detailed and interval.get("forward_seconds") is not None
+            rest = mean_step - wait
+            for part in SPLIT:
+                name = part.replace("_seconds", "")
+                share = sums[part] / sums["detailed_seconds"] if known and sums["detailed_seconds"] else None
+                out[name].append(share * mean_step if share is not None else None)
+            split = [out[p.replace("_seconds", "")][-1] for p in SPLIT]
+            out["other"].append(max(0.0, rest - sum(split)) if None not in split else rest)
+        out["gpu_time"], out["gpu_utilization"], out["gpu_memory_ratio"], out["gpu_power_watts"] = [], [], [], []
+        for sample in self.system:
+            devices = ((sample.get("gpu") or {}).get("samples") or [])
+            if not devices:
+                continue
+            out["gpu_time"].append(sample.get("time"))
+            out["gpu_utilization"].append(_mean(d.get("utilization_ratio") for d in devices))
+            out["gpu_memory_ratio"].append(_mean(
+                d["memory_used_bytes"] / d["memory_total_bytes"] for d in devices
+                if d.get("memory_used_bytes") is not None and d.get("memory_total_bytes")))
+            out["gpu_power_watts"].append(_mean(d.get("power_watts") for d in devices))
+        return out
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [value for value in values if value is not None and not (isinstance(value, float) and math.isnan(value))]
+    return sum(known) / len(known) if known else None
+
+
+def _gpu_history(samples: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-device means over the recent GPU samples (utilization is bursty: one sample says
+    little), with the throttle reasons seen among them."""
+    per_device: dict[int, list[dict[str, Any]]] = {}
+    for sample in samples:
+        for device in ((sample.get("gpu") or {}).get("samples") or []):
+            per_device.setdefault(device.get("gpu", 0), []).append(device)
+    if not per_device:
+        return None
+    out = []
+    for index, rows in sorted(per_device.items()):
+        entry: dict[str, Any] = {"gpu": index, "samples": len(rows)}
+        for field in ("utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
+                      "power_limit_watts", "sm_clock_hz", "sm_clock_max_hz", "temperature_celsius",
+                      "process_memory_bytes"):
+            entry[field] = _mean(row.get(field) for row in rows)
+        reasons: dict[str, int] = {}
+        for row in rows:
+            for reason in row.get("throttle_reasons") or ():
+                reasons[reason] = reasons.get(reason, 0) + 1
+        entry["throttle_reasons"] = {k: v / len(rows) for k, v in reasons.items()}
+        out.append(entry)
+    return {"devices": out, "samples": len(samples)}

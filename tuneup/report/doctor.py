@@ -1,0 +1,128 @@
+"""`tuneup doctor`: what this environment offers tuneup and the job (torch build, CUDA,
+cuDNN, NVML and driver, TF32 and bf16 support, CPU, run directory, port)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .. import __version__
+from ..measure.config import hardware
+from ..measure.host import usable_cores
+from ..options import DEFAULT_PORT
+
+Check = tuple[str, str, str]  # (what, status: ok | warn | fail | info, detail)
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _torch() -> list[Check]:
+    import torch
+
+    checks: list[Check] = [("python", "ok", f"{platform.python_version()} ({sys.executable})"),
+                           ("tuneup", "ok", __version__),
+                           ("torch", "ok", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none, CPU-only'})")]
+    if not torch.cuda.is_available():
+        checks.append(("CUDA", "info", "no CUDA device available: GPU rules and GPU timings stay silent"))
+        return checks
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        name = torch.cuda.get_device_name(index)
+        bf16 = "bf16 and TF32 Tensor Cores" if major >= 8 else ("fp16 Tensor Cores, no bf16" if major >= 7 else "no Tensor Cores")
+        checks.append((f"cuda:{index}", "ok", f"{name}, sm_{major}{minor}: {bf16}"))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    checks.append(("cuDNN", "ok" if cudnn else "warn", str(cudnn) if cudnn else "not available"))
+    precision = torch.get_float32_matmul_precision()
+    tf32 = precision != "highest" or torch.backends.cuda.matmul.allow_tf32
+    status = "ok" if tf32 or torch.cuda.get_device_capability(0)[0] < 8 else "warn"
+    checks.append(("TF32 matmuls", status, f"float32_matmul_precision={precision!r}"
+                   + ("" if tf32 else ": fp32 matmuls skip TF32 (torch.set_float32_matmul_precision('high'))")))
+    return checks
+
+
+def _nvml() -> list[Check]:
+    try:
+        import pynvml
+    except ImportError:
+        return [("NVML", "info", "nvidia-ml-py is not installed: no GPU sampling (pip install nvidia-ml-py)")]
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return [("NVML", "info", f"no NVIDIA driver ({type(exc).__name__}): GPU sampling is off, all else works")]
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        count = pynvml.nvmlDeviceGetCount()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        return [("NVML", "ok", f"driver {driver}, {count} GPU(s) visible")]
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cpu() -> list[Check]:
+    info = hardware()
+    bf16 = "AVX512-BF16/AMX: CPU bf16 autocast pays off" if info["cpu_bf16"] else "no AVX512-BF16/AMX: CPU bf16 autocast is usually slower"
+    return [("CPU", "ok", f"{usable_cores()} usable cores, {info['cpu_capability']}; {bf16}")]
+
+
+def _run_dir() -> list[Check]:
+    target = Path(os.environ.get("TUNEUP_RUN_DIR") or "tuneup-runs").resolve()
+    probe = target if target.exists() else target.parent
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return [("run directory", "fail", f"cannot write in {probe} ({exc.strerror}): set TUNEUP_RUN_DIR to a writable place")]
+    return [("run directory", "ok", f"{target} is writable")]
+
+
+def _port() -> list[Check]:
+    port = int(os.environ.get("TUNEUP_PORT") or DEFAULT_PORT)
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return [("HTTP port", "info", f"127.0.0.1:{port} is in use (another job?): agents will pick a free port")]
+    return [("HTTP port", "ok", f"127.0.0.1:{port} is free for the agent's endpoint")]
+
+
+def _packages() -> list[Check]:
+    names = ("psutil", "prometheus-client", "nvidia-ml-py", "typer", "rich")
+    return [("packages", "ok", ", ".join(f"{name} {_version(name)}" for name in names))]
+
+
+SECTIONS: tuple[Callable[[], list[Check]], ...] = (_torch, _nvml, _cpu, _packages, _run_dir, _port)
+
+
+def run_checks(console: Console) -> int:
+    """Print the checks; returns how many failed."""
+    table = Table(title="tuneup doctor", show_edge=False, pad_edge=False)
+    table.add_column("check")
+    table.add_column("status")
+    table.add_column("detail", overflow="fold")
+    failed = 0
+    for section in SECTIONS:
+        try:
+            checks = section()
+        except Exception as exc:
+            checks = [(section.__name__.strip("_"), "fail", f"{type(exc).__name__}: {exc}")]
+        for what, status, detail in checks:
+            failed += status == "fail"
+            table.add_row(what, Text(status, style=_STYLE[status]), Text(detail))
+    console.print(table)
+    return failed

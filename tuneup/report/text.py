@@ -1,0 +1,114 @@
+"""The report as terminal text (rich) and as Markdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.padding import Padding
+from rich.syntax import Syntax
+from rich.text import Text
+
+from ..format import percent
+from . import summary
+
+_STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan"}
+
+
+def _ranks(finding: dict[str, Any]) -> str:
+    ranks = finding.get("ranks") or []
+    if len(ranks) > 1:
+        return f" (ranks {', '.join(map(str, ranks))})"
+    return f" (rank {ranks[0]})" if ranks else ""
+
+
+def _checked(document: dict[str, Any]) -> str:
+    evaluation = document["runs"][0]["evaluation"] if document["runs"] else {}
+    passed, silent = len(evaluation.get("passed", [])), len(evaluation.get("silent", []))
+    return f"{passed} rules checked and passed, {silent} had nothing to measure on this run"
+
+
+def findings_group(document: dict[str, Any]) -> Group:
+    findings = document["findings"]
+    parts: list[Any] = []
+    if not findings:
+        parts.append(Text("No findings: " + _checked(document) + ".", style="bold green"))
+        return Group(*parts)
+    parts.append(Text(f"Advice, ranked by estimated gain ({len(findings)} findings; {_checked(document)})",
+                      style="bold"))
+    for number, finding in enumerate(findings, 1):
+        head = Text(f"{number}. ")
+        head.append(f"{finding['severity'].upper()} ", style=_STYLE[finding["severity"]])
+        head.append(f"{finding['title']}", style="bold")
+        head.append(f"  [{finding['rule']}]{_ranks(finding)}", style="dim")
+        lines = [
+            Text(f"measured: {finding['observed']}"),
+            Text(f"threshold: {finding['threshold']}", style="dim"),
+            Text(f"gain: {finding['gain_text']}"),
+            Text("fix:"),
+            Padding(Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default", word_wrap=True), (0, 0, 0, 2)),
+        ]
+        if finding["can_apply"]:
+            lines.append(Text("tuneup can apply this as a measured experiment: tuneup run --apply", style="green"))
+        lines.append(Text(f"docs: {finding['doc']}", style="dim"))
+        parts += [head, Padding(Group(*lines), (0, 0, 1, 3))]
+    return Group(*parts)
+
+
+def render_text(document: dict[str, Any], console: Console) -> None:
+    console.print(Text(f"tuneup report: {document['source']}", style="bold"))
+    console.print(findings_group(document))
+    for run in document["runs"]:
+        if len(document["runs"]) > 1:
+            console.rule(f"rank {run['rank']}")
+        console.print(Text("What was measured", style="bold"))
+        console.print(summary.render(run["snapshot"]))
+    errors = {rule: error for run in document["runs"] for rule, error in run["evaluation"]["errors"].items()}
+    for rule, error in errors.items():
+        console.print(Text(f"rule {rule} failed on this run ({error}); please report it", style="yellow"))
+
+
+def to_markdown(document: dict[str, Any]) -> str:
+    out = [f"# tuneup report", "", f"Source: `{document['source']}`", ""]
+    findings = document["findings"]
+    out += ["## Advice, ranked by estimated gain", ""]
+    if not findings:
+        out += [f"No findings: {_checked(document)}.", ""]
+    for number, finding in enumerate(findings, 1):
+        out += [
+            f"### {number}. {finding['title']} — {finding['severity']} (`{finding['rule']}`){_ranks(finding)}",
+            "",
+            f"- **Measured:** {finding['observed']}",
+            f"- **Threshold:** {finding['threshold']}",
+            f"- **Estimated gain:** {finding['gain_text']}",
+            f"- **tuneup can apply it:** {'yes (`tuneup run --apply`)' if finding['can_apply'] else 'no (advice only)'}",
+            f"- **Docs:** {finding['doc']}",
+            "",
+            "```python",
+            finding["fix"],
+            "```",
+            "",
+        ]
+    for run in document["runs"]:
+        snapshot = run["snapshot"]
+        window = snapshot.get("window")
+        title = "## What was measured" + (f" (rank {run['rank']})" if run["rank"] is not None else "")
+        out += [title, ""]
+        totals = snapshot["totals"]
+        out.append(f"{totals['steps']} steps in {totals['seconds']:.1f} s, run `{snapshot['run'].get('run_id')}`, "
+                   f"{snapshot['state']}.")
+        out.append("")
+        if window:
+            out += ["| part | median | share of step time |", "|---|---:|---:|",
+                    f"| step | {summary.seconds(window['step_seconds']['median'])} | p90 "
+                    f"{summary.seconds(window['step_seconds']['p90'])} |"]
+            for label, part in (("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
+                                ("optimizer", "optimizer"), ("other", "other")):
+                entry = window.get(f"{part}_seconds")
+                share = window["stall_ratio"] if part == "data_wait" else window.get(f"{part}_ratio")
+                out.append(f"| {label} | {summary.seconds(entry['median']) if entry else '–'} | {percent(share)} |")
+            out.append("")
+        lines = summary.sync_lines(snapshot["syncs"]) + [summary.scaler_line(snapshot["scaler"])]
+        lines += summary.system_lines(snapshot.get("system")) + summary.config_lines(snapshot.get("config"))
+        out += [f"- {line.strip()}" for line in lines] + [""]
+    return "\n".join(out)
