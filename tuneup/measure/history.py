@@ -73,6 +73,7 @@ def combine(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "steps": steps,
         "first_step": intervals[0]["first_step"],
         "last_step": intervals[-1]["last_step"],
+        "time": intervals[-1].get("time"),
         "seconds": seconds,
         "step_seconds": step_dist,
         "stall_ratio": sums["data_wait_seconds"] / seconds if seconds > 0 else None,
@@ -255,6 +256,7 @@ class RunHistory:
     def snapshot(self, window_steps: int = 1000) -> dict[str, Any]:
         """The shape of Agent.snapshot(), from the events alone."""
         run = self.run or {}
+        window = self.window(window_steps)
         return {
             "enabled": True,
             "attached": self.end is None,
@@ -263,16 +265,41 @@ class RunHistory:
             "run_dir": run.get("run_dir"),
             "run_log": self.source,
             "totals": self.totals(),
-            "window": self.window(window_steps),
+            "window": window,
             "syncs": self.latest.get("syncs") or {"measured": False},
             "scaler": self.latest.get("scaler") or {"present": False},
             "habits": self.latest.get("habits") or {},
-            "system": self.system[-1] if self.system else None,
-            "gpu_history": _gpu_history(self.system[-120:]),
+            "system": self._system_in_window(window),
+            "gpu_history": _gpu_history(self._samples_in_window(window)),
             "config": self.config,
             "warnings": list(self.warnings),
             "actions": list(self.actions),
         }
+
+    def _samples_in_window(self, window: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The system samples taken while the window's steps ran (the newest ones when
+        the window has no times)."""
+        if window is None or window.get("time") is None:
+            return self.system[-120:]
+        start, end = window["time"] - window["seconds"], window["time"] + 0.5
+        inside = [sample for sample in self.system if start <= (sample.get("time") or 0) <= end]
+        return inside or self.system[-1:]
+
+    def _system_in_window(self, window: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The newest system sample, with the host's CPU use averaged over the window (one
+        sample says little, and the last one may be taken after the loop ended)."""
+        if not self.system:
+            return None
+        latest = dict(self.system[-1])
+        hosts = [sample["host"] for sample in self._samples_in_window(window) if sample.get("host")]
+        if hosts and latest.get("host"):
+            latest["host"] = dict(latest["host"])
+            for field in ("cpu_ratio", "workers_cpu_ratio", "busy_cores"):
+                values = [host[field] for host in hosts if host.get(field) is not None]
+                if values:
+                    latest["host"][field] = sum(values) / len(values)
+            latest["host"]["workers"] = max(host.get("workers") or 0 for host in hosts)
+        return latest
 
     def series(self, max_points: int = 400) -> dict[str, list]:
         """Per-interval values for plots (step-time breakdown, stall, scale, skips, loss, GPU)."""

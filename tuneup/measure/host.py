@@ -51,6 +51,11 @@ class HostProbe:
         self.process.cpu_percent(None)  # the first call only starts the interval
         self._workers: dict[int, psutil.Process] = {}
         self.cores = usable_cores()
+        try:
+            self._cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self._cpus = list(range(psutil.cpu_count() or 1))
+        psutil.cpu_percent(None, percpu=True)  # starts the machine-wide interval
 
     def sample(self, worker_pids: Iterable[int]) -> dict[str, Any]:
         with self.process.oneshot():
@@ -77,8 +82,11 @@ class HostProbe:
             load_1m = os.getloadavg()[0]
         except OSError:
             load_1m = None
+        per_cpu = psutil.cpu_percent(None, percpu=True)
+        busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
         return {
             "cpu_ratio": cpu / 100,  # 1.0 = one core busy
+            "busy_cores": busy,  # machine-wide, on the cores this process may use
             "rss_bytes": rss,
             "threads": threads,
             "workers": len(workers),

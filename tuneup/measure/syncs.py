@@ -65,6 +65,23 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     return None
 
 
+GRAD_SCALER_KIND = "grad_scaler"
+_GRAD_SCALER_MODULES = frozenset({"torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler"})
+
+
+def _inside_grad_scaler(frame: FrameType | None) -> bool:
+    """Whether the read happens inside GradScaler (its step reads found_inf), before any
+    user frame."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module in _GRAD_SCALER_MODULES:
+            return True
+        if module in _USER_MODULES or not (module == "torch" or module.startswith(_LIBRARY_PREFIXES)):
+            return False
+        frame = frame.f_back
+    return False
+
+
 def format_location(filename: str, lineno: int) -> str:
     try:
         relative = os.path.relpath(filename)
@@ -236,6 +253,8 @@ class SyncCounter:
     def record(self, kind: str, frame: FrameType | None) -> None:
         """One host read (or CUDA sync) on the sampled step under way."""
         self.calls += 1
+        if _inside_grad_scaler(frame):
+            kind = GRAD_SCALER_KIND  # the read GradScaler.step itself needs: not the loop's to remove
         self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
         frame = user_frame(frame)
         if frame is None:

@@ -39,6 +39,18 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def spikes(losses: Sequence[float], history: int = 8) -> int:
+    """Losses over SPIKE_FACTOR times the median of the ones before them (at least 4): the
+    pattern gradient clipping guards against (a bad batch, an exploding gradient). A loss
+    that falls, however fast, never counts."""
+    count = 0
+    for index in range(4, len(losses)):
+        before = median(losses[max(0, index - history) : index])
+        if before > 0 and losses[index] > SPIKE_FACTOR * before:
+            count += 1
+    return count
+
+
 def loss_summary(columns: Columns) -> dict[str, Any] | None:
     known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     if not known:
@@ -50,14 +62,11 @@ def loss_summary(columns: Columns) -> dict[str, Any] | None:
         earlier, later = median(finite[:half]), median(finite[half:])
         if earlier:
             trend = (later - earlier) / abs(earlier)  # relative change: < 0 is a falling loss
-    middle = median(finite) if finite else None
     return {
         "last": known[-1],
-        "median": middle,
+        "median": median(finite) if finite else None,
         "max": max(finite) if finite else None,
-        # A loss over SPIKE_FACTOR times the interval's median: the pattern gradient
-        # clipping guards against (a bad batch, an exploding gradient).
-        "spikes": sum(1 for value in finite if middle and middle > 0 and value > SPIKE_FACTOR * middle),
+        "spikes": spikes(finite),
         "read_steps": len(known),
         "nonfinite_steps": len(known) - len(finite),
         "trend": trend,

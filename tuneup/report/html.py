@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Any, Sequence
+from typing import Any
 
 from ..format import percent, seconds
 from . import summary
@@ -36,12 +37,12 @@ body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1f2328;
  max-width:980px;margin:24px auto;padding:0 20px}
 h1{font-size:1.5em;margin:0 0 4px}h2{margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 h3{font-size:1.05em;margin:0 0 6px}.meta,.rule,.ranks,.dim{color:#656d76}
-.finding{border:1px solid #d0d7de;border-left:5px solid var(--sev);border-radius:6px;padding:10px 14px;
- margin:12px 0;break-inside:avoid}.high{--sev:#c62828}.medium{--sev:#b26a00}.low{--sev:#0e7490}
+.finding{border:1px solid #d0d7de;border-left:5px solid var(--sev);border-radius:6px;padding:8px 14px;
+ margin:10px 0;break-inside:avoid}.high{--sev:#c62828}.medium{--sev:#b26a00}.low{--sev:#0e7490}
 .badge{background:var(--sev);color:#fff;border-radius:4px;padding:1px 6px;font-size:.75em;margin-right:4px}
 .finding dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:6px 0}
 .finding dt{color:#656d76}.finding dd{margin:0}.apply{color:#1a7f37}.ok{color:#1a7f37;font-weight:600}
-pre{background:#f6f8fa;border-radius:6px;padding:8px 12px;overflow-x:auto;white-space:pre-wrap}
+pre{background:#f6f8fa;border-radius:6px;padding:6px 10px;margin:2px 0;overflow-x:auto;white-space:pre-wrap}
 code,pre{font:13px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 table{border-collapse:collapse;margin:6px 0 12px}td,th{padding:3px 14px 3px 0;text-align:right}
 td:first-child,th:first-child{text-align:left}th{border-bottom:1px solid #d0d7de}.alert{color:#c62828;font-weight:600}
@@ -114,10 +115,12 @@ def _log2_ticks(lo: float, hi: float) -> list[float]:
 
 
 def _label(value: float) -> str:
+    """A tick label: thousands separated, otherwise the shortest exact form."""
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:g}"
 
 
 def _x_axis(frame: Frame, ticks: Sequence[float], label: str) -> str:
+    """The bottom axis line, tick labels and axis label."""
     base = HEIGHT - BOTTOM
     out = [f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{base}" y2="{base}"/>']
     for tick in ticks:
@@ -127,6 +130,7 @@ def _x_axis(frame: Frame, ticks: Sequence[float], label: str) -> str:
 
 
 def _y_axis(frame: Frame, ticks: Sequence[float], label: str, *, right: bool = False) -> str:
+    """A vertical axis with tick labels (and grid lines when on the left) and a rotated label."""
     edge = WIDTH - RIGHT if right else LEFT
     anchor, gap = ("start", 6) if right else ("end", -6)
     out = [f'<line class="axis" x1="{edge}" x2="{edge}" y1="{TOP}" y2="{HEIGHT - BOTTOM}"/>']
@@ -142,7 +146,8 @@ def _y_axis(frame: Frame, ticks: Sequence[float], label: str, *, right: bool = F
 
 
 def _legend(entries: Sequence[tuple[str, str]]) -> str:
-    out, x = [], LEFT
+    """A row of colour swatches and labels above the plot area."""
+    out, x = [], float(LEFT)
     for label, colour in entries:
         out.append(f'<rect x="{x}" y="{TOP - 22}" width="10" height="10" fill="{colour}"/>'
                    f'<text x="{x + 14}" y="{TOP - 13}">{escape(label)}</text>')
@@ -151,6 +156,7 @@ def _legend(entries: Sequence[tuple[str, str]]) -> str:
 
 
 def _polyline(frame: Frame, label: str, colour: str, points: Sequence[Point]) -> str:
+    """A line through the points, with a dot on each when there are few."""
     marks = "".join(f'<circle cx="{frame.x(x):.1f}" cy="{frame.y(y):.1f}" r="2.5" fill="{colour}"/>'
                     for x, y in points) if len(points) <= 40 else ""
     return (f'<polyline class="series" data-series="{escape(label)}" fill="none" stroke="{colour}" '
@@ -158,6 +164,7 @@ def _polyline(frame: Frame, label: str, colour: str, points: Sequence[Point]) ->
 
 
 def _figure(name: str, suffix: str, title: str, caption: str, body: str) -> str:
+    """A plot: an <svg> with a <title>, and a caption the svg is described by."""
     ident = name + suffix
     return (f'<figure class="plot {name}" id="{ident}"><svg viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
             f'aria-labelledby="{ident}-title" aria-describedby="{ident}-caption">'
@@ -166,6 +173,7 @@ def _figure(name: str, suffix: str, title: str, caption: str, body: str) -> str:
 
 
 def _note(name: str, suffix: str, title: str, text: str) -> str:
+    """What stands in a plot's place (with its id) when there is nothing to draw."""
     return f'<p class="plot note {name}" id="{name}{suffix}"><strong>{title}:</strong> {text}</p>'
 
 
@@ -173,7 +181,7 @@ def _line_plot(name: str, suffix: str, title: str, caption: str, lines: Sequence
                y_label: str, *, y_range: tuple[float, float] | None = None) -> str:
     """A plot of one or more lines sharing linear axes; y from 0 unless `y_range` is given."""
     every = [point for _, _, points in lines for point in points]
-    x_lo, x_hi = _span(min(x for x, _ in every), max(x for x, _ in every))
+    x_lo, x_hi = _span(min(0.0, *(x for x, _ in every)), max(x for x, _ in every))
     y_ticks = _ticks(*(y_range or _span(0.0, max(y for _, y in every))), outward=True)
     frame = Frame(x_lo, x_hi, y_ticks[0], y_ticks[-1])
     body = (_y_axis(frame, y_ticks, y_label) + _x_axis(frame, _ticks(x_lo, x_hi), x_label)
@@ -193,48 +201,70 @@ def _intervals(series: dict[str, Any]) -> list[tuple[int, float, float]]:
     return out
 
 
+def _column(series: dict[str, Any], key: str, index: int) -> float | None:
+    """series[key][index] when present and finite."""
+    values = series.get(key) or []
+    return _finite(values[index]) if index < len(values) else None
+
+
 def _breakdown_plot(series: dict[str, Any], suffix: str) -> str:
+    """Stacked, step-shaped areas: each interval's mean ms per step of each part."""
     name, title = "plot-step-breakdown", "Where a step's time goes, over the run"
-    layers = [(key, label, colour, [_finite(v) for v in series.get(key, [])]) for key, label, colour in PARTS]
-    layers = [layer for layer in layers if any(v is not None for v in layer[3])]
-    spans = [(i, a, b) for i, a, b in _intervals(series) if any(i < len(v) and v[i] is not None for *_, v in layers)]
+    spans = _intervals(series)
+    layers = [(key, label, colour) for key, label, colour in PARTS
+              if any(_column(series, key, i) is not None for i, _, _ in spans)]
+    spans = [span for span in spans if any(_column(series, key, span[0]) is not None for key, _, _ in layers)]
     if not spans:
         return _note(name, suffix, title, "no step was measured")
-    heights = [[1e3 * (v[i] if i < len(v) and v[i] is not None else 0.0) for *_, v in layers] for i, _, _ in spans]
+    heights = [[1e3 * (_column(series, key, i) or 0.0) for key, _, _ in layers] for i, _, _ in spans]
     y_ticks = _ticks(*_span(0.0, max(sum(row) for row in heights)), outward=True)
     frame = Frame(0.0, spans[-1][2], 0.0, y_ticks[-1])
-    body, base = [], [0.0] * len(spans)
-    for k, (key, label, colour, _) in enumerate(layers):
-        top = [b + row[k] for b, row in zip(base, heights)]
-        upper = [(x, t) for (_, a, b), t in zip(spans, top) for x in (a, b)]
-        lower = [(x, h) for (_, a, b), h in zip(spans, base) for x in (a, b)][::-1]
-        body.append(f'<polygon class="series area" data-series="{key}" fill="{colour}" points="{frame.xy(upper + lower)}"/>')
+    areas, base = [], [0.0] * len(spans)
+    for k, (key, _, colour) in enumerate(layers):
+        top = [low + row[k] for low, row in zip(base, heights)]
+        upper = [(x, high) for (_, a, b), high in zip(spans, top) for x in (a, b)]
+        lower = [(x, low) for (_, a, b), low in zip(spans, base) for x in (a, b)][::-1]
+        areas.append(f'<polygon class="series area" data-series="{key}" fill="{colour}" '
+                     f'points="{frame.xy(upper + lower)}"/>')
         base = top
-    missing = [label for key, label, _ in PARTS if key not in {layer[0] for layer in layers}]
+    missing = [part[1] for part in PARTS if part not in layers]
     caption = ("Mean milliseconds per step of each part, per measurement interval, stacked: the top edge is the "
                "mean step time. 'Other' is the rest of the step: your loop's own code"
                + (f" (and {', '.join(missing)}: not measured on this run)." if missing else "."))
-    axes = _y_axis(frame, y_ticks, "ms per step") + _x_axis(frame, _ticks(0.0, spans[-1][2]), "step")
-    return _figure(name, suffix, title, caption, axes + "".join(body) + _legend([(l, c) for _, l, c, _ in layers]))
+    body = (_y_axis(frame, y_ticks, "ms per step") + _x_axis(frame, _ticks(0.0, spans[-1][2]), "step")
+            + "".join(areas) + _legend([(label, colour) for _, label, colour in layers]))
+    return _figure(name, suffix, title, caption, body)
+
+
+def _skip_bars(frame: Frame, spans: Sequence[tuple[int, float, float]], series: dict[str, Any]) -> str:
+    """A bar per interval with skipped steps, ending at the interval's last step."""
+    out = []
+    for index, first, last in spans:
+        skipped = _column(series, "skipped_steps", index) or 0.0
+        if skipped > 0:
+            width = max(3.0, 0.5 * (frame.x(last) - frame.x(first)))
+            out.append(f'<rect class="skips" x="{frame.x(last) - width:.1f}" y="{frame.y(skipped):.1f}" '
+                       f'width="{width:.1f}" height="{frame.y(0.0) - frame.y(skipped):.1f}" fill="{SKIPS}"/>')
+    return "".join(out)
 
 
 def _scaler_plot(series: dict[str, Any], scaler: dict[str, Any], suffix: str) -> str:
+    """The loss scale on a log2 axis, over bars of the steps skipped in each interval."""
     name, title = "plot-scaler", "GradScaler loss scale and skipped steps"
     scales = _points(series.get("step", []), series.get("scale", []), positive=True)
     if not (scaler.get("present") and scaler.get("enabled") and scales):
         return _note(name, suffix, title, escape(summary.scaler_line(scaler)) + ": no loss-scale plot")
     spans = _intervals(series)
-    skips = [(a, b, _finite(series["skipped_steps"][i]) or 0.0) for i, a, b in spans]
-    y_lo = 2.0 ** math.floor(math.log2(min(y for _, y in scales)))
-    y_hi = max(2.0 ** math.ceil(math.log2(max(y for _, y in scales))), 2 * y_lo)
-    frame = Frame(0.0, spans[-1][2], y_lo, y_hi, log=True)
-    skip_ticks = _ticks(*_span(0.0, max(max(s for *_, s in skips), 1.0)), count=3, outward=True)
-    skip_frame = Frame(0.0, spans[-1][2], 0.0, skip_ticks[-1])
-    bars = "".join(f'<rect class="skips" x="{frame.x(a):.1f}" y="{skip_frame.y(s):.1f}" width="{frame.x(b) - frame.x(a):.1f}" '
-                   f'height="{skip_frame.y(0) - skip_frame.y(s):.1f}" fill="{SKIPS}"/>' for a, b, s in skips if s > 0)
-    body = (_y_axis(frame, _log2_ticks(y_lo, y_hi), "loss scale (log₂)") + _y_axis(skip_frame, skip_ticks, "skipped",
-            right=True) + _x_axis(frame, _ticks(0.0, spans[-1][2]), "step") + bars
-            + _polyline(frame, "loss scale", SCALE, scales)
+    last_step = spans[-1][2]
+    y_lo = 2.0 ** (math.ceil(math.log2(min(y for _, y in scales))) - 1)  # a power of two below the lowest
+    y_hi = 2.0 ** (math.floor(math.log2(max(y for _, y in scales))) + 1)  # and one above the highest
+    frame = Frame(0.0, last_step, y_lo, y_hi, log=True)
+    most = max((_column(series, "skipped_steps", i) or 0.0 for i, _, _ in spans), default=0.0)
+    skip_ticks = _ticks(0.0, max(most, 2.0), count=3, outward=True)  # 2 or more: whole-number ticks
+    skip_frame = Frame(0.0, last_step, 0.0, skip_ticks[-1])
+    body = (_y_axis(frame, _log2_ticks(y_lo, y_hi), "loss scale (log₂)")
+            + _y_axis(skip_frame, skip_ticks, "skipped", right=True) + _x_axis(frame, _ticks(0.0, last_step), "step")
+            + _skip_bars(skip_frame, spans, series) + _polyline(frame, "loss scale", SCALE, scales)
             + _legend([("loss scale (left axis)", SCALE), ("skipped steps per interval (right axis)", SKIPS)]))
     caption = ("The scale halves at each overflow (a skipped optimizer step) and grows after a run of good "
                "steps; a scale stuck low or many skips mean values overflow in fp16.")
@@ -242,6 +272,7 @@ def _scaler_plot(series: dict[str, Any], scaler: dict[str, Any], suffix: str) ->
 
 
 def _gpu_plot(series: dict[str, Any], started: float | None, suffix: str) -> str:
+    """GPU utilization and memory use (%) against seconds since the run started."""
     name, title = "plot-gpu", "GPU utilization and memory"
     times = [_finite(t) for t in series.get("gpu_time", [])]
     known = [t for t in times if t is not None]
@@ -258,6 +289,7 @@ def _gpu_plot(series: dict[str, Any], started: float | None, suffix: str) -> str
 
 
 def _plots(run: dict[str, Any], suffix: str) -> str:
+    """A run's plots, each with an id of its name + `suffix`; a note where there is nothing to draw."""
     series, snapshot = run.get("series") or {}, run["snapshot"]
     steps = series.get("step", [])
     stall = _points(steps, series.get("stall_ratio", []), 100)
@@ -277,21 +309,23 @@ def _plots(run: dict[str, Any], suffix: str) -> str:
 
 
 def _finding(number: int, finding: dict[str, Any]) -> str:
+    """One finding; only an http(s) doc address becomes a link."""
     severity = escape(str(finding["severity"]))
     doc = str(finding["doc"])
     link = f'<a href="{escape(doc)}">{escape(doc)}</a>' if doc.startswith(("https://", "http://")) else escape(doc)
-    apply = ('<p class="apply">tuneup can apply this as a measured experiment: <code>tuneup run --apply</code></p>'
+    apply = ('<div class="apply">tuneup can apply this as a measured experiment: <code>tuneup run --apply</code></div>'
              if finding["can_apply"] else "")
     return (f'<article class="finding {severity}"><h3><span class="badge">{severity.upper()}</span> {number}. '
             f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(_ranks(finding))}</span></h3>'
             f'<dl><dt>measured</dt><dd>{escape(finding["observed"])}</dd>'
             f'<dt>threshold</dt><dd>{escape(finding["threshold"])}</dd>'
-            f'<dt>estimated gain</dt><dd>{escape(finding["gain_text"])}</dd></dl>'
-            f'<div>fix:</div><pre><code class="language-python">{escape(finding["fix"])}</code></pre>'
-            f'{apply}<p class="dim">docs: {link}</p></article>')
+            f'<dt>estimated gain</dt><dd>{escape(finding["gain_text"])}</dd>'
+            f'<dt>fix</dt><dd><pre><code class="language-python">{escape(finding["fix"])}</code></pre>{apply}</dd>'
+            f'<dt>docs</dt><dd>{link}</dd></dl></article>')
 
 
 def _findings(document: dict[str, Any]) -> str:
+    """The ranked findings, or the "No findings" line."""
     findings = document["findings"]
     if not findings:
         return f'<h2>Advice</h2><p class="ok">No findings: {escape(_checked(document))}.</p>'
@@ -301,6 +335,7 @@ def _findings(document: dict[str, Any]) -> str:
 
 
 def _table(window: dict[str, Any]) -> str:
+    """The text report's step-time breakdown table, with each part's plot colour."""
     step = window["step_seconds"]
     rows = [f"<tr><td>step</td><td>{seconds(_finite(step['median']))}</td><td>p90 {seconds(_finite(step['p90']))}</td></tr>"]
     for key, label, colour in PARTS:
@@ -315,8 +350,9 @@ def _table(window: dict[str, Any]) -> str:
 
 
 def _numbers(totals: dict[str, Any], window: dict[str, Any], syncs: dict[str, Any]) -> str:
-    rate, samples, per_step = (_finite(v) for v in (window.get("steps_per_second"), window.get("samples_per_second"),
-                                                    syncs.get("per_step") if syncs.get("measured") else None))
+    """The headline numbers, as a row of cards."""
+    rate, samples = _finite(window.get("steps_per_second")), _finite(window.get("samples_per_second"))
+    per_step = _finite(syncs.get("per_step")) if syncs.get("measured") else None
     cells = [("steps", f"{totals['steps']:,}"), ("steps/s", "–" if rate is None else f"{rate:,.1f}"),
              ("samples/s", "–" if samples is None else f"{samples:,.0f}"),
              ("data stall", percent(_finite(window.get("stall_ratio")))),
@@ -325,6 +361,7 @@ def _numbers(totals: dict[str, Any], window: dict[str, Any], syncs: dict[str, An
 
 
 def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
+    """The text summary's lines: syncs and their source lines, GradScaler, loss, system, config."""
     syncs = snapshot["syncs"]
     sources = "".join(f"<li>{_finite(s['per_step']) or 0:.1f}/step {escape(s['kind'])} at <code>{escape(s['location'])}"
                       f"</code> in {escape(s['function'])}()</li>" for s in syncs.get("top_sources", [])[:6])
@@ -343,9 +380,10 @@ def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
     return "<ul>" + "".join(f"<li>{item}</li>" for item in items) + "</ul>"
 
 
-def _run(run: dict[str, Any], multi: bool) -> str:
+def _run(run: dict[str, Any], index: int, multi: bool) -> str:
+    """One run's (rank's) section: what was measured, and its plots."""
     snapshot, rank = run["snapshot"], run["rank"]
-    suffix = f"-rank-{rank}" if multi else ""
+    suffix = f"-rank-{rank if rank is not None else index}" if multi else ""
     head = "<h2>What was measured" + (f" (rank {escape(str(rank))})" if rank is not None else "") + "</h2>"
     if not snapshot.get("enabled"):
         return head + f"<p>tuneup was not measuring: {escape(str(snapshot.get('reason')))}</p>"
@@ -354,8 +392,8 @@ def _run(run: dict[str, Any], multi: bool) -> str:
              f"(run <code>{escape(str(snapshot['run'].get('run_id')))}</code>), {escape(snapshot['state'])}.</p>")
     if window is None:
         return head + intro + "<p>No training step was seen: is there an optimizer.step() (or tuneup.step()) in the loop?</p>"
-    return (head + intro + _numbers(totals, window, snapshot["syncs"]) + _table(window) + _lines(snapshot, window)
-            + _plots(run, suffix))
+    return (head + intro + _numbers(totals, window, snapshot["syncs"]) + _table(window) + _plots(run, suffix)
+            + "<h3>Details</h3>" + _lines(snapshot, window))
 
 
 def to_html(document: dict[str, Any]) -> str:
@@ -366,7 +404,7 @@ def to_html(document: dict[str, Any]) -> str:
     errors = {rule: error for run in document["runs"] for rule, error in run["evaluation"]["errors"].items()}
     notes = "".join(f'<p class="alert">rule {escape(rule)} failed on this run ({escape(str(error))}); please report it</p>'
                     for rule, error in errors.items())
-    runs = "".join(_run(run, len(document["runs"]) > 1) for run in document["runs"])
+    runs = "".join(_run(run, index, len(document["runs"]) > 1) for index, run in enumerate(document["runs"]))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>tuneup report: {source}</title><style>{CSS}</style></head><body>"

@@ -48,7 +48,7 @@ def conv_bias_before_bn(facts: Facts) -> Evidence | None:
     if not layers:
         return None
     return Evidence(
-        observed=f"{len(layers)} convolutions with bias feed a BatchNorm: {', '.join(layers[:5])}",
+        observed=f"{len(layers)} convolution(s) with bias feed a BatchNorm: {', '.join(repr(name) for name in layers[:5])}",
         numbers={"layers": layers},
         fix="nn.Conv2d(in_channels, out_channels, kernel_size, bias=False)   # followed by nn.BatchNorm2d",
         gain_text="fewer parameters and a little less work per step",
@@ -166,7 +166,7 @@ def no_lr_schedule(facts: Facts) -> Evidence | None:
     title="Loss spikes without gradient clipping",
     severity="low",
     inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls, GradScaler",
-    threshold="no clip_grad_norm_/clip_grad_value_ call and a loss > 3x its interval's median, "
+    threshold="no clip_grad_norm_/clip_grad_value_ call and a loss > 3x the median of the 8 read before it, "
               "or a non-finite loss without a GradScaler",
     why="A spike or a non-finite loss often comes from an exploding gradient; clipping bounds the "
         "update. Under GradScaler non-finite values are expected and handled (steps skipped).",
@@ -182,7 +182,7 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
     if not spikes and not nonfinite:
         return None
     return Evidence(
-        observed=f"{spikes} loss spikes (> 3x the median) and {nonfinite} non-finite losses among "
+        observed=f"{spikes} loss spikes (> 3x the losses before them) and {nonfinite} non-finite losses among "
                  f"{loss['read_steps']} losses read, and no gradient clipping",
         numbers={"spikes": spikes, "nonfinite_losses": nonfinite, "losses_read": loss["read_steps"],
                  "max_loss": loss.get("max"), "median_loss": loss.get("median")},

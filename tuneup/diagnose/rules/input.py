@@ -141,12 +141,15 @@ def input_not_normalized(facts: Facts) -> Evidence | None:
     )
 
 
+BUSY_SHARE = 0.8  # psutil's per-interval CPU readings of short-lived workers run low
+
+
 @rule(
     id="cpu-oversubscribed",
     title="More busy threads than usable CPU cores",
     severity="medium",
     inputs="usable cores, torch threads, loader workers, measured CPU use of the process and workers",
-    threshold="torch threads + loader workers > usable cores while the CPU is >= 90% busy",
+    threshold=f"torch threads + loader workers > usable cores while >= {percent(BUSY_SHARE)} of the cores are busy",
     why="Workers and torch's intra-op threads then preempt each other; the configured demand "
         "alone is not enough (idle I/O workers cost nothing), so the measured load must be high too.",
     doc="https://docs.pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html",
@@ -156,9 +159,11 @@ def cpu_oversubscribed(facts: Facts) -> Evidence | None:
     cores = facts.need(host.get("usable_cores"))
     threads = host.get("torch_threads") or 1
     workers = host.get("workers") or 0
-    busy = (host.get("cpu_ratio") or 0) + (host.get("workers_cpu_ratio") or 0)
+    # Busy cores: this job's (process + workers) or the whole machine's on the cores it may
+    # use, whichever is higher (a neighbour's load oversubscribes the cores just the same).
+    busy = max((host.get("cpu_ratio") or 0) + (host.get("workers_cpu_ratio") or 0), host.get("busy_cores") or 0)
     demand = threads + workers
-    if demand <= cores or busy < 0.9 * cores:
+    if demand <= cores or busy < BUSY_SHARE * cores:
         return None
     keep = max(1, cores - workers)
     return Evidence(

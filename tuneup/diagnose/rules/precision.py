@@ -184,22 +184,28 @@ def scaler_skips(facts: Facts) -> Evidence | None:
     )
 
 
+MIN_ALIGNED_SIZE = 64
+
+
 @rule(
     id="tensor-core-alignment",
     title="Layer sizes are not multiples of 8 under reduced precision",
     severity="low",
     inputs="Linear/Conv/Embedding sizes of the model; autocast dtype",
-    threshold="fp16/bf16 in use and any Linear/Conv/Embedding size not divisible by 8",
+    threshold=f"fp16/bf16 in use and a Linear/Conv/Embedding size >= {MIN_ALIGNED_SIZE} not divisible by 8",
     why="Tensor Cores (and AMX tiles) work on blocks of 8 (fp16/bf16) elements; other sizes fall "
-        "back to padded or slower kernels.",
+        "back to padded or slower kernels. Sizes under 64 (RGB inputs, class heads) cost too "
+        "little to matter.",
     doc="https://docs.nvidia.com/deeplearning/performance/mixed-precision-training/index.html#tensor-core-shape",
 )
 def tensor_core_alignment(facts: Facts) -> Evidence | None:
     dtype = facts.reduced_precision
     if dtype is None:
         raise Missing("reduced precision in use")
-    misaligned = [entry for model in facts.models for entry in model.get("not_multiple_of_8") or []]
-    count = sum(model.get("not_multiple_of_8_count") or 0 for model in facts.models)
+    misaligned = [entry for model in facts.models for entry in model.get("not_multiple_of_8") or []
+                  if any(value % 8 and value >= MIN_ALIGNED_SIZE for key, value in entry.items()
+                         if key not in ("module", "type"))]
+    count = len(misaligned)
     if not count:
         return None
     listed = ", ".join(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...measure.syncs import GRAD_SCALER_KIND
 from ..rule import Evidence, Facts, rule
 
 SYNCS_PER_STEP = 1.0
@@ -13,17 +14,19 @@ SYNCS_PER_STEP = 1.0
     severity="medium",
     inputs="host-device syncs counted on sampled steps, with their source lines",
     threshold=f">= {SYNCS_PER_STEP:g} sync per step on average",
-    why="Each sync stops the host until the GPU has finished all queued work, so the host can "
+    why="Syncs inside GradScaler.step (it reads whether gradients overflowed) are not counted. "
+        "Each sync stops the host until the GPU has finished all queued work, so the host can "
         "no longer run ahead and the GPU idles while the next kernels are launched. One per step "
         "already drains the queue every step.",
     doc="https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html#avoid-unnecessary-cpu-gpu-synchronization",
 )
 def host_syncs(facts: Facts) -> Evidence | None:
     syncs = facts.syncs
-    per_step = syncs["per_step"]
+    inherent = (syncs.get("by_kind") or {}).get(GRAD_SCALER_KIND, 0.0)
+    per_step = syncs["per_step"] - inherent  # GradScaler.step's own read is not the loop's to remove
     if per_step < SYNCS_PER_STEP:
         return None
-    sources = syncs.get("top_sources") or []
+    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] != GRAD_SCALER_KIND]
     where = "; ".join(f"{s['kind']} at {s['location']} ({s['per_step']:.1f}/step)" for s in sources[:3])
     on_gpu = syncs.get("backend") == "cuda"
     gain = None
@@ -41,7 +44,7 @@ def host_syncs(facts: Facts) -> Evidence | None:
     meaning = "syncs" if on_gpu else "host reads that would sync on a GPU"
     return Evidence(
         observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
-        numbers={"syncs_per_step": per_step, "backend": syncs.get("backend"),
+        numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": inherent, "backend": syncs.get("backend"),
                  "sampled_steps": syncs.get("sampled_steps"), "top_sources": sources[:5]},
         fix="running_loss += loss.detach()            # stays on the device: no sync\n"
             "if step % 100 == 0:\n"

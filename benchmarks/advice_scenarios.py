@@ -1,0 +1,224 @@
+"""Real CPU training jobs, each with one injected bottleneck (or none), and the rules that
+must fire on it: the scenario set for the advice engine's precision and recall.
+
+Every scenario is a variation of one clean, well-configured job (normalized in-memory data,
+a model whose step dwarfs the data loading, an LR schedule, no host reads). A scenario
+changes one thing; the rule for that thing, and no other, must fire. Rules that cannot be
+observed on a CPU (GPU, CUDA-only, multi-rank) are tested on recorded inputs instead
+(tests/test_rules_recorded.py).
+
+Used by tests/test_advice.py (asserted per scenario) and benchmarks/bench_advice.py
+(the precision/recall table).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import tuneup
+from tuneup.report.document import build
+from tuneup.report.sources import load
+
+FEATURES = 64
+HIDDEN = 1024
+
+
+class Features(Dataset):
+    """Normalized features (mean 0, std 1) with an optional per-sample latency, scale, and
+    CPU work (a decode that keeps a worker busy)."""
+
+    def __init__(self, size: int = 4096, latency: float = 0.0, scale: float = 1.0, cpu_work: int = 0):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, FEATURES, generator=generator) * scale
+        self.y = self.x[:, :4].sum(1, keepdim=True) / scale
+        self.latency = latency
+        self.cpu_work = cpu_work
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        if self.latency:
+            time.sleep(self.latency)
+        if self.cpu_work:
+            busy = torch.ones(self.cpu_work, self.cpu_work)
+            for _ in range(4):
+                busy = busy @ busy / self.cpu_work
+        return self.x[index], self.y[index]
+
+
+def model(hidden: int = HIDDEN, conv_bn: bool = False) -> nn.Module:
+    if conv_bn:
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Flatten(), nn.Linear(64 * 64, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 8), nn.Linear(8, 1))
+
+
+@dataclass(frozen=True)
+class Job:
+    steps: int = 240
+    batch_size: int = 64
+    latency: float = 0.0
+    scale: float = 1.0
+    cpu_work: int = 0
+    workers: int = 0
+    hidden: int = HIDDEN
+    conv_bn: bool = False
+    lr: float = 0.01
+    schedule: bool = True
+    set_to_none: bool = True
+    host_reads: int = 0
+    scaler: bool = False
+    overflow_every: int = 0
+    autocast: torch.dtype | None = None
+    eval_every: int = 0
+    spike_every: int = 0
+    numpy_copies: bool = False
+    anomaly: bool = False
+    data_parallel: bool = False
+    threads: int | None = None
+
+
+def run_job(job: Job) -> None:
+    """The training loop, with the scenario's one change."""
+    torch.manual_seed(0)
+    dataset = Features(latency=job.latency, scale=job.scale, cpu_work=job.cpu_work)
+    loader = DataLoader(dataset, batch_size=job.batch_size, shuffle=True, num_workers=job.workers,
+                        persistent_workers=job.workers > 0, drop_last=True)
+    net: nn.Module = model(job.hidden, job.conv_bn)
+    if job.data_parallel:
+        net = nn.DataParallel(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=job.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.9) if job.schedule else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if job.scaler else None
+    loss_fn = nn.MSELoss()
+    if job.numpy_copies:
+        import numpy
+
+        table = numpy.random.default_rng(0).standard_normal((job.batch_size, FEATURES)).astype("float32")
+    step = 0
+    while step < job.steps:
+        for x, y in loader:
+            step += 1
+            if job.numpy_copies:
+                x = x + torch.tensor(table)  # a copy of an array every step
+            if job.overflow_every and step % job.overflow_every == 0:
+                x = x * 1e30  # an unnormalized record: the loss overflows to inf
+            if job.spike_every and step % job.spike_every == 0:
+                y = y * 8  # a bad batch: a finite loss spike
+            if job.autocast is not None:
+                with torch.autocast("cpu", dtype=job.autocast):
+                    loss = loss_fn(net(x).float(), y)
+            else:
+                loss = loss_fn(net(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=job.set_to_none)
+            if scheduler is not None:
+                scheduler.step()
+            for _ in range(job.host_reads):
+                loss.item()
+            if job.eval_every and step % job.eval_every == 0:
+                net.eval()
+                net(x[:8])  # evaluation without torch.no_grad()
+                net.train()
+            if step >= job.steps:
+                break
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    job: Job
+    expected: frozenset[str]
+    note: str = ""
+    setup: Callable[[], Callable[[], None]] | None = field(default=None, compare=False)
+
+
+def _anomaly() -> Callable[[], None]:
+    torch.autograd.set_detect_anomaly(True)
+    return lambda: torch.autograd.set_detect_anomaly(False)
+
+
+def _threads(count: int) -> Callable[[], Callable[[], None]]:
+    def setup() -> Callable[[], None]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(count)
+        return lambda: torch.set_num_threads(before)
+
+    return setup
+
+
+CLEAN = Job()
+SCENARIOS: list[Scenario] = [
+    Scenario("clean", CLEAN, frozenset(), "a well-configured job: nothing may fire"),
+    Scenario("io-bound loader", replace(CLEAN, latency=0.0001), frozenset({"data-stall"}),
+             "0.1 ms per sample read, num_workers=0"),
+    Scenario("host reads", replace(CLEAN, host_reads=2), frozenset({"host-syncs"}), "two loss.item() per step"),
+    Scenario("fp16 overflows", replace(CLEAN, scaler=True, overflow_every=10), frozenset({"scaler-skips"}),
+             "every 10th batch unnormalized x1e30 under GradScaler"),
+    Scenario("zero_grad keeps tensors", replace(CLEAN, set_to_none=False), frozenset({"zero-grad-keeps-tensors"})),
+    Scenario("conv bias before BN", replace(CLEAN, conv_bn=True, hidden=256), frozenset({"conv-bias-before-bn"})),
+    Scenario("eval with grad", replace(CLEAN, eval_every=10), frozenset({"eval-with-grad"}),
+             "an evaluation forward every 10 steps without no_grad"),
+    Scenario("anomaly detection", replace(CLEAN, steps=120), frozenset({"debug-tools-on"}), "set_detect_anomaly(True)",
+             setup=_anomaly),
+    Scenario("no LR schedule", replace(CLEAN, schedule=False), frozenset({"no-lr-schedule"})),
+    Scenario("loss spikes", replace(CLEAN, spike_every=25, lr=0.002), frozenset({"no-grad-clipping"}),
+             "a bad batch every 25 steps, no clipping"),
+    Scenario("numpy copies", replace(CLEAN, numpy_copies=True), frozenset({"numpy-copies"}),
+             "torch.tensor(ndarray) every step"),
+    Scenario("raw inputs", replace(CLEAN, scale=100.0, lr=1e-6), frozenset({"input-not-normalized"}),
+             "features x100 (raw units)"),
+    Scenario("DataParallel", replace(CLEAN, data_parallel=True), frozenset({"data-parallel"})),
+    Scenario("fp16 without scaler", replace(CLEAN, autocast=torch.float16, hidden=256, steps=60),
+             frozenset({"fp16-without-scaler"}),
+             "CPU autocast float16, no GradScaler; layer sizes are multiples of 8"),
+    Scenario("misaligned bf16", replace(CLEAN, autocast=torch.bfloat16, hidden=500, steps=120),
+             frozenset({"tensor-core-alignment"}), "bf16 autocast with 500-wide layers"),
+    Scenario("oversubscribed CPU", replace(CLEAN, workers=2, cpu_work=128, batch_size=16, steps=150),
+             frozenset({"cpu-oversubscribed", "data-stall"}),
+             "2 CPU-bound workers + 2 torch threads on 2 cores: the contention starves the loader too",
+             setup=_threads(2)),
+]
+
+
+def run_scenario(scenario: Scenario, run_dir: Path) -> dict[str, Any]:
+    """Run the job under tuneup; returns the report document built from its run log (the
+    `tuneup report RUN_DIR` path)."""
+    restore = scenario.setup() if scenario.setup else None
+    try:
+        with tuneup.attach(run_dir=run_dir, interval=0.1, port=0):
+            run_job(scenario.job)
+    finally:
+        if restore is not None:
+            restore()
+    histories, source = load(str(run_dir))
+    return build(histories, source=source)
+
+
+def fired(document: dict[str, Any]) -> set[str]:
+    return {finding["rule"] for finding in document["findings"]}
+
+
+def precision_recall(results: list[tuple[Scenario, set[str]]]) -> tuple[float, float]:
+    true_positive = sum(len(s.expected & got) for s, got in results)
+    predicted = sum(len(got) for _, got in results)
+    relevant = sum(len(s.expected) for s, _ in results)
+    precision = true_positive / predicted if predicted else 1.0
+    recall = true_positive / relevant if relevant else 1.0
+    return precision, recall
