@@ -176,9 +176,9 @@ def run(
     before the script (or into TUNEUP_* environment variables)."""
     from .launch import LaunchError, exec_script
 
-    overrides = {}
     if apply:
-        overrides["TUNEUP_MODE"] = "apply"
+        raise UserError("apply mode is not available in this version yet: run without --apply for advice")
+    overrides = {"PYTHONUNBUFFERED": "1"} if "-u" in getattr(sys, "orig_argv", [])[1:3] else {}
     try:
         exec_script(target, list(ctx.args), module=module, env_overrides=overrides)
     except LaunchError as exc:

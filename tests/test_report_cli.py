@@ -1,0 +1,219 @@
+"""`tuneup report`, `watch`, `run`, `doctor` and `rules` as a user runs them: real jobs in
+real processes, real run logs, a live agent's loopback endpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_cli import tuneup
+from tuneup.cli import rules_markdown
+
+JOB = """
+import os, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+{attach}
+
+class Slow(Dataset):
+    def __len__(self):
+        return 4096
+    def __getitem__(self, i):
+        time.sleep(0.0002)
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(32, generator=g)
+        return x, x[:4].sum(0, keepdim=True)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 50)
+stop = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+steps = 0
+while True:
+    for x, y in DataLoader(Slow(), batch_size=32):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        loss.item()
+        loss.item()
+        steps += 1
+        if (stop is None and steps >= 150) or (stop is not None and stop.exists()):
+            sys.exit(0)
+"""
+
+
+def write_job(folder: Path, attach: str = "") -> Path:
+    script = folder / "train.py"
+    script.write_text(JOB.format(attach=attach))
+    return script
+
+
+def env_for(run_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    env.update({k: os.environ[k] for k in ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR") if k in os.environ})
+    env.update(PYTHONPATH=str(ROOT), TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.1", COLUMNS="200")
+    return env
+
+
+def findings(run_dir: Path) -> list[dict]:
+    result = tuneup("report", str(run_dir), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["findings"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("job")
+    script = write_job(folder, "import tuneup; tuneup.attach()")
+    run_dir = folder / "run"
+    result = subprocess.run([sys.executable, str(script)], env=env_for(run_dir), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_tuneup_run_gives_the_same_report_as_the_one_line_attach(finished_run, tmp_path):
+    script = write_job(tmp_path)  # the same job without the attach line
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "tuneup", "run", str(script)], env=env_for(run_dir),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    explicit, zero_code = findings(finished_run), findings(run_dir)
+    assert [f["rule"] for f in zero_code] == [f["rule"] for f in explicit] == ["data-stall", "host-syncs"]
+    for a, b in zip(explicit, zero_code):
+        assert a["evidence"].keys() == b["evidence"].keys()
+        assert a["fix"].splitlines()[0].split("(")[0] == b["fix"].splitlines()[0].split("(")[0]
+    assert explicit[1]["evidence"]["syncs_per_step"] == zero_code[1]["evidence"]["syncs_per_step"] == 2.0
+
+
+def test_report_formats(finished_run, tmp_path):
+    text = tuneup("report", str(finished_run))
+    assert text.returncode == 0 and "Advice, ranked by estimated gain" in text.stdout
+    assert "[data-stall]" in text.stdout and "What was measured" in text.stdout
+    markdown = tuneup("report", str(finished_run), "-f", "markdown")
+    assert markdown.stdout.startswith("# tuneup report") and "```python" in markdown.stdout
+    document = json.loads(tuneup("report", str(finished_run), "-f", "json").stdout)
+    assert document["runs"][0]["snapshot"]["totals"]["steps"] == 150
+    output = tmp_path / "report.html"
+    html = tuneup("report", str(finished_run), "-f", "html", "-o", str(output))
+    assert html.returncode == 0 and f"wrote the html report to {output}" in html.stderr
+    assert output.read_text().count("<svg") >= 3
+    silenced = json.loads(tuneup("report", str(finished_run), "-f", "json", "--silence", "data-stall").stdout)
+    assert [f["rule"] for f in silenced["findings"]] == ["host-syncs"]
+
+
+def one_line_error(result, *words):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.startswith("tuneup: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+
+
+def test_bad_run_logs_get_one_clear_line(finished_run, tmp_path):
+    one_line_error(tuneup("report", str(tmp_path / "missing")), "no run directory")
+    (tmp_path / "empty").mkdir()
+    one_line_error(tuneup("report", str(tmp_path / "empty")), "holds no tuneup run log")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "events.jsonl").write_text("")
+    one_line_error(tuneup("report", str(tmp_path / "blank")), "empty or corrupt")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "events.jsonl").write_bytes(b"\x00\xff not json\n{{{\n")
+    one_line_error(tuneup("report", str(tmp_path / "garbage")), "empty or corrupt")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "events.jsonl").write_text('{"hello": 1}\n')
+    one_line_error(tuneup("report", str(tmp_path / "foreign")), "not a tuneup run log")
+    one_line_error(tuneup("report", str(finished_run), "-f", "pdf"), "unknown --format")
+    one_line_error(tuneup("report", str(finished_run), "--silence", "nope"), "unknown rule id")
+    one_line_error(tuneup("report", str(finished_run), "-o", str(tmp_path / "no" / "dir" / "r.txt")), "cannot write")
+
+
+def test_a_truncated_run_log_still_reports(finished_run, tmp_path):
+    log = (finished_run / "events.jsonl").read_bytes()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "events.jsonl").write_bytes(log[: len(log) * 2 // 3])  # the process died mid-line
+    result = tuneup("report", str(cut), "-f", "json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["runs"][0]["snapshot"]["state"] == "running or ended abruptly"
+    assert "data-stall" in [f["rule"] for f in document["findings"]]
+
+
+def test_a_url_with_nothing_listening_is_one_line():
+    one_line_error(tuneup("report", "http://127.0.0.1:9/"), "nothing answered at http://127.0.0.1:9/")
+    one_line_error(tuneup("watch", "http://127.0.0.1:9/", "--once"), "nothing answered")
+
+
+def test_run_with_a_missing_script_or_a_raising_one(tmp_path):
+    one_line_error(tuneup("run", str(tmp_path / "nope.py")), "no script at")
+    raising = tmp_path / "raising.py"
+    raising.write_text("import sys\nif sys.argv[1:] == ['--code']:\n    sys.exit(7)\nraise ValueError('boom')\n")
+    env = env_for(tmp_path / "run")
+    result = subprocess.run([sys.executable, "-m", "tuneup", "run", str(raising)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    plain = subprocess.run([sys.executable, str(raising)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1] == "ValueError: boom"
+    assert "tuneup" not in result.stderr.replace(str(tmp_path), "")
+    coded = subprocess.run([sys.executable, "-m", "tuneup", "run", str(raising), "--code"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert coded.returncode == 7
+
+
+def test_a_live_job_answers_report_and_watch(tmp_path):
+    script = write_job(tmp_path, "import tuneup; tuneup.attach()")
+    run_dir, stop = tmp_path / "run", tmp_path / "stop"
+    job = subprocess.Popen([sys.executable, str(script), str(stop)], env=env_for(run_dir),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            log = run_dir / "events.jsonl"
+            if log.exists():
+                url = json.loads(log.read_text().splitlines()[0]).get("url")
+            time.sleep(0.2)
+        assert url and url.startswith("http://127.0.0.1:")
+        time.sleep(3)  # some steps and a rules pass
+        live = tuneup("report", url, "-f", "json")
+        assert live.returncode == 0, live.stderr
+        document = json.loads(live.stdout)
+        assert document["runs"][0]["snapshot"]["attached"] is True
+        assert document["runs"][0]["snapshot"]["totals"]["steps"] > 20
+        assert {"data-stall", "host-syncs"} <= {f["rule"] for f in document["findings"]}
+        watched = tuneup("watch", url, "--once")
+        assert watched.returncode == 0, watched.stderr
+        assert f"tuneup watch {url}  (live" in watched.stdout and "data wait" in watched.stdout
+        discovered = tuneup("watch", "--once")  # no URL: the one agent in the registry
+        assert discovered.returncode == 0 and url in discovered.stdout, discovered.stderr
+    finally:
+        stop.touch()
+        job.wait(timeout=60)
+    assert job.returncode == 0, job.stderr
+    one_line_error(tuneup("watch", "--once"), "no tuneup agent is running")
+
+
+def test_doctor_and_rules():
+    doctor = tuneup("doctor")
+    assert doctor.returncode == 0, doctor.stderr
+    assert "torch" in doctor.stdout and "run directory" in doctor.stdout
+    rules = tuneup("rules")
+    assert rules.returncode == 0 and "data-stall" in rules.stdout
+
+
+def test_docs_rules_md_is_current():
+    assert (ROOT / "docs" / "rules.md").read_text() == rules_markdown(), "regenerate: tuneup rules -f markdown > docs/rules.md"

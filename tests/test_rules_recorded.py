@@ -1,0 +1,231 @@
+"""Rules that cannot be observed on a CPU-only machine (GPU, CUDA, several ranks), tested
+on recorded inputs: a real CPU run's snapshot, with the GPU-side measurements a CUDA run
+records put in. The live paths run on a GPU machine (tests marked `gpu`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tuneup
+from benchmarks.advice_scenarios import CLEAN, run_job
+from tuneup.diagnose import evaluate
+
+A100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "bf16": True, "tensor_cores": True}
+V100 = {"index": 0, "name": "Tesla V100", "capability": [7, 0], "bf16": False, "tensor_cores": True}
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def cpu_snapshot(tmp_path_factory):
+    """A real clean CPU run's snapshot, as the report reads it."""
+    from tuneup.report.sources import load
+
+    run_dir = tmp_path_factory.mktemp("recorded") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TUNEUP_PORT", "0")
+        with tuneup.attach(run_dir=run_dir, interval=0.1):
+            run_job(CLEAN)
+    histories, _ = load(str(run_dir))
+    snapshot = histories[0].snapshot()
+    assert {f.rule for f in evaluate(snapshot).findings} == set()
+    return snapshot
+
+
+def on_cuda(snapshot, device=A100, **changes):
+    """The snapshot as a CUDA run of the same job records it."""
+    s = copy.deepcopy(snapshot)
+    config = s["config"]
+    for entry in config["models"] + config["optimizers"]:
+        entry["devices"] = ["cuda"]
+    for entry in config["optimizers"]:
+        entry["implementation"] = "foreach"  # torch's default for CUDA parameters
+    config["hardware"]["cuda_devices"] = [device]
+    config["torch"]["cuda_initialized"] = True
+    config["autocast"] = {"cpu": None, "cuda": None}
+    config["backends"]["float32_matmul_precision"] = "high"
+    s["habits"]["batches"].update(devices=["cpu"], pin_checked=10, pinned=10)
+    s["syncs"]["backend"] = "cuda"
+    s["gpu_history"] = {"samples": 30, "devices": [gpu()]}
+    s["system"]["memory"] = {"available": True, "devices": [allocator()]}
+    for path, value in changes.items():
+        target = s
+        *parents, leaf = path.split(".")
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[leaf] = value
+    return s
+
+
+def gpu(**fields):
+    base = {"gpu": 0, "samples": 30, "utilization_ratio": 0.95, "memory_used_bytes": 60 * GIB,
+            "memory_total_bytes": 80 * GIB, "power_watts": 300.0, "power_limit_watts": 400.0,
+            "sm_clock_hz": 1.41e9, "sm_clock_max_hz": 1.41e9, "temperature_celsius": 60.0,
+            "process_memory_bytes": 60 * GIB, "throttle_reasons": {}}
+    return dict(base, **fields)
+
+
+def allocator(**fields):
+    base = {"device": 0, "allocated_bytes": 50 * GIB, "allocated_peak_bytes": 55 * GIB,
+            "reserved_bytes": 60 * GIB, "reserved_peak_bytes": 60 * GIB, "alloc_retries": 0,
+            "ooms": 0, "total_bytes": 80 * GIB}
+    return dict(base, **fields)
+
+
+def fired(snapshot, ranks=()):
+    evaluation = evaluate(snapshot, ranks=ranks)
+    assert evaluation.errors == {}
+    return {f.rule: f for f in evaluation.findings}
+
+
+def test_the_cuda_baseline_is_clean_except_amp(cpu_snapshot):
+    # fp32 on an A100 with TF32 on: only the AMP advice applies.
+    assert set(fired(on_cuda(cpu_snapshot))) == {"amp-off"}
+
+
+def test_amp_off_on_tensor_core_gpus_with_a_gain_from_the_split(cpu_snapshot):
+    found = fired(on_cuda(cpu_snapshot))["amp-off"]
+    window = cpu_snapshot["window"]
+    assert found.gain == pytest.approx(0.5 * (window["forward_ratio"] + window["backward_ratio"]))
+    assert "bfloat16" in found.fix
+    v100 = fired(on_cuda(cpu_snapshot, device=V100))["amp-off"]
+    assert "GradScaler" in v100.fix and "float16" in v100.fix  # no bf16 before Ampere
+    assert "amp-off" not in fired(on_cuda(cpu_snapshot, **{"config.autocast": {"cuda": "bfloat16"}}))
+
+
+def test_amp_off_on_a_cpu_with_bf16_only(cpu_snapshot):
+    s = copy.deepcopy(cpu_snapshot)
+    s["config"]["hardware"]["cpu_bf16"] = True
+    assert "amp-off" in fired(s)
+    s["config"]["hardware"]["cpu_bf16"] = False
+    assert "amp-off" not in fired(s)
+
+
+def test_tf32_off_on_ampere(cpu_snapshot):
+    s = on_cuda(cpu_snapshot, **{"config.backends.float32_matmul_precision": "highest"})
+    assert "tf32-off" in fired(s)
+    assert "tf32-off" not in fired(on_cuda(cpu_snapshot, device=V100, **{"config.backends.float32_matmul_precision": "highest"}))
+
+
+def test_pageable_copies(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["habits"]["batches"]["pinned"] = 0
+    found = fired(s)["pageable-copies"]
+    assert found.evidence == {"pageable_batches": 10, "sampled_batches": 10}
+    assert "pin_memory=True" in found.fix and found.can_apply
+
+
+def test_cudnn_benchmark_off_needs_convolutions_and_static_shapes(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["config"]["models"][0]["convolutions"] = 4
+    s["habits"]["batches"].update(inspected=12, distinct_shapes=1)
+    assert "cudnn-benchmark-off" in fired(s)
+    s["habits"]["batches"]["distinct_shapes"] = 9  # dynamic shapes: the autotuner would re-tune
+    assert "cudnn-benchmark-off" not in fired(s)
+    s["habits"]["batches"]["distinct_shapes"] = 1
+    s["config"]["backends"]["cudnn_benchmark"] = True
+    assert "cudnn-benchmark-off" not in fired(s)
+
+
+def test_gpu_launch_bound_and_memory_unused(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.35)]
+    s["system"]["memory"]["devices"] = [allocator(reserved_peak_bytes=10 * GIB, reserved_bytes=10 * GIB)]
+    found = fired(s)
+    assert found["gpu-launch-bound"].gain == pytest.approx(0.65)
+    assert "gpu-memory-unused" in found
+    assert "gpu-launch-bound" not in fired(on_cuda(cpu_snapshot))
+
+
+def test_memory_pressure(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["system"]["memory"]["devices"] = [allocator(alloc_retries=3)]
+    assert fired(s)["memory-pressure"].evidence["alloc_retries"] == 3
+
+
+def test_gpu_throttling(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["gpu_history"]["devices"] = [gpu(sm_clock_hz=1.0e9, throttle_reasons={"hw_thermal": 0.6}, temperature_celsius=88.0)]
+    found = fired(s)["gpu-throttling"]
+    assert found.gain == pytest.approx(1 - 1.0 / 1.41)
+    assert "hw_thermal" in found.observed
+    s["gpu_history"]["devices"] = [gpu(sm_clock_hz=1.0e9, throttle_reasons={"display_clocks": 1.0})]
+    assert "gpu-throttling" not in fired(s)  # not a power or thermal reason
+
+
+def test_gpu_present_but_unused(cpu_snapshot):
+    s = copy.deepcopy(cpu_snapshot)
+    s["gpu_history"] = {"samples": 30, "devices": [gpu(utilization_ratio=0.0)]}
+    assert "gpu-unused" in fired(s)
+    assert "gpu-unused" not in fired(on_cuda(cpu_snapshot))
+
+
+def test_single_tensor_optimizer_on_cuda(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["config"]["optimizers"][0]["implementation"] = "for-loop"
+    assert "fused=True" in fired(s)["single-tensor-optimizer"].fix
+    s["config"]["optimizers"][0]["implementation"] = "foreach"
+    assert "single-tensor-optimizer" not in fired(s)
+
+
+def test_ddp_without_nccl(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["config"]["distributed"] = {"initialized": True, "backend": "gloo", "world_size": 8, "rank": 0}
+    assert "ddp-backend" in fired(s)
+    s["config"]["distributed"]["backend"] = "nccl"
+    assert "ddp-backend" not in fired(s)
+
+
+def test_rank_straggler_is_named(cpu_snapshot):
+    ranks = []
+    for rank, factor in enumerate([1.0, 1.02, 1.6, 0.99]):
+        s = copy.deepcopy(cpu_snapshot)
+        s["run"]["rank"] = rank
+        for part in ("step_seconds", "backward_seconds"):
+            s["window"][part] = dict(s["window"][part])
+        s["window"]["step_seconds"]["median"] *= factor
+        ranks.append(s)
+    found = fired(ranks[0], ranks=ranks[1:])["rank-straggler"]
+    assert found.evidence["rank"] == 2
+    even = [copy.deepcopy(ranks[0]) for _ in range(3)]
+    for rank, s in enumerate(even):
+        s["run"]["rank"] = rank
+    assert "rank-straggler" not in fired(even[0], ranks=even[1:])
+
+
+def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    s["syncs"].update(per_step=3.0, by_kind={"item": 3.0})
+    step = s["window"]["step_seconds"]["median"]
+    s["window"]["gpu_seconds"] = {"median": 0.6 * step, "mean": 0.6 * step, "p90": step, "min": 0, "max": step}
+    found = fired(s)["host-syncs"]
+    assert found.severity == "high"
+    assert found.gain == pytest.approx(0.4 - s["window"]["stall_ratio"])
+
+
+@pytest.mark.gpu
+def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
+    """On a GPU: a conv net with pageable batches, cudnn.benchmark off and fp32."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tuneup.report.document import build
+    from tuneup.report.sources import load
+
+    torch.backends.cudnn.benchmark = False
+    data = TensorDataset(torch.randn(2048, 3, 32, 32), torch.randint(0, 10, (2048,)))
+    loader = DataLoader(data, batch_size=64, drop_last=True)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 30 * 30, 10)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+    with tuneup.attach(run_dir=tmp_path / "run", interval=0.1):
+        for _ in range(3):
+            for x, y in loader:
+                loss = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    histories, source = load(str(tmp_path / "run"))
+    rules = {f["rule"] for f in build(histories, source=source)["findings"]}
+    assert {"pageable-copies", "cudnn-benchmark-off", "amp-off", "single-tensor-optimizer"} <= rules
