@@ -146,7 +146,8 @@ class Agent:
             "rank": self.rank,
             "local_rank": self.local_rank,
             "world_size": _rank("WORLD_SIZE"),
-            "argv": list(sys.argv),
+            # Attached at interpreter start-up (`tuneup run -m pkg`), sys.argv[0] is still "-m".
+            "argv": list(sys.orig_argv[1:] if sys.argv[:1] == ["-m"] and hasattr(sys, "orig_argv") else sys.argv),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "mode": self.options.mode,
