@@ -104,6 +104,8 @@ def test_a_running_job_has_current_findings(tmp_path):
             run_job(job)
             seen = [f["rule"] for f in agent.findings()]
     assert "host-syncs" in seen  # found while the loop was still running
+    markdown = agent.report("markdown")  # after detach: over the whole run
+    assert markdown.startswith("# tuneup report") and "`host-syncs`" in markdown
 
 
 def test_evidence_numbers_are_json_plain(tmp_path):
