@@ -313,7 +313,7 @@ def _finding(number: int, finding: dict[str, Any]) -> str:
     severity = escape(str(finding["severity"]))
     doc = str(finding["doc"])
     link = f'<a href="{escape(doc)}">{escape(doc)}</a>' if doc.startswith(("https://", "http://")) else escape(doc)
-    apply = ('<div class="apply">tuneup can apply this as a measured experiment: <code>tuneup run --apply</code></div>'
+    apply = ("<div class=\"apply\">a safe change: tuneup's apply mode can make it as a measured experiment</div>"
              if finding["can_apply"] else "")
     return (f'<article class="finding {severity}"><h3><span class="badge">{severity.upper()}</span> {number}. '
             f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(_ranks(finding))}</span></h3>'

@@ -49,7 +49,7 @@ def findings_group(document: dict[str, Any]) -> Group:
             Padding(Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default", word_wrap=True), (0, 0, 0, 2)),
         ]
         if finding["can_apply"]:
-            lines.append(Text("tuneup can apply this as a measured experiment: tuneup run --apply", style="green"))
+            lines.append(Text("a safe change: tuneup's apply mode can make it as a measured experiment", style="green"))
         lines.append(Text(f"docs: {finding['doc']}", style="dim"))
         parts += [head, Padding(Group(*lines), (0, 0, 1, 3))]
     return Group(*parts)
@@ -81,7 +81,7 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"- **Measured:** {finding['observed']}",
             f"- **Threshold:** {finding['threshold']}",
             f"- **Estimated gain:** {finding['gain_text']}",
-            f"- **tuneup can apply it:** {'yes (`tuneup run --apply`)' if finding['can_apply'] else 'no (advice only)'}",
+            f"- **tuneup can apply it:** {'yes (apply mode)' if finding['can_apply'] else 'no (advice only)'}",
             f"- **Docs:** {finding['doc']}",
             "",
             "```python",
