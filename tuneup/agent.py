@@ -574,14 +574,19 @@ class Agent:
         on the background thread; after detach, on the whole run)."""
         return [finding.to_dict() for finding in self._evaluation.findings]
 
-    def report(self, format: str = "text") -> str:
-        """The advice report (text, markdown, json or html), as `tuneup report` prints it."""
-        from .report import render
+    def document(self) -> dict[str, Any]:
+        """The report document (what every report format renders) of this run so far."""
+        from .report.document import build
 
         with self._lock:
-            events = self.history.events()
-        return render.render_events(events, format, source=str(self.run_log.path) if self.run_log else "memory",
-                                    silence=self.options.silence, window_steps=self.options.window_steps)
+            return build([self.history], source=str(self.run_log.path) if self.run_log else "memory",
+                         silence=self.options.silence, window_steps=self.options.window_steps)
+
+    def report(self, format: str = "text") -> str:
+        """The advice report (text, markdown, json or html), as `tuneup report` prints it."""
+        from .report.render import render_document
+
+        return render_document(self.document(), format)
 
     def _totals_summary(self) -> dict[str, Any]:
         return dict(self._totals.summary(), device_reads_dropped=self.values.dropped)

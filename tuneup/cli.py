@@ -78,17 +78,10 @@ def demo(
                                progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
         finally:
             agent.detach()
-    render_text(_document_of(agent), console)
+    render_text(agent.document(), console)
     if agent.run_dir is not None:
         console.print(f"Run log: {agent.run_log.path if agent.run_log else agent.run_dir}   "
                       f"(again: tuneup report {agent.run_dir})")
-
-
-def _document_of(agent) -> dict:
-    from .report.document import build
-
-    return build([agent.history], source=str(agent.run_log.path) if agent.run_log else "memory",
-                 silence=agent.options.silence, window_steps=agent.options.window_steps)
 
 
 def _check_rules(ids: list[str]) -> tuple[str, ...]:

@@ -96,11 +96,11 @@ def _port(value: Any) -> int | None:
 
 def _rule_ids(value: Any) -> tuple[str, ...]:
     """Rule ids to silence: a comma-separated string or an iterable of ids."""
-    from .diagnose import RULES
+    from .diagnose.engine import unknown_rules
 
     items = value.split(",") if isinstance(value, str) else list(value)
     ids = tuple(str(item).strip() for item in items if str(item).strip())
-    unknown = [rule_id for rule_id in ids if rule_id not in RULES]
+    unknown = unknown_rules(ids)
     if unknown:
         raise ValueError(f"unknown rule id {unknown[0]!r} (see `tuneup rules` for the ids)")
     return ids

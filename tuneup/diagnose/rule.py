@@ -212,11 +212,3 @@ class Facts:
                 if dtype in ("float16", "bfloat16"):
                     return dtype
         return None
-
-    def share(self, part: str) -> float:
-        """A part's share of step time in the window (forward, backward, optimizer, other)."""
-        return self.need(self.window.get(f"{part}_ratio"), part)
-
-    @property
-    def step_seconds(self) -> float:
-        return self.window["step_seconds"]["median"]

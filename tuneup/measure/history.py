@@ -218,7 +218,7 @@ class RunHistory:
         for i, interval in enumerate(self.intervals):
             event = {"event": "steps", **interval}
             if i == len(self.intervals) - 1:
-                event.update({k: v for k, v in self.latest.items()})
+                event.update(self.latest)
             out.append(event)
         out += [{"event": "warning", **warning} for warning in self.warnings]
         out += [{"event": "action", **action} for action in self.actions]

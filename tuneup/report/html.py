@@ -18,7 +18,7 @@ from typing import Any
 
 from ..format import percent, seconds
 from . import summary
-from .text import _checked, _ranks
+from .text import checked_summary, ranks_label
 
 Point = tuple[float, float]
 Line = tuple[str, str, list[Point]]  # legend label, colour, data points
@@ -316,7 +316,7 @@ def _finding(number: int, finding: dict[str, Any]) -> str:
     apply = ("<div class=\"apply\">a safe change: tuneup's apply mode can make it as a measured experiment</div>"
              if finding["can_apply"] else "")
     return (f'<article class="finding {severity}"><h3><span class="badge">{severity.upper()}</span> {number}. '
-            f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(_ranks(finding))}</span></h3>'
+            f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(ranks_label(finding))}</span></h3>'
             f'<dl><dt>measured</dt><dd>{escape(finding["observed"])}</dd>'
             f'<dt>threshold</dt><dd>{escape(finding["threshold"])}</dd>'
             f'<dt>estimated gain</dt><dd>{escape(finding["gain_text"])}</dd>'
@@ -328,9 +328,9 @@ def _findings(document: dict[str, Any]) -> str:
     """The ranked findings, or the "No findings" line."""
     findings = document["findings"]
     if not findings:
-        return f'<h2>Advice</h2><p class="ok">No findings: {escape(_checked(document))}.</p>'
+        return f'<h2>Advice</h2><p class="ok">No findings: {escape(checked_summary(document))}.</p>'
     head = (f"<h2>Advice, ranked by estimated gain</h2><p class=\"dim\">{len(findings)} findings; "
-            f"{escape(_checked(document))}</p>")
+            f"{escape(checked_summary(document))}</p>")
     return head + "".join(_finding(number, finding) for number, finding in enumerate(findings, 1))
 
 
@@ -338,12 +338,12 @@ def _table(window: dict[str, Any]) -> str:
     """The text report's step-time breakdown table, with each part's plot colour."""
     step = window["step_seconds"]
     rows = [f"<tr><td>step</td><td>{seconds(_finite(step['median']))}</td><td>p90 {seconds(_finite(step['p90']))}</td></tr>"]
-    for key, label, colour in PARTS:
-        entry = window.get(f"{key}_seconds")
-        share = _finite(window["stall_ratio"] if key == "data_wait" else window.get(f"{key}_ratio"))
+    colours = {key: colour for key, _, colour in PARTS}
+    for key, label, middle, share in summary.step_parts(window):
+        share = _finite(share)
         alert = ' class="alert"' if key == "data_wait" and share and share >= 0.1 else ""
-        rows.append(f'<tr{alert}><td><span class="swatch" style="background:{colour}"></span>{label}</td>'
-                    f"<td>{seconds(_finite(entry['median'])) if entry else '–'}</td><td>{percent(share)}</td></tr>")
+        rows.append(f'<tr{alert}><td><span class="swatch" style="background:{colours[key]}"></span>{label}</td>'
+                    f"<td>{seconds(_finite(middle))}</td><td>{percent(share)}</td></tr>")
     return (f"<h3>Where a step's time goes (last {window['steps']} steps; the split from the "
             f"{window['detailed_steps']} detail steps among them)</h3><table><tr><th>part</th><th>median</th>"
             f"<th>share of step time</th></tr>{''.join(rows)}</table>")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any, Iterable
+from typing import Any
 
 from rich.console import Console
 
 from ..export.runlog import json_safe
-from ..measure.history import RunHistory
-from . import document as documents
 from .text import render_text, to_markdown
 
 FORMATS = ("text", "markdown", "json", "html")
@@ -31,9 +29,3 @@ def render_document(document: dict[str, Any], format: str, *, width: int = 100, 
         return buffer.getvalue()
     raise ValueError(f"unknown report format {format!r}: use one of {', '.join(FORMATS)}")
 
-
-def render_events(events: Iterable[dict[str, Any]], format: str, *, source: str, silence: Iterable[str] = (),
-                  window_steps: int = 1000) -> str:
-    history = RunHistory.of(events, source=source)
-    return render_document(documents.build([history], source=source, silence=silence,
-                                           window_steps=window_steps), format)

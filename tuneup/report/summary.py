@@ -15,6 +15,21 @@ def _rate(value: float | None, unit: str) -> str:
     return "–" if value is None else f"{value:,.1f} {unit}"
 
 
+STEP_PARTS = (("data_wait", "data wait"), ("forward", "forward"), ("backward", "backward"),
+              ("optimizer", "optimizer"), ("other", "other (your loop)"))
+
+
+def step_parts(window: dict[str, Any]) -> list[tuple[str, str, float | None, float | None]]:
+    """(key, label, median seconds, share of step time) for each part of a step; the data
+    wait's share is the stall ratio."""
+    rows = []
+    for key, label in STEP_PARTS:
+        entry = window.get(f"{key}_seconds")
+        share = window["stall_ratio"] if key == "data_wait" else window.get(f"{key}_ratio")
+        rows.append((key, label, entry["median"] if entry else None, share))
+    return rows
+
+
 def step_table(window: dict[str, Any]) -> Group:
     title = Text(f"Where a step's time goes (last {window['steps']} steps; the split from the "
                  f"{window['detailed_steps']} detail steps among them)")
@@ -24,13 +39,9 @@ def step_table(window: dict[str, Any]) -> Group:
     table.add_column("share of step time", justify="right")
     step = window["step_seconds"]
     table.add_row("step", seconds(step["median"]), f"p90 {seconds(step['p90'])}")
-    for label, part in (("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
-                        ("optimizer", "optimizer"), ("other (your loop)", "other")):
-        entry = window.get(f"{part}_seconds")
-        share = window["stall_ratio"] if part == "data_wait" else window.get(f"{part}_ratio")
-        style = "bold red" if part == "data_wait" and share and share >= 0.1 else None
-        table.add_row(Text(label, style=style), seconds(entry["median"]) if entry else "–",
-                      Text(percent(share), style=style))
+    for key, label, middle, share in step_parts(window):
+        style = "bold red" if key == "data_wait" and share and share >= 0.1 else None
+        table.add_row(Text(label, style=style), seconds(middle), Text(percent(share), style=style))
     return Group(title, table)
 
 

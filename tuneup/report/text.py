@@ -15,14 +15,14 @@ from . import summary
 _STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan"}
 
 
-def _ranks(finding: dict[str, Any]) -> str:
+def ranks_label(finding: dict[str, Any]) -> str:
     ranks = finding.get("ranks") or []
     if len(ranks) > 1:
         return f" (ranks {', '.join(map(str, ranks))})"
     return f" (rank {ranks[0]})" if ranks else ""
 
 
-def _checked(document: dict[str, Any]) -> str:
+def checked_summary(document: dict[str, Any]) -> str:
     evaluation = document["runs"][0]["evaluation"] if document["runs"] else {}
     passed, silent = len(evaluation.get("passed", [])), len(evaluation.get("silent", []))
     return f"{passed} rules checked and passed, {silent} had nothing to measure on this run"
@@ -32,15 +32,15 @@ def findings_group(document: dict[str, Any]) -> Group:
     findings = document["findings"]
     parts: list[Any] = []
     if not findings:
-        parts.append(Text("No findings: " + _checked(document) + ".", style="bold green"))
+        parts.append(Text("No findings: " + checked_summary(document) + ".", style="bold green"))
         return Group(*parts)
-    parts.append(Text(f"Advice, ranked by estimated gain ({len(findings)} findings; {_checked(document)})",
+    parts.append(Text(f"Advice, ranked by estimated gain ({len(findings)} findings; {checked_summary(document)})",
                       style="bold"))
     for number, finding in enumerate(findings, 1):
         head = Text(f"{number}. ")
         head.append(f"{finding['severity'].upper()} ", style=_STYLE[finding["severity"]])
         head.append(f"{finding['title']}", style="bold")
-        head.append(f"  [{finding['rule']}]{_ranks(finding)}", style="dim")
+        head.append(f"  [{finding['rule']}]{ranks_label(finding)}", style="dim")
         lines = [
             Text(f"measured: {finding['observed']}"),
             Text(f"threshold: {finding['threshold']}", style="dim"),
@@ -73,10 +73,10 @@ def to_markdown(document: dict[str, Any]) -> str:
     findings = document["findings"]
     out += ["## Advice, ranked by estimated gain", ""]
     if not findings:
-        out += [f"No findings: {_checked(document)}.", ""]
+        out += [f"No findings: {checked_summary(document)}.", ""]
     for number, finding in enumerate(findings, 1):
         out += [
-            f"### {number}. {finding['title']} — {finding['severity']} (`{finding['rule']}`){_ranks(finding)}",
+            f"### {number}. {finding['title']} — {finding['severity']} (`{finding['rule']}`){ranks_label(finding)}",
             "",
             f"- **Measured:** {finding['observed']}",
             f"- **Threshold:** {finding['threshold']}",
@@ -102,11 +102,8 @@ def to_markdown(document: dict[str, Any]) -> str:
             out += ["| part | median | share of step time |", "|---|---:|---:|",
                     f"| step | {summary.seconds(window['step_seconds']['median'])} | p90 "
                     f"{summary.seconds(window['step_seconds']['p90'])} |"]
-            for label, part in (("data wait", "data_wait"), ("forward", "forward"), ("backward", "backward"),
-                                ("optimizer", "optimizer"), ("other", "other")):
-                entry = window.get(f"{part}_seconds")
-                share = window["stall_ratio"] if part == "data_wait" else window.get(f"{part}_ratio")
-                out.append(f"| {label} | {summary.seconds(entry['median']) if entry else '–'} | {percent(share)} |")
+            for _, label, middle, share in summary.step_parts(window):
+                out.append(f"| {label} | {summary.seconds(middle)} | {percent(share)} |")
             out.append("")
         lines = summary.sync_lines(snapshot["syncs"]) + [summary.scaler_line(snapshot["scaler"])]
         lines += summary.system_lines(snapshot.get("system")) + summary.config_lines(snapshot.get("config"))
