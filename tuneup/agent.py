@@ -4,7 +4,8 @@ a background thread, writes the run log, runs the advice rules and answers `snap
 
 Data flow: hooks (training thread) → StepTimeline → StepRing → background thread →
 interval summaries, system samples, configuration → events → run log + RunHistory →
-rules (findings) → report / HTTP endpoint.
+rules (findings) → report / HTTP endpoint; in apply mode, findings → Experimenter (on the
+training thread, at step closes) → changes kept or reverted → action events.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from torch.utils.data import DataLoader
 
 from . import __version__
 from ._patching import PatchSet
+from .act import Experimenter, Job
+from .act.actions import ACTIONS
 from .diagnose import Evaluation, evaluate
 from .export import registry
+from .export.metrics import ApplyCollector
 from .export.runlog import RunLog, log_name
 from .export.server import AgentServer
 from .measure.config import read_config
@@ -169,6 +173,12 @@ class Agent:
         self.gpu_timer: CudaStepTimer | None = None
         self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits)
         self._slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
+        self.runner: Experimenter | None = None
+        if self.options.mode == "apply":
+            self.job = Job(self.timeline, self.loader, self.optimizer, self.model, self.scaler)
+            allowed = self.options.actions if self.options.actions is not None else tuple(ACTIONS)
+            self.runner = Experimenter(self.job, [ACTIONS[name]() for name in ACTIONS if name in allowed],
+                                       self._warn_once)
 
     def start(self) -> "Agent":
         """Install the probes and start sampling; on any failure undo all of it and raise."""
@@ -181,6 +191,8 @@ class Agent:
             self.timeline.add_listener("step_close", self._on_close)
             for probe in self._hot_probes:
                 probe.install(self._patches)
+            if self.runner is not None:
+                self.runner.install(self._patches)
             try:
                 self.host = HostProbe()
             except Exception as exc:
@@ -217,7 +229,10 @@ class Agent:
         port = self.options.port
         if port is None:
             port = DEFAULT_PORT + (self.local_rank or 0)
-        server = AgentServer(self._run_payload, CollectorRegistry(auto_describe=True))
+        metrics = CollectorRegistry(auto_describe=True)
+        if self.runner is not None:
+            metrics.register(ApplyCollector(self.runner))
+        server = AgentServer(self._run_payload, metrics)
         try:
             note = server.start(self.options.host, port)
         except Exception as exc:
@@ -306,13 +321,17 @@ class Agent:
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
+        runner = self.runner
+        if runner is not None:
+            runner.on_close(step)
         # Wake at the next close that needs us between detail steps.
         if syncs.sampling or self.values.pending or self.gpu_timer is not None:
-            tl.wake_at = step + 1
+            wake = step + 1
         elif syncs.on and syncs.next_sample > step:
-            tl.wake_at = syncs.next_sample - 1  # the close that starts the sampled step
+            wake = syncs.next_sample - 1  # the close that starts the sampled step
         else:
-            tl.wake_at = 1 << 62
+            wake = 1 << 62
+        tl.wake_at = min(wake, runner.wake_at) if runner is not None else wake
 
     def _lifecycle(self, step: int) -> None:
         """Rare checks that must run on the training thread."""
@@ -374,8 +393,13 @@ class Agent:
             if interval is not None:
                 self._log(self._steps_event(interval))
             self._log_warnings()
-            if final or self._ticks % FINDINGS_EVERY_TICKS == 1:
+            runner = self.runner
+            if final or self._ticks % FINDINGS_EVERY_TICKS == 1 or (runner is not None and runner.accepting):
                 self._diagnose()
+            if runner is not None:
+                self.job.system, self.job.config = self._system, self._config or {}
+                for record in runner.drain():
+                    self._log({"event": "action", **record})
 
     def _diagnose(self) -> None:
         """Run the rules over the history (off the training thread); log what changed."""
@@ -385,6 +409,8 @@ class Agent:
         except Exception as exc:
             self._warn_once("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
             return
+        if self.runner is not None:
+            self.job.findings = {f.rule: f.to_dict() for f in self._evaluation.findings}
         current = tuple((f.rule, f.severity) for f in self._evaluation.findings)
         if current != self._findings_logged:
             self._findings_logged = current
@@ -567,7 +593,26 @@ class Agent:
             "config": self._config,
             "probes": self.probe_states(),
             "warnings": list(self.warnings),
+            "actions": self.actions(),
         }
+
+    def actions(self) -> list[dict[str, Any]]:
+        """Apply mode's changes, one record each: what changed (before/after settings), the
+        baseline and trial windows' numbers, the decision and why. Empty in advise mode."""
+        runner = self.runner if self.enabled else None
+        return [dict(record) for record in list(runner.records)] if runner is not None else []
+
+    def revert_all(self) -> int:
+        """Undo every change apply mode made (newest first) and make no more; returns how many
+        were undone. DataLoader settings switch back at the loop's next batch. Never raises."""
+        runner = self.runner if self.enabled else None
+        if runner is None:
+            return 0
+        try:
+            return runner.revert_all()
+        except Exception as exc:
+            self._warn_once("apply", f"revert_all could not finish: {type(exc).__name__}: {exc}")
+            return 0
 
     def findings(self) -> list[dict[str, Any]]:
         """The current findings, ranked by estimated gain (the rules run every few seconds
@@ -635,6 +680,9 @@ class Agent:
             self.timeline.flush()
         except Exception as exc:
             self._probe_failed("steps", exc)
+        if self.runner is not None:  # before the probes go: the changes patch what they patched
+            self.runner.revert_all("detach")
+            self.runner.on = False
         self._stop_probes()
         if not self._lock.acquire(timeout=LOCK_TIMEOUT):  # the sampler is stuck (e.g. in NVML)
             self._warn_once("background", "the background sampler did not stop; the run log has no end event")
@@ -671,6 +719,8 @@ class Agent:
             self.syncs.sampling = False
             self.syncs.counting_reads = False
             self.run_log = None
+            if self.runner is not None:
+                self.runner.on = False
 
     def __enter__(self) -> "Agent":
         return self

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
-MODES = ("advise",)
+MODES = ("advise", "apply")
 
 
 class TuneupWarning(UserWarning):
@@ -106,6 +106,21 @@ def _rule_ids(value: Any) -> tuple[str, ...]:
     return ids
 
 
+def _action_ids(value: Any) -> tuple[str, ...]:
+    """The actions apply mode may take: a comma-separated string or an iterable of ids;
+    "all" (the default) is every action."""
+    from .act.actions import ACTIONS
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    ids = tuple(str(item).strip() for item in items if str(item).strip())
+    if ids == ("all",):
+        return tuple(ACTIONS)
+    unknown = [action for action in ids if action not in ACTIONS]
+    if unknown:
+        raise ValueError(f"unknown action {unknown[0]!r} (the actions are: {', '.join(ACTIONS)}, or all)")
+    return ids
+
+
 @dataclass(frozen=True)
 class Options:
     mode: str = "advise"
@@ -123,6 +138,7 @@ class Options:
     host: str = "127.0.0.1"
     port: int | None = None  # None: DEFAULT_PORT + the local rank; 0: any free port
     silence: tuple[str, ...] = ()
+    actions: tuple[str, ...] | None = None  # None: every action (apply mode only)
 
 
 DEFAULT_PORT = 9477
@@ -145,6 +161,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "host": ("TUNEUP_HOST", _text),
     "port": ("TUNEUP_PORT", _port),
     "silence": ("TUNEUP_SILENCE", _rule_ids),
+    "actions": ("TUNEUP_ACTIONS", _action_ids),
 }
 assert set(_SPEC) == {f.name for f in fields(Options)}
 

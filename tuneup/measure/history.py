@@ -194,7 +194,14 @@ class RunHistory:
         elif kind == "warning":
             self.warnings.append({k: v for k, v in event.items() if k != "event"})
         elif kind == "action":
-            self.actions.append({k: v for k, v in event.items() if k != "event"})
+            # One entry per change (apply mode): a later event of the same change replaces it.
+            action = {k: v for k, v in event.items() if k != "event"}
+            for index, known in enumerate(self.actions):
+                if action.get("id") is not None and known.get("id") == action.get("id"):
+                    self.actions[index] = action
+                    break
+            else:
+                self.actions.append(action)
         elif kind == "end":
             self.end = {k: v for k, v in event.items() if k != "event"}
             for section in ("syncs", "scaler", "habits"):

@@ -42,6 +42,7 @@ class ScalerProbe:
         self.seen = 0  # scalers seen (the WeakSet empties when the job drops them)
         self.enabled: bool | None = None
         self.steps = 0  # scaler.step() calls with the scaler enabled
+        self.calls = {"step": 0, "update": 0}  # calls enabled or not: does the loop use the idiom?
         self.skipped = 0
         self.skip_run = 0
         self.longest_skip_run = 0
@@ -91,6 +92,7 @@ class ScalerProbe:
 
         @functools.wraps(original)
         def step(scaler, optimizer, *args, **kwargs):
+            probe.calls["step"] += 1
             if not probe._measured(scaler) or not scaler._enabled:
                 return original(scaler, optimizer, *args, **kwargs)
             ran_before = probe.optimizers.total_steps
@@ -140,6 +142,7 @@ class ScalerProbe:
 
         @functools.wraps(original)
         def update(scaler, new_scale=None):
+            probe.calls["update"] += 1
             result = original(scaler, new_scale)
             current = getattr(scaler, "_scale", None)
             if probe._measured(scaler) and scaler._enabled and current is not None:

@@ -122,6 +122,7 @@ class StepTimeline:
         self.fail = fail
         self.detail_every = detail_every
         self.detail = True  # measure the split and the loss on the open step
+        self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
         self.step_start: float | None = None
         self.last_optimizer_end: float | None = None
@@ -231,7 +232,8 @@ class StepTimeline:
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
         following = step + 1
-        self.detail = following <= EARLY_DETAIL_STEPS or following % self.detail_every == 0
+        self.detail = (following <= EARLY_DETAIL_STEPS or following % self.detail_every == 0
+                       or following <= self.detail_until)
         ring.count = step  # publish last: readers only see complete records
 
     def _notify(self, step: int) -> None:

@@ -1,0 +1,14 @@
+"""Act: safe changes to a running job, made as measured experiments (SPEC §6, `mode="apply"`).
+
+    findings (diagnose) → Action.propose() → Change → Experimenter: baseline window → apply →
+    trial window → keep or revert → records (run log, report, metrics)
+
+`action.py` says what an action and a change are, `experiment.py` how a trial is judged,
+`runner.py` runs the experiments on the training thread, and `actions/<name>.py` holds
+each action: DataLoader tuning, AMP, cudnn.benchmark, zero_grad(set_to_none=True).
+"""
+
+from .action import FASTER, NOT_SLOWER, Action, Change, Job
+from .runner import Experimenter
+
+__all__ = ["FASTER", "NOT_SLOWER", "Action", "Change", "Experimenter", "Job"]

@@ -1,0 +1,132 @@
+"""What an action and a change are.
+
+An `Action` (one file each in `actions/`) fixes the findings of some rules. When one of them
+fires and the action's safety conditions hold, `propose()` returns a `Change`: one concrete
+edit of the job's live objects (`num_workers 0 -> 2`) that can `apply()` and `revert()`
+itself exactly, and whose `check()` says, while it is in effect, whether it must be rolled
+back at once (a non-finite loss under AMP); guards that must run before an optimizer
+update go through `Job.add_guard`. The Experimenter (runner.py) decides whether a
+change stays; the action hears the verdict through `decided()` and proposes its next change
+(the DataLoader action climbs one knob at a time) or is done.
+
+Everything here runs on the training thread, between steps, except `propose()`'s reads of
+the findings and the host sample, which the agent's background thread publishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from ..measure.loader import LoaderProbe
+from ..measure.model import ModelProbe
+from ..measure.optimizer import OptimizerProbe
+from ..measure.scaler import ScalerProbe
+from ..measure.steps import StepTimeline
+
+FASTER = "faster"  # kept only when the trial is measurably faster than the baseline
+NOT_SLOWER = "not slower"  # kept unless measurably slower: what it buys is not step time (memory)
+
+
+@dataclass
+class Job:
+    """What actions read and change: the job's objects as the probes found them, and the
+    latest findings, host sample and configuration (published by the background thread)."""
+
+    timeline: StepTimeline
+    loaders: LoaderProbe
+    optimizers: OptimizerProbe
+    models: ModelProbe
+    scalers: ScalerProbe
+    findings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    system: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    # Changes' guards around each optimizer step, fn(optimizer). The runner's own step hooks
+    # call them: torch cannot take a hook added or removed while it runs the hooks, and a
+    # change may be applied or rolled back in the middle of an optimizer step.
+    before_update: tuple[Callable[[Any], None], ...] = ()
+    after_update: tuple[Callable[[Any], None], ...] = ()
+
+    def add_guard(self, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
+        self.before_update = self.before_update + (before,)
+        if after is not None:
+            self.after_update = self.after_update + (after,)
+
+    def remove_guard(self, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
+        self.before_update = tuple(guard for guard in self.before_update if guard != before)
+        if after is not None:
+            self.after_update = tuple(guard for guard in self.after_update if guard != after)
+
+    def finding(self, *rules: str) -> dict[str, Any] | None:
+        """The first of these rules' current findings, if any fires."""
+        findings = self.findings
+        for rule in rules:
+            if rule in findings:
+                return findings[rule]
+        return None
+
+    @property
+    def on_cuda(self) -> bool:
+        return any(parameter.is_cuda for model in self.models.root_models()
+                   for parameter in _first_parameter(model))
+
+
+def _first_parameter(model: Any) -> list[Any]:
+    parameter = next(model.parameters(), None)
+    return [parameter] if parameter is not None else []
+
+
+class Change:
+    """One edit of the running job. Subclasses set the fields and implement apply/revert."""
+
+    action: str = ""
+    description: str = ""  # what changes, in the user's words: "num_workers 0 -> 2"
+    settle_steps: int = 5  # steps after apply() left out of the trial (warm-up of the new setting)
+    window_steps: int | None = None  # trial length; None: the runner's (about a second of steps)
+    guard_steps: int = 0  # steps after apply() on which check() runs every step, then on detail steps
+    keep: str = FASTER
+    # Whether it can change the loss: a DataLoader change serves the same batches in the same
+    # order, so its trial's loss is the job's own and says nothing about the change.
+    affects_numerics: bool = True
+
+    def __init__(self) -> None:
+        self.before: dict[str, Any] = {}
+        self.after: dict[str, Any] = {}
+        self.rollback_reason: str | None = None  # set by a guard inside a step; the runner rolls back
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def revert(self) -> None:
+        raise NotImplementedError
+
+    def check(self, step: int) -> str | None:
+        """At step closes while in effect: a reason to roll back at once, or None."""
+        return self.rollback_reason
+
+
+class Action:
+    """A kind of safe change. `fixes`: the rule ids whose findings start it."""
+
+    id: ClassVar[str]
+    title: ClassVar[str]
+    fixes: ClassVar[tuple[str, ...]]
+
+    def __init__(self) -> None:
+        self.done = False  # nothing more to try in this run
+        self.busy = False  # in the middle of a sequence of changes: go on before other actions
+        self.not_applicable: str | None = None  # why the finding cannot be acted on (reported once)
+
+    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+        """The next change to try now, or None. `recent`: a summary of the latest steps in
+        the current configuration (windows.summarize), None when there are too few."""
+        raise NotImplementedError
+
+    def decided(self, change: Change, record: dict[str, Any]) -> None:
+        """The verdict on a change this action proposed (record["decision"])."""
+        self.done = True
+
+    def refuse(self, reason: str) -> None:
+        """The finding fires but the change is not safe here: say why once, and stop."""
+        self.not_applicable = reason
+        self.done = True

@@ -1,0 +1,258 @@
+"""Mixed precision: autocast around the model's forward, bf16 where the device supports it.
+
+fp16 is used only where bf16 is not supported and the loop already owns a GradScaler that
+it calls (`scale`, `step`, `update`): a disabled one (`GradScaler(enabled=flag)`, the
+switchable-AMP idiom) is enabled with GradScaler's defaults. As Accelerate does, the
+forward's floating-point outputs are cast back to float32, so the loss the loop computes
+from them runs in fp32.
+
+Guarded, because reduced precision can overflow. During the guard period every step is a
+detail step (the loss is captured) and a step pre-hook checks, before each update, that the
+gradients and the loss are finite. If the gradients are not, it hides them from the
+optimizer for that one step (it skips every parameter: nothing is updated, no state moves;
+they are put back right after, as the loop left them), takes autocast off at once and the
+change is rolled back. Reading that check costs one host-device sync per step on CUDA (the
+same one GradScaler's step pays), during the guard period only; after it, the loss the agent
+reads on detail steps and GradScaler's skips are watched: a non-finite loss or a burst of
+skipped steps rolls the change back at the next step close. Model and optimizer state are
+never touched: autocast changes no parameter, and a revert restores the GradScaler's state
+exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+from torch.amp.grad_scaler import GradScaler
+
+from ..._patching import PatchSet
+from ...measure.config import is_compiled
+from ...measure.device_values import raw_item
+from ..action import FASTER, Action, Change, Job
+
+GUARD_STEPS = 300
+SETTLE_STEPS = 5
+SKIP_WINDOW = 20  # a burst: this many skipped steps ...
+SKIP_BURST = 5  # ... within SKIP_WINDOW steps
+CALIBRATION_STEPS = 20  # a GradScaler tuneup enabled searches its scale first: skips expected
+LOSS_LOOKBACK = 16
+_raw_tolist = torch._C.TensorBase.tolist
+_CLOSURE_OPTIMIZERS = ("LBFGS",)
+
+
+def to_float32(output: Any) -> Any:
+    """The forward's outputs with half-precision floating tensors cast to float32."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
+    if isinstance(output, tuple):
+        items = [to_float32(item) for item in output]
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    if isinstance(output, list):
+        return [to_float32(item) for item in output]
+    if isinstance(output, dict):
+        converted = copy.copy(output)  # keeps the mapping's type (OrderedDict, HF ModelOutput)
+        for key, value in output.items():
+            converted[key] = to_float32(value)
+        return converted
+    return output
+
+
+class AmpChange(Change):
+    action = "amp"
+    settle_steps = SETTLE_STEPS
+    keep = FASTER
+
+    def __init__(self, job: Job, models: list[nn.Module], device: str, dtype: torch.dtype,
+                 scaler: GradScaler | None) -> None:
+        super().__init__()
+        self.job = job
+        self.device = device
+        self.dtype = dtype
+        self.guard_steps = GUARD_STEPS
+        self.targets = {id(model): weakref.ref(model) for model in models}
+        self.classes = list(dict.fromkeys(type(model) for model in models))
+        self.scaler = weakref.ref(scaler) if scaler is not None else None
+        self.enables_scaler = scaler is not None and not scaler._enabled
+        self.scaler_state = dict(vars(scaler)) if self.enables_scaler else None
+        name = str(dtype).replace("torch.", "")
+        self.description = f"autocast({device}, {name}) around the forward" + (
+            "; GradScaler enabled" if self.enables_scaler else "")
+        self.before = {"autocast": None, "grad_scaler_enabled": bool(scaler._enabled) if scaler else None}
+        self.after = {"autocast": f"{device} {name}", "grad_scaler_enabled": True if scaler else None}
+        self.patches = PatchSet()
+        self.guard_until = 0
+        self.applied_step = 0
+        self.hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.skips: deque[tuple[int, int]] = deque()
+        self.reported_losses: set[int] = set()
+
+    # --- apply / revert -----------------------------------------------------------------
+
+    def apply(self) -> None:
+        self.applied_step = self.job.timeline.ring.count + 1
+        self.guard_until = self.applied_step + self.guard_steps
+        targets, device, dtype = self.targets, self.device, self.dtype
+
+        def wrap(original):
+            @functools.wraps(original)
+            def forward(module, *args, **kwargs):
+                if id(module) not in targets:
+                    return original(module, *args, **kwargs)
+                with torch.autocast(device, dtype=dtype):
+                    output = original(module, *args, **kwargs)
+                return to_float32(output)
+
+            return forward
+
+        for cls in self.classes:
+            self.patches.replace(cls, "forward", wrap)
+        scaler = self.scaler() if self.scaler is not None else None
+        if self.enables_scaler and scaler is not None:
+            vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+        self.job.add_guard(self._before_update, self._after_update)
+        self.job.models.read_config_next_forward = True
+
+    def revert(self) -> None:
+        self.patches.undo_all()
+        self._restore_scaler()
+        self.job.remove_guard(self._before_update, self._after_update)
+        self._after_update(None)  # gradients hidden from an update are always given back
+        self.job.models.read_config_next_forward = True
+
+    def _restore_scaler(self) -> None:
+        scaler = self.scaler() if self.scaler is not None else None
+        if self.scaler_state is not None and scaler is not None:
+            vars(scaler).clear()
+            vars(scaler).update(self.scaler_state)
+
+    # --- guards -------------------------------------------------------------------------
+
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before each update in the guard period: are the gradients and the loss finite?"""
+        timeline = self.job.timeline
+        if self.rollback_reason or timeline.ring.count >= self.guard_until:
+            return
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not parameters:
+            return
+        grads_finite, loss_finite = self._finite([p.grad for p in parameters], timeline.loss)
+        if grads_finite and loss_finite:
+            return
+        step = timeline.ring.count + 1
+        if not grads_finite:
+            # Hidden for this update only: the optimizer skips parameters without a gradient.
+            self.hidden = [(p, p.grad) for p in parameters]
+            for parameter in parameters:
+                parameter.grad = None
+        self.patches.undo_all()  # the next forward runs in full precision, whatever happens next
+        self._restore_scaler()
+        what = "gradients" if not grads_finite else "loss"
+        self.rollback_reason = (f"non-finite {what} at step {step}" +
+                                ("; that update was skipped" if not grads_finite else ""))
+
+    def _after_update(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if self.hidden:
+            for parameter, grad in self.hidden:
+                parameter.grad = grad
+            self.hidden = []
+
+    @staticmethod
+    def _finite(grads: list[torch.Tensor], loss: torch.Tensor | None) -> tuple[bool, bool]:
+        """(gradients finite, loss finite), with one device read."""
+        with torch.no_grad():
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for grad in grads:
+                by_device.setdefault(grad.device, []).append(grad)
+            first = next(iter(by_device))
+            sums = [torch.stack(torch._foreach_norm(tensors)).float().sum().to(first)
+                    for tensors in by_device.values()]
+            grad_total = torch.stack(sums).sum()
+            if loss is not None and loss.numel() == 1:
+                loss_value = loss.detach().reshape(()).float().to(first)
+            else:
+                loss_value = torch.zeros((), device=first)
+            finite = _raw_tolist(torch.isfinite(torch.stack([grad_total, loss_value])))
+        return bool(finite[0]), bool(finite[1])
+
+    def check(self, step: int) -> str | None:
+        if self.rollback_reason:
+            return self.rollback_reason
+        return self._nonfinite_loss(step) or self._skip_burst(step)
+
+    def _nonfinite_loss(self, step: int) -> str | None:
+        """A non-finite loss read by the agent (inline on CPU, asynchronously on CUDA)."""
+        ring = self.job.timeline.ring
+        for earlier in range(max(self.applied_step + 1, step - LOSS_LOOKBACK), step + 1):
+            slot = (earlier - 1) % ring.capacity
+            if ring.loss_step[slot] == earlier and not math.isfinite(ring.loss[slot]) \
+                    and earlier not in self.reported_losses:
+                self.reported_losses.add(earlier)
+                return f"non-finite loss at step {earlier}"
+        return None
+
+    def _skip_burst(self, step: int) -> str | None:
+        if self.scaler is None:
+            return None
+        if self.enables_scaler and step < self.applied_step + CALIBRATION_STEPS:
+            return None
+        skips = self.skips
+        skips.append((step, self.job.scalers.skipped))
+        while skips and skips[0][0] < step - SKIP_WINDOW:
+            skips.popleft()
+        burst = skips[-1][1] - skips[0][1]
+        if burst >= SKIP_BURST:
+            return f"a burst of {burst} skipped steps in {step - skips[0][0]} steps"
+        return None
+
+
+class Amp(Action):
+    id = "amp"
+    title = "Mixed precision (autocast)"
+    fixes = ("amp-off",)
+
+    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+        finding = job.finding(*self.fixes)
+        if finding is None:
+            return None
+        models = job.models.root_models()
+        if not models:
+            return None
+        for model in models:
+            if is_compiled(model):
+                return self.refuse(f"{type(model).__name__} is compiled: set autocast in the code before compiling")
+            if "forward" in vars(model):
+                return self.refuse(f"{type(model).__name__}.forward is replaced on the instance "
+                                   "(a wrapper owns it); tuneup leaves it alone")
+        parameters = [p for model in models for p in model.parameters()]
+        if any(p.dtype != torch.float32 for p in parameters if p.is_floating_point()):
+            self.done = True  # already in reduced precision
+            return None
+        devices = {p.device.type for p in parameters}
+        if len(devices) != 1 or devices - {"cpu", "cuda"}:
+            return self.refuse(f"parameters on {', '.join(sorted(devices))}: autocast needs one CPU or CUDA device")
+        device = devices.pop()
+        closures = sorted({type(o).__name__ for o in job.optimizers.optimizers} & set(_CLOSURE_OPTIMIZERS))
+        if closures:
+            return self.refuse(f"{', '.join(closures)} re-evaluates the model in its closure")
+        scalers = [s for s in job.scalers.scalers if getattr(s, "_device", None) == device]
+        if device == "cpu" or torch.cuda.is_bf16_supported():
+            enabled = [s for s in scalers if s._enabled]
+            return AmpChange(job, models, device, torch.bfloat16, enabled[0] if enabled else None)
+        return self._fp16(job, models, device, scalers)
+
+    def _fp16(self, job: Job, models: list[nn.Module], device: str, scalers: list[GradScaler]) -> Change | None:
+        if not scalers:
+            return self.refuse("this GPU has no bf16, and fp16 needs a GradScaler the loop owns "
+                               "(GradScaler(enabled=False) is enough for tuneup to switch it on)")
+        calls = job.scalers.calls
+        if not (calls["step"] and calls["update"]):
+            return self.refuse("the loop calls scaler.scale() but not scaler.step() and scaler.update(): "
+                               "enabling its GradScaler would leave the gradients scaled")
+        return AmpChange(job, models, device, torch.float16, scalers[0])

@@ -1,0 +1,261 @@
+"""DataLoader tuning: a runtime AUTOTUNE for PyTorch's input pipeline.
+
+Started by a data stall (or, on CUDA, pageable copies), it climbs one knob at a time, each
+move an experiment of its own, on the loader the training loop is reading:
+
+1. num_workers, while the stall is above STALL_TARGET: the next count is estimated from the
+   measured split (a batch takes about `wait` to load in-process, or `workers x step` with
+   workers; one must be ready every `step - wait`), then verified by the trial;
+2. prefetch_factor doubled, while workers are kept busy but the stall stays (bursty loads);
+3. pin_memory=True on a CUDA job;
+4. persistent_workers=True when epochs are short enough to put an epoch start in each
+   window (otherwise its gain, one worker start-up per epoch, is not measurable).
+
+A rejected move closes its knob. Bounds: no more workers than usable cores (affinity and
+cgroup quota), and no more than half the free RAM at the measured size of a worker (the
+main process's until a worker was measured). Changes land mid-epoch through a relay (see
+`act/handover.py`): the sequence of samples the model sees does not change, and the global
+RNG is not drawn from. Persistent workers would skip the worker-seed draw a new iterator
+makes each epoch, which shifts the job's random streams (a shuffling sampler without a
+generator draws from the same RNG), so tuneup makes that draw itself; and they keep the
+dataset object they started with, so when the dataset's attributes are reassigned between
+epochs (`dataset.epoch = e`) they are started afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..._patching import PatchSet
+from ...measure.host import usable_cores
+from ..action import FASTER, Action, Change, Job
+from ..handover import (KNOBS, Settings, effective, live_iterators, settings_of, shut_down, switch_loader,
+                        why_not_switchable)
+
+STALL_TARGET = 0.05  # below this share of step time, more loading capacity is not worth a trial
+MAX_WORKERS = 32
+MAX_PREFETCH = 8
+WORKER_MARGIN = 1.25  # workers estimated from the split, plus this much for jitter
+RAM_SHARE = 0.5  # workers may take at most this share of the free RAM
+PERSISTENT_MAX_EPOCH = 600  # steps: longer epochs put no epoch start in a trial window
+
+
+def _fingerprint(dataset: Any) -> tuple:
+    """The dataset's attributes as bound now (identity, and value for plain scalars)."""
+    state = getattr(dataset, "__dict__", {})
+    return tuple(sorted((name, id(value), value if isinstance(value, (int, float, str, bool)) else None)
+                        for name, value in state.items()))
+
+
+class _PersistentWatch:
+    """DataLoader.__iter__ for the loaders tuneup made persistent: make the seed draw a
+    fresh iterator would make, and restart workers whose dataset was changed."""
+
+    def __init__(self) -> None:
+        self.loaders: dict[int, tuple[weakref.ref, tuple]] = {}
+        self.patches = PatchSet()
+
+    def watch(self, loader: DataLoader) -> None:
+        if not self.loaders:
+            self.patches.replace(DataLoader, "__iter__", self._wrap)
+        self.loaders[id(loader)] = (weakref.ref(loader), _fingerprint(loader.dataset))
+
+    def forget(self, loader: DataLoader) -> None:
+        self.loaders.pop(id(loader), None)
+        if not self.loaders:
+            self.patches.undo_all()
+
+    def _wrap(self, original):
+        watch = self
+
+        @functools.wraps(original)
+        def __iter__(loader):
+            entry = watch.loaders.get(id(loader))
+            if entry is not None and entry[0]() is loader and loader._iterator is not None \
+                    and loader.persistent_workers and loader.num_workers > 0:
+                now = _fingerprint(loader.dataset)
+                if now != entry[1]:  # the workers hold the old dataset: start them afresh
+                    watch.loaders[id(loader)] = (entry[0], now)
+                    stale, loader._iterator = loader._iterator, None
+                    shut_down(stale)
+                else:
+                    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+            return original(loader)
+
+        return __iter__
+
+
+class LoaderChange(Change):
+    action = "dataloader"
+    keep = FASTER
+    affects_numerics = False
+
+    def __init__(self, tuning: "DataLoaderTuning", job: Job, loader: DataLoader, knob: str,
+                 before: Settings, after: Settings) -> None:
+        super().__init__()
+        self.tuning = tuning
+        self.job = job
+        self.loader = weakref.ref(loader)
+        self.knob = knob
+        self.before, self.after = dict(before), dict(after)
+        changed = [knob for knob in KNOBS if before[knob] != after[knob] and
+                   not (knob == "prefetch_factor" and not before["num_workers"])]
+        self.description = ", ".join(f"{knob} {before[knob]} -> {after[knob]}" for knob in changed)
+        # New workers start and fill their queues first.
+        self.settle_steps = max(5, 2 + after["num_workers"] * (after["prefetch_factor"] or 0))
+
+    def apply(self) -> None:
+        self._set(self.after)
+        loader = self.loader()
+        if loader is not None and self.after["persistent_workers"] and not self.before["persistent_workers"]:
+            self.tuning.persistent.watch(loader)
+
+    def revert(self) -> None:
+        loader = self.loader()
+        if loader is not None and self.after["persistent_workers"] and not self.before["persistent_workers"]:
+            self.tuning.persistent.forget(loader)
+        self._set(self.tuning.job_settings if self.tuning.failed else self.before)
+
+    def _set(self, settings: Settings) -> None:
+        loader = self.loader()
+        if loader is None:
+            return
+        switch_loader(loader, settings, self.job.loaders.iterators, self.tuning.job_settings,
+                      self._failed, self.job.loaders.iterators.add)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.tuning.failed = True
+        if self.rollback_reason is None:
+            self.rollback_reason = (f"the loader failed with the new settings ({type(exc).__name__}: "
+                                    f"{' '.join(str(exc).split())[:200]}); the batches it had not delivered were "
+                                    "fetched again, in order, with the job's own settings")
+
+
+class DataLoaderTuning(Action):
+    id = "dataloader"
+    title = "Tune the DataLoader (workers, prefetch, pinning, persistence)"
+    fixes = ("data-stall", "pageable-copies")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: weakref.ref | None = None
+        self.job_settings: Settings = {}
+        self.settings: Settings = {}
+        self.closed: set[str] = set()  # knobs whose last move was rejected
+        self.failed = False
+        self.persistent = _PersistentWatch()
+
+    # --- which loader -------------------------------------------------------------------
+
+    @staticmethod
+    def _reading(job: Job) -> DataLoader | None:
+        """The loader whose live iterator has served the most batches: the training loop's."""
+        loaders = list(job.loaders.loaders)
+        best, served = None, -1
+        for loader in loaders:
+            for iterator in live_iterators(loader, job.loaders.iterators):
+                if iterator._num_yielded > served:
+                    best, served = loader, iterator._num_yielded
+        return best
+
+    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+        if job.finding(*self.fixes) is None and not self.busy:
+            return None
+        if recent is None or recent.get("stall_ratio") is None:
+            return None
+        if self.target is None:
+            loader = self._reading(job)
+            if loader is None:
+                return None  # between epochs: look again at the next step
+            reason = why_not_switchable(loader)
+            if reason:
+                return self.refuse(f"the DataLoader is left as it is: {reason}")
+            self.target = weakref.ref(loader)
+            self.job_settings = settings_of(loader)
+            self.settings = dict(self.job_settings)
+            self.busy = True
+        loader = self.target()
+        if loader is None or self.failed:
+            return self._finish()
+        change = self._next(job, loader, recent)
+        return change if change is not None else self._finish()
+
+    def _finish(self) -> None:
+        self.done, self.busy = True, False
+        return None
+
+    def _next(self, job: Job, loader: DataLoader, recent: dict[str, Any]) -> Change | None:
+        settings = self.settings
+        workers = settings["num_workers"]
+        stalled = recent["stall_ratio"] >= STALL_TARGET
+        if stalled and "num_workers" not in self.closed and workers < self.max_workers(job):
+            count = self._workers_needed(recent, workers, self.max_workers(job))
+            return self._change(job, loader, "num_workers", num_workers=count)
+        if stalled and workers and "prefetch_factor" not in self.closed:
+            prefetch = effective(settings)["prefetch_factor"]
+            if prefetch < MAX_PREFETCH:
+                return self._change(job, loader, "prefetch_factor", prefetch_factor=2 * prefetch)
+        if job.on_cuda and torch.cuda.is_available() and not settings["pin_memory"] \
+                and "pin_memory" not in self.closed:
+            return self._change(job, loader, "pin_memory", pin_memory=True)
+        if workers and not settings["persistent_workers"] and "persistent_workers" not in self.closed:
+            return self._persistent(job, loader)
+        return None
+
+    def _change(self, job: Job, loader: DataLoader, knob: str, **values: Any) -> LoaderChange:
+        after = effective(dict(self.settings, **values))
+        return LoaderChange(self, job, loader, knob, self.settings, after)
+
+    def _persistent(self, job: Job, loader: DataLoader) -> LoaderChange | None:
+        """Measured across epoch starts: the baseline's last epoch start paid the workers'
+        start-up, the trial's (the second after the change) reuses them."""
+        try:
+            epoch = len(loader)
+        except TypeError:
+            epoch = 0
+        live = live_iterators(loader, job.loaders.iterators)
+        if not epoch or epoch > PERSISTENT_MAX_EPOCH or not live or not hasattr(loader.dataset, "__dict__"):
+            self.closed.add("persistent_workers")
+            return None
+        change = self._change(job, loader, "persistent_workers", persistent_workers=True)
+        remaining = epoch - max(iterator._num_yielded for iterator in live)
+        change.settle_steps = remaining + 2  # the first epoch after the change starts its workers
+        change.window_steps = epoch * max(1, math.ceil(24 / epoch))
+        return change
+
+    # --- sizing ------------------------------------------------------------------------
+
+    @staticmethod
+    def _workers_needed(recent: dict[str, Any], workers: int, most: int) -> int:
+        step = recent["seconds"] / recent["steps"]
+        wait = recent["data_wait_seconds"]["mean"]
+        compute = max(step - wait, 1e-6)
+        load = wait if workers == 0 else workers * step  # one batch's loading time
+        needed = math.ceil(WORKER_MARGIN * load / compute)
+        return min(most, max(workers + 1, needed))
+
+    def max_workers(self, job: Job) -> int:
+        host = job.system.get("host") or {}
+        cores = int(host.get("usable_cores") or usable_cores())
+        bound = min(cores, MAX_WORKERS)
+        available = host.get("memory_available_bytes")
+        measured = host.get("workers") or 0
+        per_worker = (host.get("workers_rss_bytes") or 0) / measured if measured else host.get("rss_bytes")
+        if available and per_worker:
+            bound = min(bound, self.settings["num_workers"] + int(RAM_SHARE * available / per_worker))
+        return bound
+
+    def decided(self, change: Change, record: dict[str, Any]) -> None:
+        assert isinstance(change, LoaderChange)
+        if record["decision"] == "kept":
+            self.settings = dict(change.after)
+        else:
+            self.closed.add(change.knob)
+        if self.failed:
+            self._finish()

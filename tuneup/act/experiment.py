@@ -1,0 +1,142 @@
+"""How a trial is judged against its baseline: faster beyond the measured noise, loss finite
+and in band.
+
+Step times are autocorrelated (a loader with workers alternates fast and slow steps) and
+heavy-tailed (a GC pause, a checkpoint), so each window is cut into BLOCKS runs of
+consecutive steps and the block means are compared with an exact one-sided Mann-Whitney U
+test: rank-based (one outlier block cannot decide), free of any distribution assumption,
+and exact for the small samples a window gives. A change is kept only when the test says
+the trial is faster (p < ALPHA) and the speed-up in mean step time, which is what
+throughput is, reaches MIN_SPEEDUP; NOT_SLOWER changes are kept unless the same test says
+they are slower.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from statistics import median
+from typing import Any, Mapping, Sequence
+
+from ..measure.windows import summarize
+from .action import FASTER
+
+BLOCKS = 6
+ALPHA = 0.05
+MIN_SPEEDUP = 1.02  # below 2% a change is not worth its risk, whatever the test says
+LOSS_BAND = 0.10  # the trial's median loss may exceed the baseline's by 10% (or 3 MADs)
+MIN_LOSSES = 3
+
+Columns = Mapping[str, Sequence[Any]]
+
+
+def block_means(values: Sequence[float], blocks: int = BLOCKS) -> list[float]:
+    """Means of `blocks` equal runs of consecutive values (the first values left over are dropped)."""
+    size = len(values) // blocks
+    if size == 0:
+        return list(values)
+    start = len(values) - size * blocks
+    return [sum(values[start + i * size: start + (i + 1) * size]) / size for i in range(blocks)]
+
+
+@lru_cache(maxsize=None)
+def _arrangements(m: int, n: int, u: int) -> int:
+    """Orderings of m x's and n y's in which exactly u (x, y) pairs have x above y."""
+    if u < 0:
+        return 0
+    if m == 0 or n == 0:
+        return 1 if u == 0 else 0
+    # The largest value is an x (above all n y's) or a y (above no x).
+    return _arrangements(m - 1, n, u - n) + _arrangements(m, n - 1, u)
+
+
+def p_smaller(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """One-sided exact Mann-Whitney p-value that the xs tend to be smaller than the ys."""
+    m, n = len(xs), len(ys)
+    if not m or not n:
+        return 1.0
+    above = sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
+    limit = math.ceil(above)  # ties round against the claim
+    total = math.comb(m + n, m)
+    return sum(_arrangements(m, n, u) for u in range(limit + 1)) / total
+
+
+def window_numbers(columns: Columns) -> dict[str, Any]:
+    """What a report shows of a baseline or trial window."""
+    summary = summarize(columns) or {}
+    loss = summary.get("loss") or {}
+    return {
+        "first_step": summary.get("first_step"),
+        "last_step": summary.get("last_step"),
+        "steps": summary.get("steps", 0),
+        "step_seconds": (summary.get("step_seconds") or {}).get("median"),
+        "mean_step_seconds": (summary.get("step_seconds") or {}).get("mean"),
+        "stall_ratio": summary.get("stall_ratio"),
+        "data_wait_seconds": (summary.get("data_wait_seconds") or {}).get("mean"),
+        "samples_per_second": summary.get("samples_per_second"),
+        "steps_per_second": summary.get("steps_per_second"),
+        "loss": loss.get("median"),
+        "nonfinite_losses": loss.get("nonfinite_steps", 0),
+        "skipped_steps": summary.get("skipped_steps", 0),
+    }
+
+
+def _losses(columns: Columns) -> list[float]:
+    return [value for value, known in zip(columns["loss"], columns["loss_known"]) if known]
+
+
+def loss_problem(baseline: Columns, trial: Columns) -> str | None:
+    """Why the trial's loss rules the change out: non-finite more often than in the baseline
+    (a job with a few bad records has a few non-finite losses anyway), or above its band."""
+    trial_losses, base_all = _losses(trial), _losses(baseline)
+    bad = sum(1 for value in trial_losses if not math.isfinite(value))
+    base_bad = sum(1 for value in base_all if not math.isfinite(value))
+    if bad and bad / len(trial_losses) > (base_bad / len(base_all) if base_all else 0.0):
+        return (f"the loss was non-finite on {bad} of {len(trial_losses)} steps read "
+                f"(before: {base_bad} of {len(base_all)})")
+    base_losses = [value for value in base_all if math.isfinite(value)]
+    trial_losses = [value for value in trial_losses if math.isfinite(value)]
+    if len(base_losses) < MIN_LOSSES or len(trial_losses) < MIN_LOSSES:
+        return None
+    base, now = median(base_losses), median(trial_losses)
+    spread = median(abs(value - base) for value in base_losses)
+    upper = base + max(LOSS_BAND * abs(base), 3 * spread)
+    if now > upper:
+        return f"the loss left its band: median {now:.4g} against {base:.4g} before (limit {upper:.4g})"
+    return None
+
+
+def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -> dict[str, Any]:
+    """The verdict on a trial: {"keep": bool, "reason": str, "speedup", "p_faster", "p_slower",
+    windows}. `numerics`: whether the change can change the loss (else the loss is not judged)."""
+    before, after = baseline["step_seconds"], trial["step_seconds"]
+    speedup = (sum(before) / len(before)) / (sum(after) / len(after))
+    base_blocks, trial_blocks = block_means(before), block_means(after)
+    p_faster = p_smaller(trial_blocks, base_blocks)
+    p_slower = p_smaller(base_blocks, trial_blocks)
+    verdict: dict[str, Any] = {
+        "baseline": window_numbers(baseline),
+        "trial": window_numbers(trial),
+        "speedup": speedup,
+        "p_faster": p_faster,
+        "p_slower": p_slower,
+        "criterion": keep,
+    }
+    problem = loss_problem(baseline, trial) if numerics else None
+    faster = p_faster < ALPHA and speedup >= MIN_SPEEDUP
+    slower = p_slower < ALPHA and speedup <= 1 / MIN_SPEEDUP
+    if problem:
+        verdict.update(keep=False, reason=problem)
+    elif keep == FASTER:
+        if faster:
+            verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
+        elif slower:
+            verdict.update(keep=False, reason=f"slower: {speedup:.2f}x (p={p_slower:.3f})")
+        else:
+            verdict.update(keep=False, reason=f"{speedup:.2f}x is within the noise (p={p_faster:.2f}; "
+                                              f"needs p<{ALPHA} and >= {MIN_SPEEDUP:.2f}x)")
+    elif slower:
+        verdict.update(keep=False, reason=f"slower: {speedup:.2f}x (p={p_slower:.3f})")
+    else:
+        verdict.update(keep=True, reason=f"not slower: {speedup:.2f}x (p={p_slower:.2f} that it is slower)")
+    return verdict

@@ -1,0 +1,290 @@
+"""Switch a live DataLoader iterator to other settings in the middle of an epoch, without
+changing which samples come next or in what order.
+
+A DataLoader's settings (num_workers, prefetch_factor, pin_memory) are fixed when its
+iterator is made, once per epoch. To tune within a few hundred steps rather than a few
+epochs, a `Relay` takes over the live iterator's `_next_data` and serves its batches from a
+chain of iterators ("sources"): the iterator itself first, then one built with the new
+settings. The index sampler's iterator, the one that decides the epoch's order, is handed
+from source to source: the old source stops taking indices and serves what it was already
+given (its workers' outstanding batches, in order), the new one continues from the next
+index. A source is built from a shallow copy of the loader whose sampler resumes the epoch,
+with the global RNG and the loader's generator put back afterwards, so building it draws
+nothing the job would otherwise have drawn.
+
+Every index a built source takes is written on a `_Tape` until its batch is served. When a
+source with tuneup's settings fails (a worker that crashed or cannot start, a dataset that
+breaks in a subprocess), the indices it had not served are fetched again by a source with
+the job's own settings, in order, and the failure is reported: the job sees the same
+batches, only later. A source with the job's own settings is the job's: its errors are
+raised as they would be without tuneup.
+
+Only map-style datasets are switched: each worker of an IterableDataset iterates its own
+copy, so the worker count decides what data exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
+
+KNOBS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
+_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
+DEFAULT_PREFETCH = 2
+
+Settings = dict[str, Any]
+
+
+def settings_of(loader: DataLoader) -> Settings:
+    return {knob: getattr(loader, knob) for knob in KNOBS}
+
+
+def set_settings(loader: DataLoader, settings: Settings) -> None:
+    """Set the knobs for the loader's next iterator. Through __dict__: DataLoader refuses to
+    have persistent_workers set after construction, and nothing else guards these."""
+    vars(loader).update(settings)
+
+
+def effective(settings: Settings) -> Settings:
+    """Settings a multi-process iterator accepts (a loader made with num_workers=0 has no prefetch_factor)."""
+    if settings["num_workers"] > 0 and not settings["prefetch_factor"]:
+        return dict(settings, prefetch_factor=DEFAULT_PREFETCH)
+    return settings
+
+
+def needs_switch(old: Settings, new: Settings) -> bool:
+    """Whether a live iterator must be rebuilt: persistence only matters at an epoch's end."""
+    if old["num_workers"] != new["num_workers"] or bool(old["pin_memory"]) != bool(new["pin_memory"]):
+        return True
+    return new["num_workers"] > 0 and old["prefetch_factor"] != new["prefetch_factor"]
+
+
+def why_not_switchable(loader: DataLoader) -> str | None:
+    """Why a loader's live iterators cannot be switched safely, or None."""
+    from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
+
+    dataset = loader.dataset
+    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        return "its dataset is a DataPipe, which shards itself across workers"
+    if isinstance(dataset, IterableDataset):
+        return ("its dataset is an IterableDataset: each worker iterates its own copy, so the number of "
+                "workers decides what data the steps see")
+    if getattr(loader, "in_order", True) is False:
+        return "it was made with in_order=False: its batch order is not fixed to begin with"
+    for cls in type(loader).__mro__:
+        if cls is DataLoader:
+            break
+        if {"__iter__", "_get_iterator"} & set(vars(cls)):
+            return f"{type(loader).__name__} builds its own iterators"
+    return None
+
+
+class _Tape:
+    """The epoch's index iterator, remembering what it handed out until it is served."""
+
+    def __init__(self, indices: Iterator[Any]) -> None:
+        self.indices = indices
+        self.unserved: deque[Any] = deque()
+
+    def __iter__(self) -> "_Tape":
+        return self
+
+    def __next__(self) -> Any:
+        index = next(self.indices)
+        self.unserved.append(index)
+        return index
+
+
+class _Resume:
+    """Stands in for the loader's index sampler in the copy a source is built from."""
+
+    def __init__(self, tape: _Tape, sampler: Any) -> None:
+        self.tape = tape
+        self.sampler = sampler
+
+    def __iter__(self) -> _Tape:
+        return self.tape
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def build_source(loader: DataLoader, settings: Settings, tape: _Tape) -> Any:
+    """An iterator of `loader` with `settings` that continues the epoch from `tape`."""
+    proxy = copy.copy(loader)
+    set_settings(proxy, effective(settings))
+    vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = \
+        _Resume(tape, loader._index_sampler)
+    rng = torch.get_rng_state()
+    generator = loader.generator.get_state() if loader.generator is not None else None
+    try:
+        source = proxy._get_iterator()
+    finally:  # an iterator draws its workers' base seed: the job's random streams stay as they were
+        torch.set_rng_state(rng)
+        if generator is not None:
+            loader.generator.set_state(generator)
+    source._index_sampler = loader._index_sampler  # len() and later resets see the real sampler
+    source._tuneup_built = True
+    return source
+
+
+def shut_down(iterator: Any) -> None:
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()
+
+
+@dataclass
+class _Source:
+    iterator: Any  # None: the live iterator itself (the relay's owner)
+    tape: _Tape | None
+    settings: Settings
+    own: bool  # the job's own settings: its errors are the job's
+
+
+class Relay:
+    """Serves a live iterator's batches from a chain of sources (see the module docstring)."""
+
+    def __init__(self, owner: Any, owner_settings: Settings, loader: DataLoader, job_settings: Settings,
+                 on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> None:
+        self.owner = weakref.ref(owner)  # the owner holds the relay: no cycle back to it
+        self.loader = weakref.ref(loader)
+        self.job_settings = dict(job_settings)
+        self.on_failure = on_failure
+        self.on_source = on_source
+        self.sources = [_Source(None, None, dict(owner_settings), own=owner_settings == self.job_settings)]
+        self.pending: Settings | None = None
+        self.detached_owner = False
+
+    def switch(self, settings: Settings) -> None:
+        """Serve from a source with `settings` from the next batch on."""
+        self.pending = None if settings == self.sources[-1].settings else dict(settings)
+
+    def next_data(self) -> Any:
+        if self.pending is not None:
+            settings, self.pending = self.pending, None
+            self._switch(settings)
+        while True:
+            source = self.sources[0]
+            iterator = self._iterator(source)
+            try:
+                data = type(iterator)._next_data(iterator)
+            except StopIteration:
+                if len(self.sources) == 1:
+                    self._retire(source)
+                    raise
+                self._retire(self.sources.pop(0))
+                continue
+            except Exception as exc:
+                if source.own:
+                    raise
+                self._recover(exc)
+                continue
+            if source.tape is not None:
+                source.tape.unserved.popleft()
+            return data
+
+    def _iterator(self, source: _Source) -> Any:
+        return source.iterator if source.iterator is not None else self.owner()
+
+    def _switch(self, settings: Settings) -> None:
+        loader = self.loader()
+        last = self.sources[-1]
+        iterator = self._iterator(last)
+        if loader is None or iterator is None:
+            return
+        underlying = last.tape.indices if last.tape is not None else iterator._sampler_iter
+        tape = _Tape(underlying)
+        try:
+            source = build_source(loader, settings, tape)
+        except Exception as exc:
+            # Nothing was served from it: the indices it took go back in front, in order.
+            restored = itertools.chain(list(tape.unserved), underlying)
+            if last.tape is not None:
+                last.tape.indices = restored
+            else:
+                iterator._sampler_iter = restored
+            self.on_failure(exc)
+            return
+        iterator._sampler_iter = iter(())  # it serves what it was given, then ends
+        if last.iterator is None and loader._iterator is self.owner():
+            loader._iterator = None  # a persistent iterator: the next epoch builds with the new settings
+            self.detached_owner = True
+        self.sources.append(_Source(source, tape, dict(settings), own=settings == self.job_settings))
+        self.on_source(source)
+
+    def _retire(self, source: _Source) -> None:
+        if source.iterator is not None:
+            shut_down(source.iterator)
+        elif self.detached_owner:
+            shut_down(self.owner())
+
+    def _recover(self, exc: BaseException) -> None:
+        """A source with tuneup's settings failed: fetch what it and the sources after it had
+        not served with the job's own settings, in order."""
+        loader = self.loader()
+        unserved = [index for source in self.sources if source.tape is not None for index in source.tape.unserved]
+        last = self.sources[-1]
+        underlying = last.tape.indices if last.tape is not None else iter(())
+        for source in self.sources:
+            self._retire(source)
+        if loader is None:
+            raise exc
+        tape = _Tape(itertools.chain(unserved, underlying))
+        source = build_source(loader, self.job_settings, tape)
+        self.sources = [_Source(source, tape, dict(self.job_settings), own=True)]
+        self.on_source(source)
+        self.on_failure(exc)
+
+
+def live_iterators(loader: DataLoader, iterators: Any) -> list[Any]:
+    """The job's iterators of `loader` that are in the middle of an epoch."""
+    live = []
+    for iterator in list(iterators):
+        if getattr(iterator, "_tuneup_built", False) or not isinstance(iterator, _ITERATORS):
+            continue
+        if iterator._index_sampler is not loader._index_sampler:
+            continue
+        try:
+            remaining = len(iterator) - iterator._num_yielded
+        except TypeError:
+            remaining = 1  # a sampler without a length: assume the epoch goes on
+        if remaining > 0:
+            live.append(iterator)
+    return live
+
+
+def relay_of(iterator: Any, settings: Settings, loader: DataLoader, job_settings: Settings,
+             on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> Relay:
+    """The iterator's relay, installed on first use; `settings`: what the iterator was built with."""
+    relay = vars(iterator).get("_tuneup_relay")
+    if relay is None:
+        relay = Relay(iterator, settings, loader, job_settings, on_failure, on_source)
+        iterator._tuneup_relay = relay
+        iterator._next_data = relay.next_data  # the instance attribute wins over the class's method
+    return relay
+
+
+def switch_loader(loader: DataLoader, settings: Settings, iterators: Any, job_settings: Settings,
+                  on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> None:
+    """Give `loader` these settings: its next epoch is built with them, and its live
+    iterators switch at their next batch."""
+    old = settings_of(loader)
+    set_settings(loader, settings)
+    switching = needs_switch(old, settings)
+    live = live_iterators(loader, iterators)
+    if switching:
+        for iterator in live:
+            relay_of(iterator, old, loader, job_settings, on_failure, on_source).switch(settings)
+    persistent = loader._iterator
+    if persistent is not None and (switching or old["persistent_workers"] != settings["persistent_workers"]):
+        loader._iterator = None  # built again with the new settings at the next epoch
+        if persistent not in live:
+            shut_down(persistent)

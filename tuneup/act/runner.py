@@ -1,0 +1,294 @@
+"""The Experimenter: runs apply mode's changes one at a time, as experiments.
+
+    baseline (the last W steps in the current configuration) -> apply at a step boundary ->
+    settle steps -> trial (the next W steps) -> judge -> keep, or revert at a step boundary
+
+It runs on the training thread, in the agent's step-close listener, so every change lands
+between two steps and sees the step records the moment they close; at a close it sees the
+steps before the closing one. W is about a second of steps (at least 24). A kept change's
+trial window is the next change's baseline; after a revert the job settles again first.
+While a change is in its guard period its `check()` runs at every close (and its own hooks
+may skip an update and roll it back inside a step); after that, on detail steps.
+
+Every record (one per change: what, before/after settings, the windows' numbers, the
+verdict and why) is kept in `records` and queued in `events` for the background thread to
+log. A failure inside apply mode reverts everything it changed and turns apply mode off
+with one warning; the job goes on as the user configured it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch.optim import optimizer as optimizer_hooks
+
+from .._patching import PatchSet
+from ..measure.history import WARMUP_STEPS
+from ..measure.windows import summarize
+from .action import Action, Change, Job
+from .experiment import BLOCKS, judge
+
+NEVER = 1 << 62
+TRIAL_SECONDS = 1.0
+# A trial that runs this many times slower than its baseline is cut short and judged on the
+# steps it has (at least MIN_TRIAL_STEPS): bf16 on a CPU without bf16 units can be 20x slower.
+DEADLINE_FACTOR = 3
+MIN_TRIAL_STEPS = 2 * BLOCKS
+MIN_WINDOW = 4 * BLOCKS
+MAX_WINDOW = 1200
+RECENT_STEPS = 64
+
+
+def default_window(step_seconds: float | None) -> int:
+    """About TRIAL_SECONDS of steps, a multiple of BLOCKS, within [MIN_WINDOW, MAX_WINDOW]."""
+    if not step_seconds or step_seconds <= 0:
+        return MIN_WINDOW
+    steps = min(MAX_WINDOW, max(MIN_WINDOW, math.ceil(TRIAL_SECONDS / step_seconds)))
+    return BLOCKS * math.ceil(steps / BLOCKS)
+
+
+@dataclass
+class _Trial:
+    change: Change
+    action: Action
+    record: dict[str, Any]
+    baseline: dict[str, Any]
+    first: int
+    last: int
+    deadline: float  # time.monotonic() after which the trial is judged on the steps it has
+
+    def due(self, step: int) -> bool:
+        """At the close of `step`, whose ring holds the steps before it."""
+        ran = step - self.first
+        return ran >= self.last - self.first + 1 or (ran >= MIN_TRIAL_STEPS and time.monotonic() >= self.deadline)
+
+
+class Experimenter:
+    def __init__(self, job: Job, actions: list[Action], warn: Callable[[str, str], None]) -> None:
+        self.job = job
+        self.actions = actions
+        self.warn = warn
+        self.on = True
+        self.accepting = True  # False after revert_all(): nothing new is tried
+        self.records: list[dict[str, Any]] = []
+        self.events: deque[dict[str, Any]] = deque()
+        self.applied: list[tuple[Change, Action, dict[str, Any]]] = []  # in effect, oldest first
+        self.trial: _Trial | None = None
+        self.stable_since = WARMUP_STEPS + 1  # first step of the current configuration
+        self.wake_at = NEVER
+        self._lock = threading.RLock()
+
+    def install(self, patches: PatchSet) -> None:
+        """The step hooks that run the changes' guards (see Job.add_guard)."""
+        job = self.job
+
+        def before(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for guard in job.before_update:
+                guard(optimizer)
+
+        def after(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for guard in job.after_update:
+                guard(optimizer)
+
+        patches.add_handle(optimizer_hooks.register_optimizer_step_pre_hook(before))
+        patches.add_handle(optimizer_hooks.register_optimizer_step_post_hook(after))
+
+    # --- the training thread ---------------------------------------------------------
+
+    def on_close(self, step: int) -> None:
+        """At a step close; the ring holds the steps before `step`."""
+        if not self.on:
+            return
+        with self._lock:
+            try:
+                self._check_guards(step)
+                if self.trial is not None:
+                    if self.trial.due(step):
+                        self._decide(step)
+                elif self.accepting:
+                    self._maybe_start(step)
+                self._plan(step)
+            except Exception as exc:
+                self._fail(exc)
+
+    def _check_guards(self, step: int) -> None:
+        detail = self.job.timeline.detail
+        for change, action, record in list(self.applied):
+            if step <= record["applied_step"] + change.guard_steps or detail or change.rollback_reason:
+                reason = change.check(step)
+                if reason:
+                    self._roll_back(change, action, record, reason, step)
+
+    def _ordered(self) -> list[Action]:
+        """Actions still to run: one in the middle of a sequence first, then by the
+        estimated gain of the finding that starts them."""
+        def gain(action: Action) -> float:
+            finding = self.job.finding(*action.fixes)
+            return (finding or {}).get("gain") or 0.0
+
+        waiting = [action for action in self.actions if not action.done]
+        return sorted(waiting, key=lambda action: (not action.busy, -gain(action)))
+
+    def _maybe_start(self, step: int) -> None:
+        last = step - 1
+        if last - self.stable_since + 1 < MIN_WINDOW:
+            return
+        ring = self.job.timeline.ring
+        recent = summarize(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last))
+        for action in self._ordered():
+            try:
+                change = action.propose(self.job, recent)
+            except Exception as exc:
+                action.done = True
+                self._note(action, "failed", f"could not propose a change: {type(exc).__name__}: {exc}")
+                self.warn(f"action:{action.id}", f"apply mode: the {action.id} action failed and is off "
+                                                 f"({type(exc).__name__}: {exc})")
+                continue
+            if action.not_applicable is not None:
+                self._note(action, "not applicable", action.not_applicable)
+                action.not_applicable = None
+            if change is not None:
+                break
+        else:
+            return
+        window = change.window_steps or default_window((recent or {}).get("step_seconds", {}).get("median"))
+        first = last - window + 1
+        if first < self.stable_since:
+            return  # too few steps in this configuration yet: propose again later
+        baseline = ring.columns(first, last)
+        record = self._record(change, action, step)
+        try:
+            change.apply()
+        except Exception as exc:
+            try:
+                change.revert()
+            except Exception:
+                pass  # reported below with the apply failure
+            action.done = True
+            record.update(decision="failed", reason=f"could not apply: {type(exc).__name__}: {exc}")
+            self._emit(record)
+            return
+        record["applied_at"] = time.time()
+        self.applied.append((change, action, record))
+        expected = (change.settle_steps + window) * sum(baseline["step_seconds"]) / len(baseline["step_seconds"])
+        self.trial = _Trial(change, action, record, baseline, step + 1 + change.settle_steps,
+                            step + change.settle_steps + window,
+                            time.monotonic() + DEADLINE_FACTOR * max(expected, TRIAL_SECONDS))
+        timeline = self.job.timeline
+        timeline.detail_until = max(timeline.detail_until, step + change.guard_steps)
+        self._emit(record)
+
+    def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:
+        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,
+                  "change": change.description, "before": dict(change.before), "after": dict(change.after),
+                  "criterion": change.keep, "applied_step": step, "decision": "trying",
+                  "reason": "on trial", "time": time.time()}
+        self.records.append(record)
+        return record
+
+    def _note(self, action: Action, decision: str, reason: str) -> None:
+        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,
+                  "decision": decision, "reason": reason, "time": time.time()}
+        self.records.append(record)
+        self._emit(record)
+
+    def _decide(self, step: int) -> None:
+        trial = self.trial
+        assert trial is not None
+        self.trial = None
+        columns = self.job.timeline.ring.columns(trial.first, min(trial.last, step - 1))
+        verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics)
+        record = trial.record
+        record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
+                      baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
+                      p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], decided_step=step,
+                      time=time.time())
+        if verdict["keep"]:
+            self.stable_since = trial.first
+        else:
+            self._take_back(trial.change, step)
+        trial.action.decided(trial.change, record)
+        self._emit(record)
+
+    def _roll_back(self, change: Change, action: Action, record: dict[str, Any], reason: str, step: int) -> None:
+        if self.trial is not None and self.trial.change is change:
+            self.trial = None
+        self._take_back(change, step)
+        record.update(decision="rolled back", reason=reason, decided_step=step, time=time.time())
+        action.decided(change, record)
+        self._emit(record)
+
+    def _take_back(self, change: Change, step: int) -> None:
+        self.applied = [entry for entry in self.applied if entry[0] is not change]
+        change.revert()
+        self.stable_since = step + 1 + change.settle_steps
+
+    def _plan(self, step: int) -> None:
+        guarded = [record["applied_step"] + change.guard_steps for change, _, record in self.applied]
+        if any(step < end for end in guarded):
+            self.wake_at = step + 1
+        elif self.trial is not None:
+            self.wake_at = self.trial.last + 1
+        else:
+            self.wake_at = NEVER
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.events.append(dict(record))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.on = False
+        try:
+            self.revert_all("apply mode stopped after an internal error")
+        finally:
+            self.warn("apply", f"apply mode turned off after an internal error ({type(exc).__name__}: {exc}); "
+                               "every change it made was reverted")
+
+    # --- any thread ------------------------------------------------------------------------
+
+    def revert_all(self, reason: str = "revert_all()") -> int:
+        """Undo every change in effect, newest first, and try nothing more. Returns how many
+        changes were undone."""
+        with self._lock:
+            self.accepting = False
+            step = self.job.timeline.ring.count + 1
+            undone = 0
+            errors = []
+            for change, action, record in reversed(self.applied):
+                try:
+                    change.revert()
+                except Exception as exc:  # the others must still be undone
+                    errors.append(f"{change.description}: {type(exc).__name__}: {exc}")
+                undone += 1
+                if record["decision"] == "trying":
+                    record.update(decision="reverted", reason=f"{reason} before the trial ended", time=time.time())
+                else:
+                    record["undone"] = {"step": step, "reason": reason, "time": time.time()}
+                self._emit(record)
+            self.applied = []
+            self.trial = None
+            self.wake_at = NEVER
+            if errors:
+                self.warn("revert", "apply mode could not revert " + "; ".join(errors))
+            return undone
+
+    def state(self) -> dict[str, Any]:
+        """What is in effect and on trial now (for snapshots and metrics)."""
+        with self._lock:
+            return {
+                "on": self.on,
+                "accepting": self.accepting,
+                "in_effect": [record["id"] for _, _, record in self.applied],
+                "on_trial": self.trial.record["id"] if self.trial is not None else None,
+            }
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The records changed since the last drain (background thread: to the run log)."""
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
