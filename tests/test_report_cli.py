@@ -160,7 +160,10 @@ def test_a_url_with_nothing_listening_is_one_line():
 
 def test_run_with_a_missing_script_or_a_raising_one(tmp_path):
     one_line_error(tuneup("run", str(tmp_path / "nope.py")), "no script at")
-    one_line_error(tuneup("run", "--apply", str(tmp_path / "nope.py")), "apply mode is not available")
+    one_line_error(tuneup("run", "--apply", str(tmp_path / "nope.py")), "no script at")
+    one_line_error(tuneup("run", "--apply", "--actions", "amp,turbo", str(tmp_path / "nope.py")),
+                   "--actions: unknown action 'turbo'")
+    one_line_error(tuneup("run", "--actions", "amp", str(tmp_path / "nope.py")), "add --apply")
     raising = tmp_path / "raising.py"
     raising.write_text("import sys\nif sys.argv[1:] == ['--code']:\n    sys.exit(7)\nraise ValueError('boom')\n")
     env = env_for(tmp_path / "run")

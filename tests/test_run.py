@@ -233,3 +233,42 @@ def test_disable_leaves_the_script_unmeasured(tmp_path):
     result = launch(script, env=environment(tmp_path, TUNEUP_DISABLE="1"))
     assert result.returncode == 0 and result.stdout == "True\n", result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_run_apply_tunes_the_unchanged_script(tmp_path):
+    script = write(tmp_path / "job" / "slow.py", """
+        import time
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Slow(Dataset):
+            def __len__(self):
+                return 4096
+
+            def __getitem__(self, index):
+                time.sleep(0.0006)  # a read from slow storage
+                return torch.full((8,), float(index % 7)), torch.ones(1)
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+        for step, (inputs, targets) in enumerate(DataLoader(Slow(), batch_size=16, shuffle=True)):
+            optimizer.zero_grad()
+            end = time.perf_counter() + 0.006
+            while time.perf_counter() < end:  # the model's compute
+                pass
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+            if step == 250:
+                break
+        print("trained")
+    """)
+    env = environment(tmp_path, TUNEUP_INTERVAL="0.2")
+    result = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", "--actions", "dataloader", str(script)],
+                            env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "trained", result.stderr
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[0]["mode"] == "apply"
+    kept = [e for e in events if e["event"] == "action" and e["decision"] == "kept"]
+    assert kept and kept[0]["change"].startswith("num_workers 0 -> "), [e for e in events if e["event"] == "action"]
+    assert kept[-1]["undone"]["reason"] == "detach"

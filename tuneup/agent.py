@@ -274,6 +274,7 @@ class Agent:
         log = RunLog(self.run_dir / log_name(self.rank), self.options.log_max_bytes, header)
         if log.open():
             self.run_log = log
+            self.history.source = str(log.path)
         else:
             self._run_log_failed(log)
 

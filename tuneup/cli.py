@@ -55,6 +55,7 @@ def demo(
     steps: int = typer.Option(400, min=10, max=100_000, help="Optimizer steps to run."),
     run_dir: Optional[Path] = typer.Option(None, help="Where to write the run log (default ./tuneup-runs/<run>)."),
     workers: int = typer.Option(0, min=0, max=64, help="DataLoader workers (0 shows the data stall)."),
+    apply: bool = typer.Option(False, "--apply", help="Let tuneup fix what is safe to fix, as measured experiments."),
 ) -> None:
     """Run the built-in CPU training job with real bottlenecks, measured by tuneup, then print the report."""
     import tuneup
@@ -65,9 +66,12 @@ def demo(
         f"tuneup demo: a small conv net on slowly decoded images, num_workers={workers}, "
         f"{demo_job.HOST_READS} .item() calls per step, GradScaler with a few unnormalized records ({steps} steps)."
     )
+    if apply:
+        console.print("apply mode: tuneup changes what is safe to change while the job trains, measures each "
+                      "change against the steps before it, and keeps it only if it helps.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's CPU GradScaler notes; ours print below
-        agent = tuneup.attach(run_dir=run_dir)
+        agent = tuneup.attach(run_dir=run_dir, mode="apply" if apply else "advise")
         if agent.server is not None:
             console.print(f"live while it trains: tuneup watch {agent.server.url}   (Prometheus: {agent.server.url}/metrics)")
         try:
@@ -80,8 +84,7 @@ def demo(
             agent.detach()
     render_text(agent.document(), console)
     if agent.run_dir is not None:
-        console.print(f"Run log: {agent.run_log.path if agent.run_log else agent.run_dir}   "
-                      f"(again: tuneup report {agent.run_dir})")
+        console.print(f"This report again: tuneup report {agent.run_dir}")
 
 
 def _check_rules(ids: list[str]) -> tuple[str, ...]:
@@ -162,16 +165,26 @@ def run(
     target: str = typer.Argument(..., help="The training script (or, with -m, a module)."),
     module: bool = typer.Option(False, "-m", help="TARGET is a module, run as `python -m TARGET`."),
     apply: bool = typer.Option(False, "--apply", help="Apply safe changes as measured experiments."),
+    actions: Optional[str] = typer.Option(None, "--actions", help="With --apply: the actions allowed, "
+                                          "comma-separated (default: all; see `tuneup actions`)."),
 ) -> None:
     """Run a training script with the agent attached, no code change: `tuneup run train.py --lr 0.1`.
 
     The script's arguments, exit code and exceptions are its own. Options for tuneup go
     before the script (or into TUNEUP_* environment variables)."""
     from .launch import LaunchError, exec_script
+    from .options import parse_actions
 
-    if apply:
-        raise UserError("apply mode is not available in this version yet: run without --apply for advice")
     overrides = {"PYTHONUNBUFFERED": "1"} if "-u" in getattr(sys, "orig_argv", [])[1:3] else {}
+    if actions is not None and not apply:
+        raise UserError("--actions chooses what apply mode may change: add --apply")
+    if apply:
+        overrides["TUNEUP_MODE"] = "apply"
+    if actions is not None:
+        try:
+            overrides["TUNEUP_ACTIONS"] = ",".join(parse_actions(actions))
+        except ValueError as exc:
+            raise UserError(f"--actions: {exc}") from None
     try:
         exec_script(target, list(ctx.args), module=module, env_overrides=overrides)
     except LaunchError as exc:
@@ -195,6 +208,17 @@ def rules(
                       highlight=False)
         console.print(f"    threshold: {rule.threshold}", highlight=False, markup=False)
         console.print(f"    why: {rule.why}", highlight=False, markup=False)
+
+
+@app.command(name="actions")
+def list_actions() -> None:
+    """What apply mode can change (ids for --actions / TUNEUP_ACTIONS), and which findings start each."""
+    from .act.actions import ACTIONS
+
+    for action in ACTIONS.values():
+        console.print(f"[bold]{action.id}[/bold]: {action.title}", highlight=False)
+        console.print(f"    started by the findings: {', '.join(action.fixes)}", highlight=False, markup=False)
+        console.print(f"    {action.summary}", highlight=False, markup=False)
 
 
 def rules_markdown() -> str:

@@ -106,7 +106,7 @@ def _rule_ids(value: Any) -> tuple[str, ...]:
     return ids
 
 
-def _action_ids(value: Any) -> tuple[str, ...]:
+def parse_actions(value: Any) -> tuple[str, ...]:
     """The actions apply mode may take: a comma-separated string or an iterable of ids;
     "all" (the default) is every action."""
     from .act.actions import ACTIONS
@@ -161,7 +161,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "host": ("TUNEUP_HOST", _text),
     "port": ("TUNEUP_PORT", _port),
     "silence": ("TUNEUP_SILENCE", _rule_ids),
-    "actions": ("TUNEUP_ACTIONS", _action_ids),
+    "actions": ("TUNEUP_ACTIONS", parse_actions),
 }
 assert set(_SPEC) == {f.name for f in fields(Options)}
 

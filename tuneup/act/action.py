@@ -111,6 +111,7 @@ class Action:
     id: ClassVar[str]
     title: ClassVar[str]
     fixes: ClassVar[tuple[str, ...]]
+    summary: ClassVar[str]  # what it changes, when it keeps it, what rolls it back (`tuneup actions`)
 
     def __init__(self) -> None:
         self.done = False  # nothing more to try in this run

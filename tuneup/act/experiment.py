@@ -129,14 +129,14 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -
         verdict.update(keep=False, reason=problem)
     elif keep == FASTER:
         if faster:
-            verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
+            verdict.update(keep=True, reason=f"{speedup:.2f}x: faster (p={p_faster:.3f})")
         elif slower:
-            verdict.update(keep=False, reason=f"slower: {speedup:.2f}x (p={p_slower:.3f})")
+            verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
         else:
-            verdict.update(keep=False, reason=f"{speedup:.2f}x is within the noise (p={p_faster:.2f}; "
-                                              f"needs p<{ALPHA} and >= {MIN_SPEEDUP:.2f}x)")
+            verdict.update(keep=False, reason=f"{speedup:.2f}x: within the noise (p={p_faster:.2f}; "
+                                              f"kept from p<{ALPHA} and {MIN_SPEEDUP:.2f}x)")
     elif slower:
-        verdict.update(keep=False, reason=f"slower: {speedup:.2f}x (p={p_slower:.3f})")
+        verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
     else:
-        verdict.update(keep=True, reason=f"not slower: {speedup:.2f}x (p={p_slower:.2f} that it is slower)")
+        verdict.update(keep=True, reason=f"{speedup:.2f}x: not slower (p={p_slower:.2f} that it is)")
     return verdict

@@ -8,9 +8,12 @@ chain of iterators ("sources"): the iterator itself first, then one built with t
 settings. The index sampler's iterator, the one that decides the epoch's order, is handed
 from source to source: the old source stops taking indices and serves what it was already
 given (its workers' outstanding batches, in order), the new one continues from the next
-index. A source is built from a shallow copy of the loader whose sampler resumes the epoch,
-with the global RNG and the loader's generator put back afterwards, so building it draws
-nothing the job would otherwise have drawn.
+index. A source is built from a shallow copy of the loader whose sampler resumes the epoch
+and whose generator is a private one: an iterator draws its workers' base seed from the
+loader's generator (or the global RNG), and a source must draw nothing from the job's
+random streams. (The sampler keeps its own generator: a shuffling sampler that has not
+started yet draws its permutation exactly when it would have.) At the end of the epoch a
+persistent source becomes the loader's persistent iterator, as the job's own would have.
 
 Every index a built source takes is written on a `_Tape` until its batch is served. When a
 source with tuneup's settings fails (a worker that crashed or cannot start, a dataset that
@@ -35,6 +38,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
+
+from ..measure.loader import loader_of
 
 KNOBS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 _ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
@@ -117,20 +122,19 @@ class _Resume:
         return len(self.sampler)
 
 
+def private_generator() -> torch.Generator:
+    """Where tuneup's iterators draw their workers' base seed: not from the job's streams."""
+    return torch.Generator().manual_seed(torch.initial_seed() & ((1 << 63) - 1))
+
+
 def build_source(loader: DataLoader, settings: Settings, tape: _Tape) -> Any:
     """An iterator of `loader` with `settings` that continues the epoch from `tape`."""
     proxy = copy.copy(loader)
     set_settings(proxy, effective(settings))
     vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = \
         _Resume(tape, loader._index_sampler)
-    rng = torch.get_rng_state()
-    generator = loader.generator.get_state() if loader.generator is not None else None
-    try:
-        source = proxy._get_iterator()
-    finally:  # an iterator draws its workers' base seed: the job's random streams stay as they were
-        torch.set_rng_state(rng)
-        if generator is not None:
-            loader.generator.set_state(generator)
+    vars(proxy)["generator"] = private_generator()
+    source = proxy._get_iterator()
     source._index_sampler = loader._index_sampler  # len() and later resets see the real sampler
     source._tuneup_built = True
     return source
@@ -161,7 +165,7 @@ class Relay:
         self.on_source = on_source
         self.sources = [_Source(None, None, dict(owner_settings), own=owner_settings == self.job_settings)]
         self.pending: Settings | None = None
-        self.detached_owner = False
+        self.detached_owner = False  # the owner was the loader's persistent iterator: stop its workers
 
     def switch(self, settings: Settings) -> None:
         """Serve from a source with `settings` from the next batch on."""
@@ -178,7 +182,7 @@ class Relay:
                 data = type(iterator)._next_data(iterator)
             except StopIteration:
                 if len(self.sources) == 1:
-                    self._retire(source)
+                    self._end_of_epoch(source)
                     raise
                 self._retire(self.sources.pop(0))
                 continue
@@ -214,11 +218,21 @@ class Relay:
             self.on_failure(exc)
             return
         iterator._sampler_iter = iter(())  # it serves what it was given, then ends
-        if last.iterator is None and loader._iterator is self.owner():
-            loader._iterator = None  # a persistent iterator: the next epoch builds with the new settings
-            self.detached_owner = True
         self.sources.append(_Source(source, tape, dict(settings), own=settings == self.job_settings))
         self.on_source(source)
+
+    def _end_of_epoch(self, source: _Source) -> None:
+        """A persistent source with the loader's settings stays, as the loader's persistent
+        iterator: the next epoch resets it instead of starting workers (and drawing a seed)."""
+        loader = self.loader()
+        iterator = source.iterator
+        if (iterator is not None and loader is not None and loader._iterator is None
+                and isinstance(iterator, _MultiProcessingDataLoaderIter) and not iterator._shutdown
+                and source.settings["persistent_workers"] and source.settings == settings_of(loader)):
+            del iterator._tuneup_built  # the job's iterator from now on
+            loader._iterator = iterator
+            return
+        self._retire(source)
 
     def _retire(self, source: _Source) -> None:
         if source.iterator is not None:
@@ -250,7 +264,7 @@ def live_iterators(loader: DataLoader, iterators: Any) -> list[Any]:
     for iterator in list(iterators):
         if getattr(iterator, "_tuneup_built", False) or not isinstance(iterator, _ITERATORS):
             continue
-        if iterator._index_sampler is not loader._index_sampler:
+        if loader_of(iterator) is not loader:
             continue
         try:
             remaining = len(iterator) - iterator._num_yielded
@@ -280,11 +294,14 @@ def switch_loader(loader: DataLoader, settings: Settings, iterators: Any, job_se
     set_settings(loader, settings)
     switching = needs_switch(old, settings)
     live = live_iterators(loader, iterators)
-    if switching:
-        for iterator in live:
-            relay_of(iterator, old, loader, job_settings, on_failure, on_source).switch(settings)
+    relays = {id(iterator): relay_of(iterator, old, loader, job_settings, on_failure, on_source)
+              for iterator in live} if switching else {}
+    for relay in relays.values():
+        relay.switch(settings)
     persistent = loader._iterator
     if persistent is not None and (switching or old["persistent_workers"] != settings["persistent_workers"]):
         loader._iterator = None  # built again with the new settings at the next epoch
-        if persistent not in live:
+        if id(persistent) in relays:
+            relays[id(persistent)].detached_owner = True  # stopped once it has served what it holds
+        elif persistent not in live:
             shut_down(persistent)

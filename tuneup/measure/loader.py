@@ -44,6 +44,21 @@ def batch_size(batch: Any) -> int:
     return 0
 
 
+def remember_loader(iterator: Any, loader: DataLoader) -> None:
+    """Let an iterator lead back to its loader (apply mode rebuilds iterators from it): for
+    the epoch, so `for batch in DataLoader(...)` keeps its loader while it runs. A persistent
+    iterator, which its loader holds, gets a weak reference: no cycle."""
+    if loader._iterator is iterator:
+        iterator._tuneup_loader = weakref.ref(loader)
+    else:
+        iterator._tuneup_loader = lambda: loader
+
+
+def loader_of(iterator: Any) -> DataLoader | None:
+    find = getattr(iterator, "_tuneup_loader", None)
+    return find() if find is not None else None
+
+
 class LoaderProbe:
     name = "dataloader"
 
@@ -77,6 +92,7 @@ class LoaderProbe:
                         probe.fail(exc)
                 try:
                     probe.iterators.add(iterator)
+                    remember_loader(iterator, loader)
                     if probe.tracked is not None:
                         setattr(iterator, _TAG, True)
                 except Exception:

@@ -380,6 +380,18 @@ def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
     return "<ul>" + "".join(f"<li>{item}</li>" for item in items) + "</ul>"
 
 
+def _changes(actions: list[dict[str, Any]]) -> str:
+    """Apply mode's changes: the text report's table."""
+    if not actions:
+        return ""
+    head = "".join(f"<th>{escape(column)}</th>" for column in summary.CHANGE_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>"
+                   for row in summary.change_rows(actions))
+    net = summary.net_change(actions)
+    return (f"<h3>Changes tuneup made (apply mode)</h3><table><tr>{head}</tr>{rows}</table>"
+            + (f'<p class="ok">{escape(net)}</p>' if net else ""))
+
+
 def _run(run: dict[str, Any], index: int, multi: bool) -> str:
     """One run's (rank's) section: what was measured, and its plots."""
     snapshot, rank = run["snapshot"], run["rank"]
@@ -392,7 +404,8 @@ def _run(run: dict[str, Any], index: int, multi: bool) -> str:
              f"(run <code>{escape(str(snapshot['run'].get('run_id')))}</code>), {escape(snapshot['state'])}.</p>")
     if window is None:
         return head + intro + "<p>No training step was seen: is there an optimizer.step() (or tuneup.step()) in the loop?</p>"
-    return (head + intro + _numbers(totals, window, snapshot["syncs"]) + _table(window) + _plots(run, suffix)
+    return (head + intro + _numbers(totals, window, snapshot["syncs"]) + _changes(snapshot.get("actions") or [])
+            + _table(window) + _plots(run, suffix)
             + "<h3>Details</h3>" + _lines(snapshot, window))
 
 

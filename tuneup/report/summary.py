@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console, Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -43,6 +44,64 @@ def step_table(window: dict[str, Any]) -> Group:
         style = "bold red" if key == "data_wait" and share and share >= 0.1 else None
         table.add_row(Text(label, style=style), seconds(middle), Text(percent(share), style=style))
     return Group(title, table)
+
+
+CHANGE_COLUMNS = ("#", "change", "decision", "step before", "step after", "speed-up", "why")
+
+
+def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Apply mode's records as table rows (CHANGE_COLUMNS): one per change tried, and one per
+    finding it declined to act on. Step times are the windows' medians; the speed-up is
+    mean step time before / after (throughput)."""
+    rows = []
+    for record in actions:
+        baseline, trial = record.get("baseline") or {}, record.get("trial") or {}
+        decision = record["decision"]
+        if record.get("undone"):
+            reason = record["undone"]["reason"]
+            decision += " (in effect until detach)" if reason == "detach" else f" (undone by {reason})"
+        speedup = record.get("speedup")
+        rows.append((str(record.get("id", "")), record.get("change") or f"{record['action']}: {record['title']}",
+                     decision, seconds(baseline.get("step_seconds")), seconds(trial.get("step_seconds")),
+                     "–" if speedup is None else f"{speedup:.2f}x", record.get("reason", "")))
+    return rows
+
+
+def net_change(actions: list[dict[str, Any]]) -> str | None:
+    """Before the first change against after the last kept one, for the report's headline."""
+    decided = [record for record in actions if record.get("baseline") and record.get("trial")]
+    kept = [record for record in decided if record["decision"] == "kept"]
+    if not kept:
+        return None
+    before, after = decided[0]["baseline"], kept[-1]["trial"]
+    line = (f"Kept {len(kept)} of {len(decided)} changes tried: step time {seconds(before['step_seconds'])} -> "
+            f"{seconds(after['step_seconds'])}")
+    if before.get("mean_step_seconds") and after.get("mean_step_seconds"):
+        line += f" ({before['mean_step_seconds'] / after['mean_step_seconds']:.2f}x the throughput)"
+    rate = "samples_per_second" if before.get("samples_per_second") else "steps_per_second"
+    if before.get(rate) and after.get(rate):
+        line += f", {before[rate]:,.0f} -> {after[rate]:,.0f} {rate.split('_per_')[0]}/s"
+    return line
+
+
+def changes_group(actions: list[dict[str, Any]]) -> Group:
+    """Apply mode's changes for a terminal: one line each, the decision first."""
+    styles = {"kept": "bold green", "rolled back": "bold red", "failed": "bold red", "trying": "bold yellow"}
+    parts: list[Any] = [Text("Changes tuneup made (apply mode)", style="bold")]
+    for number, change, decision, before, after, _, why in change_rows(actions):
+        line = Text(f"{number}. ")
+        line.append(decision.split(" (")[0], style=styles.get(decision.split(" (")[0], "bold"))
+        line.append(f"  {change}")
+        if before != "–":
+            line.append(f": step {before} -> {after}")
+        line.append(f", {why}" if why else "")
+        if " (" in decision:
+            line.append(f"; {decision.split(' (', 1)[1].rstrip(')')}", style="dim")
+        parts.append(Padding(line, (0, 0, 0, 2)))
+    net = net_change(actions)
+    if net:
+        parts.append(Text(net, style="bold green"))
+    return Group(*parts)
 
 
 def sync_lines(syncs: dict[str, Any]) -> list[str]:

@@ -61,6 +61,8 @@ def render_text(document: dict[str, Any], console: Console) -> None:
     for run in document["runs"]:
         if len(document["runs"]) > 1:
             console.rule(f"rank {run['rank']}")
+        if run["snapshot"].get("actions"):
+            console.print(summary.changes_group(run["snapshot"]["actions"]))
         console.print(Text("What was measured", style="bold"))
         console.print(summary.render(run["snapshot"]))
     errors = {rule: error for run in document["runs"] for rule, error in run["evaluation"]["errors"].items()}
@@ -92,7 +94,15 @@ def to_markdown(document: dict[str, Any]) -> str:
     for run in document["runs"]:
         snapshot = run["snapshot"]
         window = snapshot.get("window")
-        title = "## What was measured" + (f" (rank {run['rank']})" if run["rank"] is not None else "")
+        rank = f" (rank {run['rank']})" if run["rank"] is not None else ""
+        if snapshot.get("actions"):
+            out += [f"## Changes tuneup made{rank}", "",
+                    "| " + " | ".join(summary.CHANGE_COLUMNS) + " |", "|---|---|---|---:|---:|---:|---|"]
+            out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
+                    for row in summary.change_rows(snapshot["actions"])]
+            net = summary.net_change(snapshot["actions"])
+            out += ["", f"**{net}**" if net else "", ""]
+        title = "## What was measured" + rank
         out += [title, ""]
         totals = snapshot["totals"]
         out.append(f"{totals['steps']} steps in {totals['seconds']:.1f} s, run `{snapshot['run'].get('run_id')}`, "

@@ -64,6 +64,12 @@ def to_float32(output: Any) -> Any:
     return output
 
 
+def bf16_supported(device: str) -> bool:
+    """Whether autocast may use bf16 here. On the CPU it always runs (whether it pays is what
+    the amp-off rule, which starts this action, and the trial decide)."""
+    return device == "cpu" or torch.cuda.is_bf16_supported()
+
+
 class AmpChange(Change):
     action = "amp"
     settle_steps = SETTLE_STEPS
@@ -113,9 +119,8 @@ class AmpChange(Change):
 
         for cls in self.classes:
             self.patches.replace(cls, "forward", wrap)
-        scaler = self.scaler() if self.scaler is not None else None
-        if self.enables_scaler and scaler is not None:
-            vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+        if self.enables_scaler:
+            self.patches.replace(GradScaler, "scale", self._enabling_scale)
         self.job.add_guard(self._before_update, self._after_update)
         self.job.models.read_config_next_forward = True
 
@@ -125,6 +130,20 @@ class AmpChange(Change):
         self.job.remove_guard(self._before_update, self._after_update)
         self._after_update(None)  # gradients hidden from an update are always given back
         self.job.models.read_config_next_forward = True
+
+    def _enabling_scale(self, original):
+        """GradScaler.scale that switches the loop's scaler on at its first call: a scaler
+        enabled between its scale() and update() of one step would fail that update."""
+        change = self
+
+        @functools.wraps(original)
+        def scale(scaler, outputs):
+            target = change.scaler() if change.scaler is not None else None
+            if scaler is target and not scaler._enabled and change.rollback_reason is None:
+                vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+            return original(scaler, outputs)
+
+        return scale
 
     def _restore_scaler(self) -> None:
         scaler = self.scaler() if self.scaler is not None else None
@@ -216,6 +235,9 @@ class Amp(Action):
     id = "amp"
     title = "Mixed precision (autocast)"
     fixes = ("amp-off",)
+    summary = ("autocast around the model's forward (bf16; fp16 only by switching on a GradScaler the loop "
+               "owns), outputs cast to fp32; kept only when faster; rolled back at once on non-finite "
+               "gradients (that update skipped) or loss, or a burst of GradScaler skips.")
 
     def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
         finding = job.finding(*self.fixes)
@@ -242,7 +264,7 @@ class Amp(Action):
         if closures:
             return self.refuse(f"{', '.join(closures)} re-evaluates the model in its closure")
         scalers = [s for s in job.scalers.scalers if getattr(s, "_device", None) == device]
-        if device == "cpu" or torch.cuda.is_bf16_supported():
+        if bf16_supported(device):
             enabled = [s for s in scalers if s._enabled]
             return AmpChange(job, models, device, torch.bfloat16, enabled[0] if enabled else None)
         return self._fp16(job, models, device, scalers)

@@ -39,6 +39,7 @@ class CudnnBenchmark(Action):
     id = "cudnn-benchmark"
     title = "Turn on cuDNN's autotuner"
     fixes = ("cudnn-benchmark-off",)
+    summary = "torch.backends.cudnn.benchmark = True (never with deterministic algorithms); kept only when faster."
 
     def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None:

@@ -15,11 +15,11 @@ A rejected move closes its knob. Bounds: no more workers than usable cores (affi
 cgroup quota), and no more than half the free RAM at the measured size of a worker (the
 main process's until a worker was measured). Changes land mid-epoch through a relay (see
 `act/handover.py`): the sequence of samples the model sees does not change, and the global
-RNG is not drawn from. Persistent workers would skip the worker-seed draw a new iterator
-makes each epoch, which shifts the job's random streams (a shuffling sampler without a
-generator draws from the same RNG), so tuneup makes that draw itself; and they keep the
-dataset object they started with, so when the dataset's attributes are reassigned between
-epochs (`dataset.epoch = e`) they are started afresh.
+RNG is not drawn from. Each epoch start draws from the job's random streams what the job's
+own settings would have drawn (`_EpochStarts`: persistence decides whether a worker seed is
+drawn, and a shuffling sampler without a generator draws from the same global RNG), and
+persistent workers whose dataset's attributes were reassigned between epochs
+(`dataset.epoch = e`) are started afresh, since they hold the dataset they started with.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from torch.utils.data import DataLoader
 
 from ..._patching import PatchSet
 from ...measure.host import usable_cores
+from ...measure.loader import loader_of
 from ..action import FASTER, Action, Change, Job
-from ..handover import (KNOBS, Settings, effective, live_iterators, settings_of, shut_down, switch_loader,
-                        why_not_switchable)
+from ..handover import (KNOBS, Settings, effective, live_iterators, private_generator, settings_of, shut_down,
+                        switch_loader, why_not_switchable)
 
 STALL_TARGET = 0.05  # below this share of step time, more loading capacity is not worth a trial
 MAX_WORKERS = 32
@@ -53,39 +54,61 @@ def _fingerprint(dataset: Any) -> tuple:
                         for name, value in state.items()))
 
 
-class _PersistentWatch:
-    """DataLoader.__iter__ for the loaders tuneup made persistent: make the seed draw a
-    fresh iterator would make, and restart workers whose dataset was changed."""
+class _EpochStarts:
+    """DataLoader.__iter__ for the loader being tuned: each epoch starts drawing from the
+    job's random streams exactly what the job's own settings would have drawn.
+
+    A new iterator draws its workers' base seed; a persistent one that is reset draws none.
+    Where tuneup made the loader persistent, the reset makes the draw the new iterator would
+    have made (and a dataset whose attributes were reassigned gets fresh workers: the old
+    ones hold the old dataset). Where the job's loader was persistent but its iterator had
+    to be rebuilt (tuneup changed its settings between epochs), the new iterator draws its
+    seed from a private generator, as the job's reset would have drawn nothing."""
 
     def __init__(self) -> None:
-        self.loaders: dict[int, tuple[weakref.ref, tuple]] = {}
+        self.loaders: dict[int, tuple[weakref.ref, Settings]] = {}
+        self.fingerprints: dict[int, tuple] = {}
         self.patches = PatchSet()
 
-    def watch(self, loader: DataLoader) -> None:
+    def watch(self, loader: DataLoader, job_settings: Settings) -> None:
         if not self.loaders:
             self.patches.replace(DataLoader, "__iter__", self._wrap)
-        self.loaders[id(loader)] = (weakref.ref(loader), _fingerprint(loader.dataset))
+        self.loaders[id(loader)] = (weakref.ref(loader), dict(job_settings))
+        self.fingerprints[id(loader)] = _fingerprint(loader.dataset)
 
     def forget(self, loader: DataLoader) -> None:
         self.loaders.pop(id(loader), None)
+        self.fingerprints.pop(id(loader), None)
         if not self.loaders:
             self.patches.undo_all()
 
     def _wrap(self, original):
-        watch = self
+        starts = self
 
         @functools.wraps(original)
         def __iter__(loader):
-            entry = watch.loaders.get(id(loader))
-            if entry is not None and entry[0]() is loader and loader._iterator is not None \
-                    and loader.persistent_workers and loader.num_workers > 0:
-                now = _fingerprint(loader.dataset)
-                if now != entry[1]:  # the workers hold the old dataset: start them afresh
-                    watch.loaders[id(loader)] = (entry[0], now)
-                    stale, loader._iterator = loader._iterator, None
-                    shut_down(stale)
-                else:
-                    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+            entry = starts.loaders.get(id(loader))
+            if entry is None or entry[0]() is not loader:
+                return original(loader)
+            job = entry[1]
+            job_persistent = job["persistent_workers"] and job["num_workers"] > 0
+            persistent = loader.persistent_workers and loader.num_workers > 0
+            if persistent and loader._iterator is not None:
+                if not job_persistent:
+                    fingerprint = _fingerprint(loader.dataset)
+                    if fingerprint != starts.fingerprints.get(id(loader)):
+                        starts.fingerprints[id(loader)] = fingerprint
+                        stale, loader._iterator = loader._iterator, None
+                        shut_down(stale)  # the new iterator below draws, as the job's would
+                    else:
+                        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+            elif job_persistent:
+                own = loader.generator
+                vars(loader)["generator"] = private_generator()
+                try:
+                    return original(loader)
+                finally:
+                    vars(loader)["generator"] = own
             return original(loader)
 
         return __iter__
@@ -111,16 +134,16 @@ class LoaderChange(Change):
         self.settle_steps = max(5, 2 + after["num_workers"] * (after["prefetch_factor"] or 0))
 
     def apply(self) -> None:
-        self._set(self.after)
         loader = self.loader()
-        if loader is not None and self.after["persistent_workers"] and not self.before["persistent_workers"]:
-            self.tuning.persistent.watch(loader)
+        if loader is not None:
+            self.tuning.in_effect(loader, +1)
+            self._set(self.after)
 
     def revert(self) -> None:
         loader = self.loader()
-        if loader is not None and self.after["persistent_workers"] and not self.before["persistent_workers"]:
-            self.tuning.persistent.forget(loader)
-        self._set(self.tuning.job_settings if self.tuning.failed else self.before)
+        if loader is not None:
+            self._set(self.tuning.job_settings if self.tuning.failed else self.before)
+            self.tuning.in_effect(loader, -1)
 
     def _set(self, settings: Settings) -> None:
         loader = self.loader()
@@ -132,15 +155,26 @@ class LoaderChange(Change):
     def _failed(self, exc: BaseException) -> None:
         self.tuning.failed = True
         if self.rollback_reason is None:
-            self.rollback_reason = (f"the loader failed with the new settings ({type(exc).__name__}: "
-                                    f"{' '.join(str(exc).split())[:200]}); the batches it had not delivered were "
-                                    "fetched again, in order, with the job's own settings")
+            self.rollback_reason = (f"the loader failed with the new settings ({_one_line(exc)}); the batches it "
+                                    "had not delivered were fetched again, in order, with the job's own settings")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line: a worker's error arrives with its whole traceback in the
+    message, whose last line is the original `Type: message`."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and "Traceback" in str(exc):
+        return lines[-1][:300]
+    return f"{type(exc).__name__}: {' '.join(lines)[:300]}"
 
 
 class DataLoaderTuning(Action):
     id = "dataloader"
     title = "Tune the DataLoader (workers, prefetch, pinning, persistence)"
     fixes = ("data-stall", "pageable-copies")
+    summary = ("num_workers (sized from the measured split, at most the usable cores and half the free RAM), "
+               "then prefetch_factor, pin_memory (CUDA) and persistent_workers (short epochs); switched "
+               "mid-epoch with the same batches in the same order; each move kept only when faster.")
 
     def __init__(self) -> None:
         super().__init__()
@@ -149,19 +183,28 @@ class DataLoaderTuning(Action):
         self.settings: Settings = {}
         self.closed: set[str] = set()  # knobs whose last move was rejected
         self.failed = False
-        self.persistent = _PersistentWatch()
+        self.epoch_starts = _EpochStarts()
+        self.changes_in_effect = 0
+
+    def in_effect(self, loader: DataLoader, delta: int) -> None:
+        """Count the changes in effect; the epoch-start hook lives while there are any."""
+        self.changes_in_effect += delta
+        if delta > 0 and self.changes_in_effect == 1:
+            self.epoch_starts.watch(loader, self.job_settings)
+        elif self.changes_in_effect == 0:
+            self.epoch_starts.forget(loader)
 
     # --- which loader -------------------------------------------------------------------
 
     @staticmethod
     def _reading(job: Job) -> DataLoader | None:
         """The loader whose live iterator has served the most batches: the training loop's."""
-        loaders = list(job.loaders.loaders)
         best, served = None, -1
-        for loader in loaders:
-            for iterator in live_iterators(loader, job.loaders.iterators):
-                if iterator._num_yielded > served:
-                    best, served = loader, iterator._num_yielded
+        for iterator in list(job.loaders.iterators):
+            loader = loader_of(iterator)
+            if loader is not None and iterator._num_yielded > served and iterator in live_iterators(
+                    loader, job.loaders.iterators):
+                best, served = loader, iterator._num_yielded
         return best
 
     def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:

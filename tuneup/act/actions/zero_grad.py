@@ -92,6 +92,8 @@ class ZeroGradSetToNone(Action):
     id = "zero-grad"
     title = "Free gradients instead of zeroing them"
     fixes = ("zero-grad-keeps-tensors",)
+    summary = ("zero_grad(set_to_none=True); kept unless slower (it frees gradient memory between steps); "
+               "rolled back, with the zeros put back, when a parameter gets no gradient.")
 
     def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None:

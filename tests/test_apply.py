@@ -1,0 +1,386 @@
+"""Apply mode: safe changes made to a real training loop as measured experiments, kept only
+when they help, rolled back at once when they endanger the run, undone on request."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import urllib.request
+import warnings
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+import tuneup
+import tuneup.measure.config as measured_config
+from benchmarks.scenarios import sample, spin
+from tuneup.act.actions import amp as amp_action
+from tuneup.act.actions.dataloader import LoaderChange
+
+
+class SlowIndexed(Dataset):
+    """An I/O-bound dataset (a sleep per sample) whose samples carry their index."""
+
+    def __init__(self, size: int = 640, latency: float = 0.0006, fail_in_workers: bool = False) -> None:
+        self.size = size
+        self.latency = latency
+        self.fail_in_workers = fail_in_workers
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        if self.fail_in_workers and get_worker_info() is not None:
+            raise OSError("this dataset's files cannot be opened in a worker process")
+        time.sleep(self.latency)
+        x, y = sample(index, 32)
+        return x, y, index
+
+
+def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True, dataset: Dataset | None = None,
+                 agent_options: dict | None = None, after_step=None):
+    """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG) for `steps`
+    steps; returns (index batches, losses, a final draw from the global RNG, agent, loader)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = DataLoader(dataset or SlowIndexed(), batch_size=16, shuffle=True)
+    agent = tuneup.attach(**agent_options) if agent_options is not None else None
+    batches, losses = [], []
+    busy = spin(compute)
+    try:
+        while len(batches) < steps:
+            for x, y, index in loader:
+                optimizer.zero_grad(set_to_none=set_to_none)
+                loss = nn.functional.mse_loss(model(x), y[:, :1])
+                busy()
+                loss.backward()
+                optimizer.step()
+                batches.append(index.tolist())
+                losses.append(loss.item())
+                if after_step is not None:
+                    after_step(len(batches), agent)
+                if len(batches) >= steps:
+                    break
+    finally:
+        if agent is not None:
+            agent.detach()
+    return batches, losses, torch.rand(3), agent, loader
+
+
+def apply_options(run_dir, **extra):
+    return dict(mode="apply", run_dir=run_dir, interval=0.2, **extra)
+
+
+def records(agent, action=None, decision=None):
+    return [r for r in agent.actions() if (action is None or r["action"] == action)
+            and (decision is None or r["decision"] == decision)]
+
+
+def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_dir):
+    plain_batches, plain_losses, plain_rng, _, _ = io_bound_run(420)
+    batches, losses, rng, agent, loader = io_bound_run(420, agent_options=apply_options(run_dir))
+    kept = records(agent, "dataloader", "kept")
+    assert kept and kept[0]["after"]["num_workers"] > 0, agent.actions()
+    first = kept[0]
+    assert first["speedup"] > 1.2 and first["trial"]["stall_ratio"] < first["baseline"]["stall_ratio"]
+    # The same samples in the same order, the same losses, the same global RNG stream.
+    assert batches == plain_batches
+    assert losses == plain_losses
+    assert torch.equal(rng, plain_rng)
+    assert loader.num_workers == 0, "detach puts the job's own settings back"
+
+
+def test_advise_mode_changes_nothing(run_dir):
+    _, _, _, agent, loader = io_bound_run(150, agent_options=dict(run_dir=run_dir, interval=0.2))
+    assert agent.actions() == []
+    assert any(f["rule"] == "data-stall" for f in agent.findings())
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers) == (0, None, False)
+
+
+def test_a_worker_failure_during_a_trial_rolls_back_and_loses_no_batch(run_dir):
+    plain, _, _, _, _ = io_bound_run(200, dataset=SlowIndexed(fail_in_workers=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches, _, _, agent, loader = io_bound_run(200, dataset=SlowIndexed(fail_in_workers=True),
+                                                    agent_options=apply_options(run_dir))
+    assert batches == plain
+    rolled = records(agent, "dataloader", "rolled back")
+    assert len(rolled) == 1 and "cannot be opened in a worker process" in rolled[0]["reason"]
+    assert records(agent, "dataloader", "kept") == []
+    assert loader.num_workers == 0
+
+
+class Timed(nn.Module):
+    """An MLP that notes, per forward, whether autocast was on (tuneup puts it around forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                    nn.Linear(512, 10))
+        self.autocast: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        return self.layers(x)
+
+
+@pytest.fixture
+def cpu_with_bf16(monkeypatch):
+    """This CPU has no bf16 units; the amp-off rule fires only where it has. Claim them: bf16
+    autocast then really runs here, far slower than fp32, which is what the trial must see."""
+    monkeypatch.setattr(measured_config, "_CPU_FLAGS", {"avx512_bf16"})
+
+
+def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",)):
+    torch.manual_seed(0)
+    model = Timed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    agent = tuneup.attach(**apply_options(run_dir, actions=list(actions)))
+    times = []
+    try:
+        for step in range(1, steps + 1):
+            began = time.perf_counter()
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if on_step is not None:
+                loss = on_step(step, loss, model, optimizer, agent)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if after_backward is not None:
+                    after_backward(step, model)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            times.append(time.perf_counter() - began)
+            if step > 200 and records(agent) and all(r["decision"] != "trying" for r in records(agent)) \
+                    and step > max(r.get("decided_step") or 0 for r in records(agent)) + 150:
+                break
+    finally:
+        agent.detach()
+    return agent, model, optimizer, times
+
+
+def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir, cpu_with_bf16):
+    forward = vars(Timed)["forward"]
+    agent, model, _, times = amp_run(run_dir, 4000)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "reverted" and record["speedup"] < 0.8, record
+    assert record["after"]["autocast"] == "cpu bfloat16" and record["before"]["autocast"] is None
+    applied, decided = record["applied_step"], record["decided_step"]
+    # Autocast was on exactly between the change and its revert, and off again after.
+    assert not any(model.autocast[: applied])
+    assert all(model.autocast[applied + 1: decided])
+    assert not any(model.autocast[decided + 1:])
+    baseline = statistics.median(times[applied - 100: applied])
+    trial = statistics.median(times[applied + 10: decided])
+    after = statistics.median(times[decided + 10:])
+    assert trial > 3 * baseline  # bf16 without bf16 units: many times slower, as measured
+    assert abs(after - baseline) < abs(after - trial) / 5, (baseline, trial, after)
+    assert vars(Timed)["forward"] is forward  # the class is as the job defined it (after detach)
+
+
+def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_update_applied(run_dir, cpu_with_bf16):
+    state = {}
+
+    def inject(step, loss, model, optimizer, agent):
+        if "step" not in state and model.autocast[-1]:
+            state["step"] = step
+            state["params"] = [p.detach().clone() for p in model.parameters()]
+            state["momentum"] = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            return loss * float("nan")
+        if state.get("step") == step - 1:
+            state["after"] = [p.detach().clone() for p in model.parameters()]
+            state["momentum_after"] = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        return loss
+
+    agent, model, optimizer, _ = amp_run(run_dir, 2500, on_step=inject)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "rolled back", record
+    assert record["decided_step"] == state["step"] and "non-finite" in record["reason"]
+    assert "update was skipped" in record["reason"]
+    assert model.autocast[state["step"]] is False  # the very next forward runs in fp32
+    # The poisoned step changed nothing: parameters and momentum exactly as before it.
+    assert all(torch.equal(a, b) for a, b in zip(state["params"], state["after"]))
+    assert all(torch.equal(a, b) for a, b in zip(state["momentum"], state["momentum_after"]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(s["momentum_buffer"]).all() for s in optimizer.state.values())
+
+
+def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exactly(run_dir, cpu_with_bf16,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)  # a GPU without bf16
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    before = dict(vars(scaler))
+    seen = {}
+
+    def watch(step, loss, model, optimizer, agent):
+        if model.autocast[-1]:
+            seen.setdefault("scaled", float(scaler.scale(loss.detach())) / float(loss.detach()))
+            seen.setdefault("enabled", scaler.is_enabled())
+        return loss
+
+    agent, model, _, _ = amp_run(run_dir, 3000, on_step=watch, scaler=scaler)
+    [record] = records(agent, "amp")
+    assert record["change"].endswith("GradScaler enabled") and record["after"]["autocast"] == "cpu float16"
+    assert seen == {"enabled": True, "scaled": 65536.0}
+    assert record["decision"] == "reverted"  # fp16 on this CPU is far slower
+    assert vars(scaler) == before and not scaler.is_enabled()
+
+
+def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, cpu_with_bf16, monkeypatch):
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = {}
+
+    def overflow(step, model):
+        if model.autocast[-1]:
+            state.setdefault("first", step)
+            if state["first"] + 25 <= step < state["first"] + 31:
+                with torch.no_grad():  # an fp16 overflow in backward: GradScaler skips these steps
+                    next(model.parameters()).grad.view(-1)[0] = float("inf")
+
+    agent, model, _, _ = amp_run(run_dir, 3000, after_backward=overflow, scaler=scaler)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "rolled back" and "burst" in record["reason"], record
+    assert state["first"] + 29 <= record["decided_step"] <= state["first"] + 32
+    assert not scaler.is_enabled()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_set_to_none_puts_zeros_back_for_a_parameter_that_got_no_gradient(run_dir):
+    class TwoBranches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+            self.use_b = True
+
+        def forward(self, x):
+            return self.a(x) + (self.b(x) if self.use_b else 0)
+
+    def run(skip_b_at=None, options=None):
+        torch.manual_seed(0)
+        model = TwoBranches()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.01)
+        x, y = torch.randn(32, 8), torch.randn(32, 1)
+        agent = tuneup.attach(**options) if options else None
+        skipped = skip_b_at
+        try:
+            for step in range(1, 4000):
+                if skipped is None and agent is not None and records(agent, "zero-grad", "trying"):
+                    skipped = step + 3  # a step some time after the change, without branch b
+                model.use_b = step != skipped
+                optimizer.zero_grad(set_to_none=False)
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                if skipped is not None and step > skipped + 50:
+                    break
+        finally:
+            if agent is not None:
+                agent.detach()
+        return model, skipped, agent
+
+    tuned, skipped_at, agent = run(options=apply_options(run_dir, actions=["zero-grad"]))
+    plain, _, _ = run(skip_b_at=skipped_at)
+    [record] = records(agent, "zero-grad")
+    assert record["decision"] == "rolled back" and record["decided_step"] == skipped_at, record
+    assert "got no gradient" in record["reason"]
+    # With zeros put back, branch b's momentum and weight decay moved it exactly as without tuneup.
+    assert all(torch.equal(a, b) for a, b in zip(tuned.parameters(), plain.parameters()))
+
+
+def test_revert_all_undoes_every_change_and_nothing_more_is_tried(run_dir):
+    state = {}
+
+    def revert_after_first_kept(step, agent):
+        if "reverted_at" not in state and records(agent, decision="kept"):
+            state["settings"] = [dict(r["after"]) for r in records(agent, decision="kept")]
+            state["undone"] = agent.revert_all()
+            state["reverted_at"] = step
+
+    _, _, _, agent, loader = io_bound_run(400, set_to_none=False, after_step=revert_after_first_kept,
+                                          agent_options=apply_options(run_dir))
+    assert state["undone"] >= 1
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers) == (0, None, False)
+    kept = records(agent, decision="kept")
+    assert kept and all(r["undone"]["reason"] == "revert_all()" for r in kept)
+    assert all(r["time"] <= time.time() for r in agent.actions())
+    tried_after = [r for r in agent.actions() if (r.get("applied_step") or 0) > state["reverted_at"]]
+    assert tried_after == []
+
+
+def test_detach_reverts_a_change_on_trial(run_dir):
+    def detach_during_the_trial(step, agent):
+        if records(agent, "zero-grad", "trying"):
+            agent.detach()
+
+    _, _, _, agent, _ = io_bound_run(300, set_to_none=False, after_step=detach_during_the_trial,
+                                     agent_options=apply_options(run_dir, actions=["zero-grad"]))
+    [record] = records(agent, "zero-grad")
+    assert record["decision"] == "reverted" and record["reason"] == "detach before the trial ended"
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    assert model.weight.grad is not None  # zero_grad is torch's own again
+
+
+def test_the_allow_list_limits_what_apply_mode_touches(run_dir, monkeypatch):
+    _, _, _, agent, loader = io_bound_run(250, set_to_none=False,
+                                          agent_options=apply_options(run_dir, actions="zero-grad"))
+    assert {r["action"] for r in agent.actions()} == {"zero-grad"}
+    with pytest.raises(ValueError, match="unknown action 'workers'.*dataloader, amp, cudnn-benchmark, zero-grad"):
+        tuneup.attach(mode="apply", actions="workers")
+    with pytest.raises(ValueError, match=r"mode='turbo'.*advise, apply"):
+        tuneup.attach(mode="turbo")
+    monkeypatch.setenv("TUNEUP_ACTIONS", "amp,nonsense")
+    with pytest.warns(tuneup.TuneupWarning, match="TUNEUP_ACTIONS='amp,nonsense'"):
+        agent = tuneup.attach(mode="apply", run_dir=run_dir / "env")
+    agent.detach()
+    assert agent.options.actions is None  # the default: every action
+
+
+def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
+    scraped = {}
+
+    def scrape(step, agent):
+        if "text" not in scraped and records(agent, decision="kept"):
+            with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=5) as response:
+                scraped["text"] = response.read().decode()
+
+    _, _, _, agent, _ = io_bound_run(300, after_step=scrape, agent_options=apply_options(run_dir))
+    kept = records(agent, "dataloader", "kept")[0]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    logged = [e for e in events if e["event"] == "action" and e["id"] == kept["id"]]
+    assert [e["decision"] for e in logged] == ["trying", "kept", "kept"]  # tried, kept, undone at detach
+    assert logged[-1]["undone"]["reason"] == "detach" and logged[1]["speedup"] == kept["speedup"]
+    families = {f.name: f for f in text_string_to_metric_families(scraped["text"])}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    assert samples[("tuneup_apply_decisions_total", (("action", "dataloader"), ("decision", "kept")))] == 1
+    assert samples[("tuneup_apply_changes_in_effect", (("action", "dataloader"),))] >= 1
+    assert samples[("tuneup_apply_speedup_ratio", (("action", "dataloader"),))] == pytest.approx(kept["speedup"])
+    report = agent.report("markdown")
+    assert "## Changes tuneup made" in report and kept["change"] in report
+    assert f"{kept['speedup']:.2f}x" in report
+
+
+def test_a_failing_change_is_reverted_and_the_other_actions_go_on(run_dir, monkeypatch):
+    def broken(self):
+        raise RuntimeError("cannot switch today")
+
+    monkeypatch.setattr(LoaderChange, "apply", broken)
+    batches, _, _, agent, loader = io_bound_run(300, set_to_none=False,
+                                                agent_options=apply_options(run_dir, actions=["zero-grad", "dataloader"]))
+    assert len(batches) == 300
+    [failed] = records(agent, "dataloader")
+    assert failed["decision"] == "failed" and "cannot switch today" in failed["reason"]
+    assert loader.num_workers == 0
+    assert [r["decision"] for r in records(agent, "zero-grad")] != []  # the other action still ran
