@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import math
 import os
 import socket
 import sys
@@ -51,7 +52,7 @@ from .measure.optimizer import OptimizerProbe
 from .measure.scaler import ScalerProbe
 from .measure.steps import StepTimeline
 from .measure.syncs import SyncCounter
-from .measure.windows import Totals, summarize
+from .measure.windows import SPIKE_HISTORY, Totals, summarize
 from .options import DEFAULT_PORT, Options, TuneupWarning, default_run_dir
 
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
@@ -123,6 +124,7 @@ class Agent:
         self._patches = PatchSet()
         self._drained = 0
         self._totals = Totals()
+        self._recent_losses: list[float] = []  # the last losses drained: spikes across intervals
         self._system: dict[str, Any] | None = None
         self._config: dict[str, Any] | None = None
         self._config_seen: tuple = ()
@@ -444,9 +446,12 @@ class Agent:
             first = oldest_held
         columns = ring.columns(first, last)
         self._drained = last
-        interval = summarize(columns, forward_measured=self.model.timed)
+        interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses)
         if interval is not None:
             self._totals.add(interval)
+            finite = [value for value, read in zip(columns["loss"], columns["loss_known"])
+                      if read and math.isfinite(value)]
+            self._recent_losses = (self._recent_losses + finite)[-SPIKE_HISTORY:]
         return interval
 
     def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ SPLIT = ("forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]
 SPIKE_FACTOR = 3.0
+SPIKE_HISTORY = 8  # losses a loss is compared against
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -39,19 +40,22 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def spikes(losses: Sequence[float], history: int = 8) -> int:
+def spikes(losses: Sequence[float], history: int = SPIKE_HISTORY, context: Sequence[float] = ()) -> int:
     """Losses over SPIKE_FACTOR times the median of the ones before them (at least 4): the
     pattern gradient clipping guards against (a bad batch, an exploding gradient). A loss
-    that falls, however fast, never counts."""
+    that falls, however fast, never counts. `context`: the losses read just before these
+    (the previous interval's last ones), compared against but not counted, so a spike counts
+    the same wherever the intervals happen to be cut."""
+    losses = list(context[-history:]) + list(losses)
     count = 0
-    for index in range(4, len(losses)):
+    for index in range(max(4, min(len(context), history)), len(losses)):
         before = median(losses[max(0, index - history) : index])
         if before > 0 and losses[index] > SPIKE_FACTOR * before:
             count += 1
     return count
 
 
-def loss_summary(columns: Columns) -> dict[str, Any] | None:
+def loss_summary(columns: Columns, context: Sequence[float] = ()) -> dict[str, Any] | None:
     known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     if not known:
         return None
@@ -66,7 +70,7 @@ def loss_summary(columns: Columns) -> dict[str, Any] | None:
         "last": known[-1],
         "median": median(finite) if finite else None,
         "max": max(finite) if finite else None,
-        "spikes": spikes(finite),
+        "spikes": spikes(finite, context=context),
         "read_steps": len(known),
         "nonfinite_steps": len(known) - len(finite),
         "trend": trend,
@@ -77,9 +81,10 @@ def _ratio(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any] | None:
+def summarize(columns: Columns, forward_measured: bool = True, loss_context: Sequence[float] = ()) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
-    "other", so both are reported as unknown rather than as a misleading zero."""
+    "other", so both are reported as unknown rather than as a misleading zero.
+    `loss_context`: the finite losses read before these steps (see `spikes`)."""
     steps = len(columns["step_seconds"])
     if not steps:
         return None
@@ -129,7 +134,7 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
             sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
-        "loss": loss_summary(columns),
+        "loss": loss_summary(columns, loss_context),
         "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }
     if detailed:
