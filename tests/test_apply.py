@@ -29,7 +29,7 @@ class SlowIndexed(Dataset):
     def __init__(self, size: int = 640, latency: float = 0.0006, fail_in_workers: bool = False) -> None:
         self.size = size
         self.latency = latency
-        self.fail_in_workers = fail_in_workers
+        self.fail_in_workers = fail_in_workers  # workers started from now on fail to read
 
     def __len__(self) -> int:
         return self.size
@@ -113,6 +113,31 @@ def test_a_worker_failure_during_a_trial_rolls_back_and_loses_no_batch(run_dir):
     rolled = records(agent, "dataloader", "rolled back")
     assert len(rolled) == 1 and "cannot be opened in a worker process" in rolled[0]["reason"]
     assert records(agent, "dataloader", "kept") == []
+    assert loader.num_workers == 0
+
+
+def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tuning(run_dir):
+    """A kept configuration's workers fail later (the files moved, a worker was OOM-killed):
+    the job does not crash, sees the same batches, and runs with its own settings again."""
+    state = {}
+
+    def break_workers_after_the_first_kept_change(step, agent):
+        kept = agent is not None and records(agent, "dataloader", "kept")
+        if kept and "at" not in state:
+            state["at"] = step
+            dataset.fail_in_workers = True  # workers started from here on cannot read
+
+    dataset = SlowIndexed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches, _, _, agent, loader = io_bound_run(400, dataset=dataset, agent_options=apply_options(run_dir),
+                                                    after_step=break_workers_after_the_first_kept_change)
+    plain, _, _, _, _ = io_bound_run(400)
+    assert "at" in state and batches == plain
+    loader_records = records(agent, "dataloader")
+    rolled = [r for r in loader_records if r["decision"] == "rolled back"]
+    assert rolled and all("cannot be read" in r["reason"] or "cannot be opened" in r["reason"] for r in rolled)
+    assert not [r for r in loader_records if r["decision"] == "kept"]  # every loader change went
     assert loader.num_workers == 0
 
 

@@ -397,7 +397,7 @@ class Agent:
                 self._log(self._steps_event(interval))
             self._log_warnings()
             runner = self.runner
-            if final or self._ticks % FINDINGS_EVERY_TICKS == 1 or (runner is not None and runner.accepting):
+            if final or self._ticks % FINDINGS_EVERY_TICKS == 1:
                 self._diagnose()
             if runner is not None:
                 self.job.system, self.job.config = self._system, self._config or {}

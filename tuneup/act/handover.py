@@ -14,13 +14,15 @@ loader's generator (or the global RNG), and a source must draw nothing from the 
 random streams. (The sampler keeps its own generator: a shuffling sampler that has not
 started yet draws its permutation exactly when it would have.) At the end of the epoch a
 persistent source becomes the loader's persistent iterator, as the job's own would have.
+Later epochs of a loader with tuneup's settings get iterators built the same way
+(`epoch_iterator`), so everything below holds for them too.
 
-Every index a built source takes is written on a `_Tape` until its batch is served. When a
-source with tuneup's settings fails (a worker that crashed or cannot start, a dataset that
-breaks in a subprocess), the indices it had not served are fetched again by a source with
-the job's own settings, in order, and the failure is reported: the job sees the same
-batches, only later. A source with the job's own settings is the job's: its errors are
-raised as they would be without tuneup.
+Every index an iterator tuneup built takes is written on a `_Tape` until its batch is
+served. When one with tuneup's settings fails (a worker that crashed, was killed or cannot
+start, a dataset that breaks in a subprocess), the indices it had not served are fetched
+again by a source with the job's own settings, in order, and the failure is reported: the
+job sees the same batches, only later. A source with the job's own settings is the job's:
+its errors are raised as they would be without tuneup.
 
 Only map-style datasets are switched: each worker of an IterableDataset iterates its own
 copy, so the worker count decides what data exists.
@@ -93,33 +95,47 @@ def why_not_switchable(loader: DataLoader) -> str | None:
 
 
 class _Tape:
-    """The epoch's index iterator, remembering what it handed out until it is served."""
+    """One pass's index iterator, remembering what it handed out until it is served."""
 
     def __init__(self, indices: Iterator[Any]) -> None:
         self.indices = indices
         self.unserved: deque[Any] = deque()
+        self.started = False
 
     def __iter__(self) -> "_Tape":
         return self
 
     def __next__(self) -> Any:
+        self.started = True
         index = next(self.indices)
         self.unserved.append(index)
         return index
 
 
-class _Resume:
-    """Stands in for the loader's index sampler in the copy a source is built from."""
+class TapedSampler:
+    """The loader's index sampler as the iterators tuneup builds see it: every pass over it
+    (every epoch, a persistent iterator's too) is taped; the first pass may continue an
+    epoch that is already under way."""
 
-    def __init__(self, tape: _Tape, sampler: Any) -> None:
-        self.tape = tape
+    def __init__(self, sampler: Any, first: Iterator[Any] | None = None) -> None:
         self.sampler = sampler
+        self.first = first
+        self.tape: _Tape | None = None
 
     def __iter__(self) -> _Tape:
+        if self.tape is not None and not self.tape.started:
+            return self.tape  # asked twice before the pass began (a multi-process iterator's set-up)
+        indices, self.first = (self.first if self.first is not None else iter(self.sampler)), None
+        self.tape = _Tape(indices)
         return self.tape
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def tape_of(iterator: Any) -> _Tape | None:
+    sampler = getattr(iterator, "_index_sampler", None)
+    return sampler.tape if isinstance(sampler, TapedSampler) else None
 
 
 def private_generator() -> torch.Generator:
@@ -127,17 +143,14 @@ def private_generator() -> torch.Generator:
     return torch.Generator().manual_seed(torch.initial_seed() & ((1 << 63) - 1))
 
 
-def build_source(loader: DataLoader, settings: Settings, tape: _Tape) -> Any:
-    """An iterator of `loader` with `settings` that continues the epoch from `tape`."""
+def build_iterator(loader: DataLoader, settings: Settings, sampler: TapedSampler) -> Any:
+    """An iterator of `loader` with `settings` reading its indices from `sampler`, built from
+    a shallow copy of the loader that draws its workers' seed from a private generator."""
     proxy = copy.copy(loader)
     set_settings(proxy, effective(settings))
-    vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = \
-        _Resume(tape, loader._index_sampler)
+    vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = sampler
     vars(proxy)["generator"] = private_generator()
-    source = proxy._get_iterator()
-    source._index_sampler = loader._index_sampler  # len() and later resets see the real sampler
-    source._tuneup_built = True
-    return source
+    return proxy._get_iterator()
 
 
 def shut_down(iterator: Any) -> None:
@@ -148,7 +161,6 @@ def shut_down(iterator: Any) -> None:
 @dataclass
 class _Source:
     iterator: Any  # None: the live iterator itself (the relay's owner)
-    tape: _Tape | None
     settings: Settings
     own: bool  # the job's own settings: its errors are the job's
 
@@ -163,7 +175,7 @@ class Relay:
         self.job_settings = dict(job_settings)
         self.on_failure = on_failure
         self.on_source = on_source
-        self.sources = [_Source(None, None, dict(owner_settings), own=owner_settings == self.job_settings)]
+        self.sources = [_Source(None, dict(owner_settings), own=owner_settings == self.job_settings)]
         self.pending: Settings | None = None
         self.detached_owner = False  # the owner was the loader's persistent iterator: stop its workers
 
@@ -187,12 +199,13 @@ class Relay:
                 self._retire(self.sources.pop(0))
                 continue
             except Exception as exc:
-                if source.own:
+                if source.own or tape_of(iterator) is None:
                     raise
                 self._recover(exc)
                 continue
-            if source.tape is not None:
-                source.tape.unserved.popleft()
+            tape = tape_of(iterator)
+            if tape is not None and tape.unserved:
+                tape.unserved.popleft()
             return data
 
     def _iterator(self, source: _Source) -> Any:
@@ -200,30 +213,32 @@ class Relay:
 
     def _switch(self, settings: Settings) -> None:
         loader = self.loader()
-        last = self.sources[-1]
-        iterator = self._iterator(last)
+        iterator = self._iterator(self.sources[-1])
         if loader is None or iterator is None:
             return
-        underlying = last.tape.indices if last.tape is not None else iterator._sampler_iter
-        tape = _Tape(underlying)
+        tape = tape_of(iterator)
+        underlying = tape.indices if tape is not None else iterator._sampler_iter
+        sampler = TapedSampler(loader._index_sampler, first=underlying)
         try:
-            source = build_source(loader, settings, tape)
+            source = build_iterator(loader, settings, sampler)
         except Exception as exc:
             # Nothing was served from it: the indices it took go back in front, in order.
-            restored = itertools.chain(list(tape.unserved), underlying)
-            if last.tape is not None:
-                last.tape.indices = restored
+            restored = itertools.chain(list(sampler.tape.unserved) if sampler.tape else [], underlying)
+            if tape is not None:
+                tape.indices = restored
             else:
                 iterator._sampler_iter = restored
             self.on_failure(exc)
             return
         iterator._sampler_iter = iter(())  # it serves what it was given, then ends
-        self.sources.append(_Source(source, tape, dict(settings), own=settings == self.job_settings))
+        source._tuneup_built = True  # a source, not an iterator of the job's
+        self.sources.append(_Source(source, dict(settings), own=settings == self.job_settings))
         self.on_source(source)
 
     def _end_of_epoch(self, source: _Source) -> None:
         """A persistent source with the loader's settings stays, as the loader's persistent
-        iterator: the next epoch resets it instead of starting workers (and drawing a seed)."""
+        iterator (with a relay of its own): the next epoch resets it instead of starting
+        workers (and drawing a seed)."""
         loader = self.loader()
         iterator = source.iterator
         if (iterator is not None and loader is not None and loader._iterator is None
@@ -231,6 +246,7 @@ class Relay:
                 and source.settings["persistent_workers"] and source.settings == settings_of(loader)):
             del iterator._tuneup_built  # the job's iterator from now on
             loader._iterator = iterator
+            relay_of(iterator, source.settings, loader, self.job_settings, self.on_failure, self.on_source)
             return
         self._retire(source)
 
@@ -244,18 +260,34 @@ class Relay:
         """A source with tuneup's settings failed: fetch what it and the sources after it had
         not served with the job's own settings, in order."""
         loader = self.loader()
-        unserved = [index for source in self.sources if source.tape is not None for index in source.tape.unserved]
-        last = self.sources[-1]
-        underlying = last.tape.indices if last.tape is not None else iter(())
+        tapes = [tape_of(self._iterator(source)) for source in self.sources]
+        unserved = [index for tape in tapes if tape is not None for index in tape.unserved]
+        underlying = tapes[-1].indices if tapes[-1] is not None else iter(())
         for source in self.sources:
             self._retire(source)
+        owner = self.owner()
+        if self.sources[0].iterator is None and owner is not None:
+            shut_down(owner)  # an iterator tuneup built for this epoch, the one that failed
+            if loader is not None and loader._iterator is owner:
+                loader._iterator = None
         if loader is None:
             raise exc
-        tape = _Tape(itertools.chain(unserved, underlying))
-        source = build_source(loader, self.job_settings, tape)
-        self.sources = [_Source(source, tape, dict(self.job_settings), own=True)]
+        source = build_iterator(loader, self.job_settings,
+                                TapedSampler(loader._index_sampler, first=itertools.chain(unserved, underlying)))
+        source._tuneup_built = True
+        self.sources = [_Source(source, dict(self.job_settings), own=True)]
         self.on_source(source)
         self.on_failure(exc)
+
+
+def epoch_iterator(loader: DataLoader, job_settings: Settings, on_failure: Callable[[BaseException], None],
+                   on_source: Callable[[Any], None]) -> Any:
+    """A new epoch's iterator for a loader running with tuneup's settings: taped and relayed,
+    so that a failure of its workers is recovered like a switched source's."""
+    settings = settings_of(loader)
+    iterator = build_iterator(loader, settings, TapedSampler(loader._index_sampler))
+    relay_of(iterator, settings, loader, job_settings, on_failure, on_source)
+    return iterator
 
 
 def live_iterators(loader: DataLoader, iterators: Any) -> list[Any]:

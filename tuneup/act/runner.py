@@ -42,6 +42,7 @@ MIN_TRIAL_STEPS = 2 * BLOCKS
 MIN_WINDOW = 4 * BLOCKS
 MAX_WINDOW = 1200
 RECENT_STEPS = 64
+LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are asked for this often
 
 
 def default_window(step_seconds: float | None) -> int:
@@ -81,6 +82,7 @@ class Experimenter:
         self.trial: _Trial | None = None
         self.stable_since = WARMUP_STEPS + 1  # first step of the current configuration
         self.wake_at = NEVER
+        self._next_look = 0
         self._lock = threading.RLock()
 
     def install(self, patches: PatchSet) -> None:
@@ -136,11 +138,15 @@ class Experimenter:
 
     def _maybe_start(self, step: int) -> None:
         last = step - 1
-        if last - self.stable_since + 1 < MIN_WINDOW:
+        if last - self.stable_since + 1 < MIN_WINDOW or step < self._next_look:
             return
+        waiting = [action for action in self._ordered() if action.busy or self.job.finding(*action.fixes)]
+        if not waiting:
+            return  # the usual case: nothing to act on, and nothing computed to find that out
+        self._next_look = step + LOOK_EVERY_STEPS  # if nothing starts now
         ring = self.job.timeline.ring
         recent = summarize(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last))
-        for action in self._ordered():
+        for action in waiting:
             try:
                 change = action.propose(self.job, recent)
             except Exception as exc:

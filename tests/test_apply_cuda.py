@@ -1,0 +1,58 @@
+"""Apply mode on real CUDA jobs: AMP, pin_memory and cudnn.benchmark decided by measurement,
+and the AMP guard's rollback with no update applied, on the GPU.
+
+Run on a GPU machine: `python -m pytest -m gpu`. Skipped where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_apply_cuda import run_job
+
+pytestmark = pytest.mark.gpu
+DECIDED = {"kept", "reverted", "rolled back"}
+
+
+def decisions(records, action):
+    return [record for record in records if record["action"] == action and record["decision"] in DECIDED]
+
+
+def test_a_conv_net_gets_amp_pinned_memory_and_cudnn_benchmark_decided(run_dir):
+    torch.backends.cudnn.benchmark = False
+    _, records, model = run_job("conv net", 1500, "apply", run_dir)
+    assert not [r for r in records if r["decision"] == "failed"], records
+    assert decisions(records, "amp") and decisions(records, "cudnn-benchmark"), records
+    pinned = [r for r in decisions(records, "dataloader") if r["after"].get("pin_memory")]
+    assert pinned, records
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.backends.cudnn.benchmark is False  # detach put the job's setting back
+
+
+def test_a_transformer_gets_bf16_autocast_decided_by_measurement(run_dir):
+    _, records, model = run_job("transformer", 800, "apply", run_dir)
+    [amp] = decisions(records, "amp")
+    assert amp["after"]["autocast"] == "cuda bfloat16"
+    assert amp["speedup"] > 0 and amp["baseline"]["step_seconds"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_nonfinite_loss_under_amp_on_cuda_skips_that_update_and_rolls_back(run_dir):
+    state = {}
+
+    def poison(step, loss, model, agent):
+        trying = [r for r in agent.actions() if r["action"] == "amp" and r["decision"] == "trying"]
+        if trying and "step" not in state and step > trying[0]["applied_step"] + 2:
+            state["step"] = step
+            state["params"] = [p.detach().clone() for p in model.parameters()]
+            return loss * float("nan")
+        if state.get("step") == step - 1:
+            state["after"] = [p.detach().clone() for p in model.parameters()]
+        return loss
+
+    _, records, model = run_job("transformer", 600, "apply", run_dir, on_step=poison)
+    [amp] = [r for r in records if r["action"] == "amp"]
+    assert amp["decision"] == "rolled back" and "update was skipped" in amp["reason"], amp
+    assert all(torch.equal(a, b) for a, b in zip(state["params"], state["after"]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
