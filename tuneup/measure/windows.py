@@ -16,7 +16,10 @@ from typing import Any, Mapping, Sequence
 SPLIT = ("forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]
-SPIKE_FACTOR = 3.0
+# A spike is a loss over 10x the median of the 8 read before it. 3x is what minibatch noise
+# reaches once a loss has converged near zero; a bad batch or an exploding gradient moves
+# the loss by an order of magnitude or more.
+SPIKE_FACTOR = 10.0
 SPIKE_HISTORY = 8  # losses a loss is compared against
 
 

@@ -5,6 +5,7 @@ gradient clipping."""
 from __future__ import annotations
 
 from ...format import percent
+from ...measure.windows import SPIKE_FACTOR, SPIKE_HISTORY
 from ..rule import Evidence, Facts, Missing, rule
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
@@ -166,10 +167,12 @@ def no_lr_schedule(facts: Facts) -> Evidence | None:
     title="Loss spikes without gradient clipping",
     severity="low",
     inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls, GradScaler",
-    threshold="no clip_grad_norm_/clip_grad_value_ call and a loss > 3x the median of the 8 read before it, "
-              "or a non-finite loss without a GradScaler",
+    threshold=f"no clip_grad_norm_/clip_grad_value_ call and a loss > {SPIKE_FACTOR:g}x the median of the "
+              f"{SPIKE_HISTORY} read before it, or a non-finite loss without a GradScaler",
     why="A spike or a non-finite loss often comes from an exploding gradient; clipping bounds the "
-        "update. Under GradScaler non-finite values are expected and handled (steps skipped).",
+        "update. Under GradScaler non-finite values are expected and handled (steps skipped). An "
+        "order of magnitude: once a loss has converged near zero, minibatch noise alone reaches 3x "
+        "its recent median; a bad batch or an exploding gradient moves it 10x or more.",
     doc="https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html",
 )
 def no_grad_clipping(facts: Facts) -> Evidence | None:
@@ -182,7 +185,7 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
     if not spikes and not nonfinite:
         return None
     return Evidence(
-        observed=f"{spikes} loss spikes (> 3x the losses before them) and {nonfinite} non-finite losses among "
+        observed=f"{spikes} loss spikes (> {SPIKE_FACTOR:g}x the losses before them) and {nonfinite} non-finite losses among "
                  f"{loss['read_steps']} losses read, and no gradient clipping",
         numbers={"spikes": spikes, "nonfinite_losses": nonfinite, "losses_read": loss["read_steps"],
                  "max_loss": loss.get("max"), "median_loss": loss.get("median")},
