@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
@@ -21,6 +22,7 @@ import tuneup.measure.config as measured_config
 from benchmarks.scenarios import sample, spin
 from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
+from tuneup.report.live import frame as live_frame
 
 
 class SlowIndexed(Dataset):
@@ -379,6 +381,10 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
         if "text" not in scraped and records(agent, decision="kept"):
             with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=5) as response:
                 scraped["text"] = response.read().decode()
+            agent._tick()  # the background thread's next drain, now: the decision reaches the events
+            console = Console(record=True, width=200)
+            console.print(live_frame(agent.server.url)[0])
+            scraped["watch"] = console.export_text()
 
     _, _, _, agent, _ = io_bound_run(300, after_step=scrape, agent_options=apply_options(run_dir))
     kept = records(agent, "dataloader", "kept")[0]
@@ -392,6 +398,8 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
     assert samples[("tuneup_apply_decisions_total", (("action", "dataloader"), ("decision", "kept")))] == 1
     assert samples[("tuneup_apply_changes_in_effect", (("action", "dataloader"),))] >= 1
     assert samples[("tuneup_apply_speedup_ratio", (("action", "dataloader"),))] == pytest.approx(kept["speedup"])
+    assert "Changes tuneup made (apply mode)" in scraped["watch"]
+    assert f"kept  {kept['change']}" in scraped["watch"]
     report = agent.report("markdown")
     assert "## Changes tuneup made" in report and kept["change"] in report
     assert f"{kept['speedup']:.2f}x" in report

@@ -37,7 +37,8 @@ def frame(url: str) -> tuple[Group, bool]:
     snapshot = document["runs"][0]["snapshot"]
     state = "live" if payload.get("attached") else "detached"
     head = Text(f"tuneup watch {url}  ({state}, {time.strftime('%H:%M:%S')})", style="bold")
-    return Group(head, findings_group(document), summary.render(snapshot)), bool(payload.get("attached"))
+    changes = [summary.changes_group(snapshot["actions"])] if snapshot.get("actions") else []
+    return Group(head, findings_group(document), *changes, summary.render(snapshot)), bool(payload.get("attached"))
 
 
 def watch(url: str | None, console: Console, *, interval: float = 2.0, once: bool = False) -> None:
