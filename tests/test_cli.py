@@ -82,10 +82,11 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "apply mode:" in out and "Changes tuneup made (apply mode)" in out
-    kept = re.search(r"1\. kept  num_workers 0 -> (\d+): step ([\d.]+) ms -> ([\d.]+) ms, ([\d.]+)x: faster", out)
+    kept = re.search(r"1\. kept  num_workers 0 -> (\d+): mean step ([\d.]+) ms -> ([\d.]+) ms, ([\d.]+)x: faster",
+                     out)
     assert kept, out
     assert int(kept.group(1)) >= 1 and float(kept.group(3)) < float(kept.group(2)) and float(kept.group(4)) > 1.2
-    net = re.search(r"Kept \d+ of \d+ changes tried: step time [\d.]+ ms -> [\d.]+ ms \(([\d.]+)x the throughput\), "
+    net = re.search(r"Kept \d+ of \d+ changes tried: mean step time [\d.]+ ms -> [\d.]+ ms \(([\d.]+)x the throughput\), "
                     r"[\d,]+ -> [\d,]+ samples/s", out)
     assert net and float(net.group(1)) > 1.2, out
     actions = [e for e in read_log(run_dir / "events.jsonl").events if e["event"] == "action"]

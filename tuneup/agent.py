@@ -397,7 +397,9 @@ class Agent:
                 self._log(self._steps_event(interval))
             self._log_warnings()
             runner = self.runner
-            if final or self._ticks % FINDINGS_EVERY_TICKS == 1:
+            # Apply mode acts on findings: fresh every tick while it may still act (the rules
+            # cost well under a millisecond; the experiments are what it waits for).
+            if final or self._ticks % FINDINGS_EVERY_TICKS == 1 or (runner is not None and runner.accepting):
                 self._diagnose()
             if runner is not None:
                 self.job.system, self.job.config = self._system, self._config or {}

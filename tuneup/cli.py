@@ -17,6 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__
 
+# torch warns at import when NumPy is absent (tuneup needs none): not the user's concern here.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,

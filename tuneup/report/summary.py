@@ -46,13 +46,13 @@ def step_table(window: dict[str, Any]) -> Group:
     return Group(title, table)
 
 
-CHANGE_COLUMNS = ("#", "change", "decision", "step before", "step after", "speed-up", "why")
+CHANGE_COLUMNS = ("#", "change", "decision", "mean step before", "mean step after", "speed-up", "why")
 
 
 def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     """Apply mode's records as table rows (CHANGE_COLUMNS): one per change tried, and one per
-    finding it declined to act on. Step times are the windows' medians; the speed-up is
-    mean step time before / after (throughput)."""
+    finding it declined to act on. Step times are the windows' means, whose ratio is the
+    speed-up (throughput; the medians are in the record)."""
     rows = []
     for record in actions:
         baseline, trial = record.get("baseline") or {}, record.get("trial") or {}
@@ -62,7 +62,7 @@ def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
             decision += " (in effect until detach)" if reason == "detach" else f" (undone by {reason})"
         speedup = record.get("speedup")
         rows.append((str(record.get("id", "")), record.get("change") or f"{record['action']}: {record['title']}",
-                     decision, seconds(baseline.get("step_seconds")), seconds(trial.get("step_seconds")),
+                     decision, seconds(baseline.get("mean_step_seconds")), seconds(trial.get("mean_step_seconds")),
                      "–" if speedup is None else f"{speedup:.2f}x", record.get("reason", "")))
     return rows
 
@@ -74,10 +74,9 @@ def net_change(actions: list[dict[str, Any]]) -> str | None:
     if not kept:
         return None
     before, after = decided[0]["baseline"], kept[-1]["trial"]
-    line = (f"Kept {len(kept)} of {len(decided)} changes tried: step time {seconds(before['step_seconds'])} -> "
-            f"{seconds(after['step_seconds'])}")
-    if before.get("mean_step_seconds") and after.get("mean_step_seconds"):
-        line += f" ({before['mean_step_seconds'] / after['mean_step_seconds']:.2f}x the throughput)"
+    line = (f"Kept {len(kept)} of {len(decided)} changes tried: mean step time "
+            f"{seconds(before['mean_step_seconds'])} -> {seconds(after['mean_step_seconds'])} "
+            f"({before['mean_step_seconds'] / after['mean_step_seconds']:.2f}x the throughput)")
     rate = "samples_per_second" if before.get("samples_per_second") else "steps_per_second"
     if before.get(rate) and after.get(rate):
         line += f", {before[rate]:,.0f} -> {after[rate]:,.0f} {rate.split('_per_')[0]}/s"
@@ -93,7 +92,7 @@ def changes_group(actions: list[dict[str, Any]]) -> Group:
         line.append(decision.split(" (")[0], style=styles.get(decision.split(" (")[0], "bold"))
         line.append(f"  {change}")
         if before != "–":
-            line.append(f": step {before} -> {after}")
+            line.append(f": mean step {before} -> {after}")
         line.append(f", {why}" if why else "")
         if " (" in decision:
             line.append(f"; {decision.split(' (', 1)[1].rstrip(')')}", style="dim")
