@@ -45,13 +45,15 @@ class SlowIndexed(Dataset):
 
 
 def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True, dataset: Dataset | None = None,
-                 agent_options: dict | None = None, after_step=None):
-    """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG) for `steps`
-    steps; returns (index batches, losses, a final draw from the global RNG, agent, loader)."""
+                 agent_options: dict | None = None, after_step=None, observe=None, **loader_options):
+    """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG unless told
+    otherwise) for `steps` steps; returns (what `observe(x, y, index)` saw of each batch,
+    default the indices; losses; a final draw from the global RNG; agent; loader)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(dataset or SlowIndexed(), batch_size=16, shuffle=True)
+    loader_options = {"batch_size": 16, "shuffle": True, **loader_options}
+    loader = DataLoader(dataset or SlowIndexed(), **loader_options)
     agent = tuneup.attach(**agent_options) if agent_options is not None else None
     batches, losses = [], []
     busy = spin(compute)
@@ -63,7 +65,7 @@ def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True
                 busy()
                 loss.backward()
                 optimizer.step()
-                batches.append(index.tolist())
+                batches.append(observe(x, y, index) if observe is not None else index.tolist())
                 losses.append(loss.item())
                 if after_step is not None:
                     after_step(len(batches), agent)
@@ -417,3 +419,157 @@ def test_a_failing_change_is_reverted_and_the_other_actions_go_on(run_dir, monke
     assert failed["decision"] == "failed" and "cannot switch today" in failed["reason"]
     assert loader.num_workers == 0
     assert [r["decision"] for r in records(agent, "zero-grad")] != []  # the other action still ran
+
+
+class Augmented(SlowIndexed):
+    """Random augmentation drawn from torch's global RNG, wherever the sample is loaded."""
+
+    def __getitem__(self, index: int):
+        x, y, index = super().__getitem__(index)
+        return x + torch.rand(1), y, index
+
+
+def noise_of(x, y, index):
+    return x[:, 0].tolist()
+
+
+def epochs(seen, size=40):
+    return [tuple(map(tuple, seen[start:start + size])) for start in range(0, len(seen) - size + 1, size)]
+
+
+def test_a_dataset_drawing_from_the_global_rng_keeps_its_order_and_its_workers_get_fresh_seeds(run_dir):
+    """With the loader shuffling by the global RNG, moving such a dataset into workers would
+    reorder later epochs: tuneup leaves num_workers alone. With its own generator the order
+    cannot move, so tuneup adds workers, and their augmentation differs from epoch to epoch."""
+    plain, _, plain_rng, _, _ = io_bound_run(200, dataset=Augmented())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tuned, _, tuned_rng, agent, loader = io_bound_run(200, dataset=Augmented(), agent_options=apply_options(run_dir))
+    assert tuned == plain and torch.equal(tuned_rng, plain_rng)
+    [refused] = [r for r in records(agent, "dataloader") if r["decision"] == "not applicable"]
+    assert "global RNG" in refused["reason"] and "generator=torch.Generator()" in refused["reason"]
+    assert records(agent, "dataloader", "kept") == [] and loader.num_workers == 0
+
+    order = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        noise, _, _, agent, _ = io_bound_run(480, dataset=Augmented(), generator=order, observe=noise_of,
+                                             agent_options=apply_options(run_dir / "own-generator"))
+    kept = records(agent, "dataloader", "kept")
+    assert kept, agent.actions()
+    later = epochs(noise)[-4:]  # epochs that ran entirely on workers tuneup started
+    assert len(set(later)) == len(later), "workers of different epochs drew the same augmentation"
+
+
+class EagerBatches:
+    """A batch sampler that draws its whole order from the global RNG as soon as an epoch
+    starts (as many custom samplers do), before the loader draws its workers' seed."""
+
+    def __init__(self, size: int, batch: int) -> None:
+        self.size, self.batch = size, batch
+
+    def __iter__(self):
+        order = torch.randperm(self.size).tolist()
+        return iter([order[i:i + self.batch] for i in range(0, self.size, self.batch)])
+
+    def __len__(self) -> int:
+        return self.size // self.batch
+
+
+def test_an_eager_sampler_sees_the_same_order_every_epoch(run_dir):
+    plain, _, plain_rng, _, _ = io_bound_run(280, batch_sampler=EagerBatches(640, 16), batch_size=1, shuffle=False)
+    tuned, _, tuned_rng, agent, _ = io_bound_run(280, batch_sampler=EagerBatches(640, 16), batch_size=1,
+                                                 shuffle=False, agent_options=apply_options(run_dir))
+    assert records(agent, "dataloader", "kept")
+    assert tuned == plain and torch.equal(tuned_rng, plain_rng)
+
+
+def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_order(run_dir):
+    state = {}
+
+    def revert_at_an_epoch_end(step, agent):
+        if agent is not None and "at" not in state and records(agent, "dataloader", "kept") and step % 40 == 0:
+            state["at"] = step
+            agent.revert_all()
+
+    options = dict(num_workers=1, persistent_workers=True)
+    plain, _, plain_rng, _, _ = io_bound_run(360, **options)
+    tuned, _, tuned_rng, agent, loader = io_bound_run(360, agent_options=apply_options(run_dir),
+                                                      after_step=revert_at_an_epoch_end, **options)
+    assert "at" in state
+    assert tuned == plain and torch.equal(tuned_rng, plain_rng)
+    assert (loader.num_workers, loader.persistent_workers) == (1, True)
+
+
+def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir, cpu_with_bf16):
+    torch.manual_seed(0)
+    model = Timed()
+    head, body = model.layers[-1], model.layers[:-1]
+    first = torch.optim.SGD(body.parameters(), lr=0.01, momentum=0.9)
+    second = torch.optim.SGD(head.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    state = {}
+    with tuneup.attach(**apply_options(run_dir, actions=["amp"])) as agent:
+        for step in range(1, 2000):
+            first.zero_grad()
+            second.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if model.autocast[-1] and "step" not in state:
+                state["step"] = step
+                state["params"] = [p.detach().clone() for p in model.parameters()]
+                loss = loss * float("nan")
+            loss.backward()
+            first.step()
+            second.step()
+            if state.get("step") == step:
+                state["after"] = [p.detach().clone() for p in model.parameters()]
+            if "step" in state and step > state["step"] + 5:
+                break
+    [record] = records(agent, "amp")
+    assert record["decision"] == "rolled back" and "update was skipped" in record["reason"]
+    assert all(torch.equal(a, b) for a, b in zip(state["params"], state["after"]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, cpu_with_bf16, monkeypatch):
+    def broken(grads, loss):
+        raise NotImplementedError("cannot check these gradients")
+
+    monkeypatch.setattr(amp_action.AmpChange, "_finite", staticmethod(broken))
+    with pytest.warns(tuneup.TuneupWarning, match="apply mode turned off.*cannot check these gradients"):
+        agent, model, _, _ = amp_run(run_dir, 1500)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "reverted" and "stopped after an internal error" in record["reason"]
+    assert not any(model.autocast[record["applied_step"] + 3:])
+
+
+def test_numerics_are_left_alone_in_a_distributed_job(run_dir, cpu_with_bf16, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    agent, model, _, _ = amp_run(run_dir, 600)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "not applicable" and "distributed" in record["reason"]
+    assert not any(model.autocast)
+
+
+def test_revert_all_from_another_thread_lands_between_steps(run_dir, cpu_with_bf16, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    before = dict(vars(scaler))
+    state = {}
+
+    def revert_elsewhere(step, loss, model, optimizer, agent):
+        if model.autocast[-1] and "thread" not in state:
+            state["thread"] = threading.Thread(target=lambda: state.setdefault("undone", agent.revert_all()))
+            state["thread"].start()
+            time.sleep(0.05)  # the other thread asks while this step is between scale() and step()
+        return loss
+
+    agent, model, _, _ = amp_run(run_dir, 3000, on_step=revert_elsewhere, scaler=scaler)
+    state["thread"].join()
+    assert state["undone"] == 1
+    [record] = records(agent, "amp")
+    assert record["decision"] == "reverted" and record["reason"] == "revert_all() before the trial ended"
+    assert vars(scaler) == before
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -361,6 +361,10 @@ class Agent:
         if name in ("syncs", "step_close"):
             # No sampled step may stay open without the listeners that end it.
             self.syncs.turn_off(f"stopped: the {name} listener failed")
+        if self.runner is not None and name in ("step_close", "steps", "optimizer", "dataloader", "model"):
+            # Apply mode judges and guards its changes through these: without them, none may stay.
+            self.runner.on = False
+            self.runner.revert_all(f"the {name} probe failed", wait=0)
         self._warn_once(name, f"{name} probe turned off after an internal error: {type(exc).__name__}: {exc}")
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -690,6 +694,7 @@ class Agent:
             self._probe_failed("steps", exc)
         if self.runner is not None:  # before the probes go: the changes patch what they patched
             self.runner.revert_all("detach")
+            self.runner.close()
             self.runner.on = False
         self._stop_probes()
         if not self._lock.acquire(timeout=LOCK_TIMEOUT):  # the sampler is stuck (e.g. in NVML)

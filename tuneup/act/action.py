@@ -15,8 +15,11 @@ the findings and the host sample, which the agent's background thread publishes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
+
+import torch
 
 from ..measure.loader import LoaderProbe
 from ..measure.model import ModelProbe
@@ -46,6 +49,7 @@ class Job:
     # change may be applied or rolled back in the middle of an optimizer step.
     before_update: tuple[Callable[[Any], None], ...] = ()
     after_update: tuple[Callable[[Any], None], ...] = ()
+    skipping: set[int] = field(default_factory=set)  # optimizers whose update a guard is skipping now
 
     def add_guard(self, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
         self.before_update = self.before_update + (before,)
@@ -64,6 +68,14 @@ class Job:
             if rule in findings:
                 return findings[rule]
         return None
+
+    @property
+    def distributed(self) -> bool:
+        """Several ranks train together: a change that touches numerics would be kept or
+        rolled back by each rank on its own."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return True
+        return (os.environ.get("WORLD_SIZE") or "1").strip() not in ("", "1")
 
     @property
     def on_cuda(self) -> bool:
@@ -126,6 +138,9 @@ class Action:
     def decided(self, change: Change, record: dict[str, Any]) -> None:
         """The verdict on a change this action proposed (record["decision"])."""
         self.done = True
+
+    def close(self) -> None:
+        """At detach, after every change was reverted: remove whatever the action still holds."""
 
     def refuse(self, reason: str) -> None:
         """The finding fires but the change is not safe here: say why once, and stop."""

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
+from ..measure.device_values import raw_item
 from ..measure.loader import loader_of
 
 KNOBS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
@@ -112,20 +113,52 @@ class _Tape:
         return index
 
 
-class TapedSampler:
-    """The loader's index sampler as the iterators tuneup builds see it: every pass over it
-    (every epoch, a persistent iterator's too) is taped; the first pass may continue an
-    epoch that is already under way."""
+def persistent(settings: Settings) -> bool:
+    return bool(settings["persistent_workers"]) and settings["num_workers"] > 0
 
-    def __init__(self, sampler: Any, first: Iterator[Any] | None = None) -> None:
-        self.sampler = sampler
+
+_WORKER_SEEDS: "weakref.WeakKeyDictionary[DataLoader, torch.Generator]" = weakref.WeakKeyDictionary()
+
+
+def worker_seeds(loader: DataLoader) -> torch.Generator:
+    """The private generator the iterators tuneup builds for `loader` draw their workers'
+    base seed from: one per loader, advancing with every iterator, so no two share a seed
+    (random augmentation in workers must not repeat from epoch to epoch)."""
+    generator = _WORKER_SEEDS.get(loader)
+    if generator is None:
+        generator = _WORKER_SEEDS[loader] = torch.Generator().manual_seed(
+            (torch.initial_seed() ^ id(loader)) & ((1 << 63) - 1))
+    return generator
+
+
+class TapedSampler:
+    """The loader's index sampler as the iterators tuneup builds see it.
+
+    Every pass over it (every epoch, a persistent iterator's too) is taped; the first pass
+    may continue an epoch already under way (`first`). A pass that starts afresh does what
+    the job's own iterator would at that moment: it starts the sampler (an eager sampler
+    draws its order now), then, where the job's settings would have built a new iterator
+    (`job_draws`), draws the workers' base seed from the job's generator, whose value then
+    seeds this iterator's workers."""
+
+    def __init__(self, loader: DataLoader, job_settings: Settings, first: Iterator[Any] | None = None) -> None:
+        self.sampler = loader._index_sampler
+        self.job_generator = loader.generator
+        self.job_draws = not persistent(job_settings)
+        self.seeds = worker_seeds(loader)
         self.first = first
         self.tape: _Tape | None = None
 
     def __iter__(self) -> _Tape:
         if self.tape is not None and not self.tape.started:
             return self.tape  # asked twice before the pass began (a multi-process iterator's set-up)
-        indices, self.first = (self.first if self.first is not None else iter(self.sampler)), None
+        if self.first is not None:
+            indices, self.first = self.first, None
+        else:
+            indices = iter(self.sampler)
+            if self.job_draws:
+                seed = raw_item(torch.empty((), dtype=torch.int64).random_(generator=self.job_generator))
+                self.seeds.manual_seed(int(seed) & ((1 << 63) - 1))
         self.tape = _Tape(indices)
         return self.tape
 
@@ -138,18 +171,14 @@ def tape_of(iterator: Any) -> _Tape | None:
     return sampler.tape if isinstance(sampler, TapedSampler) else None
 
 
-def private_generator() -> torch.Generator:
-    """Where tuneup's iterators draw their workers' base seed: not from the job's streams."""
-    return torch.Generator().manual_seed(torch.initial_seed() & ((1 << 63) - 1))
-
-
 def build_iterator(loader: DataLoader, settings: Settings, sampler: TapedSampler) -> Any:
     """An iterator of `loader` with `settings` reading its indices from `sampler`, built from
-    a shallow copy of the loader that draws its workers' seed from a private generator."""
+    a shallow copy of the loader whose generator (the workers' base seed) is the sampler's
+    private one."""
     proxy = copy.copy(loader)
     set_settings(proxy, effective(settings))
     vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = sampler
-    vars(proxy)["generator"] = private_generator()
+    vars(proxy)["generator"] = sampler.seeds
     return proxy._get_iterator()
 
 
@@ -218,7 +247,7 @@ class Relay:
             return
         tape = tape_of(iterator)
         underlying = tape.indices if tape is not None else iterator._sampler_iter
-        sampler = TapedSampler(loader._index_sampler, first=underlying)
+        sampler = TapedSampler(loader, self.job_settings, first=underlying)
         try:
             source = build_iterator(loader, settings, sampler)
         except Exception as exc:
@@ -273,7 +302,7 @@ class Relay:
         if loader is None:
             raise exc
         source = build_iterator(loader, self.job_settings,
-                                TapedSampler(loader._index_sampler, first=itertools.chain(unserved, underlying)))
+                                TapedSampler(loader, self.job_settings, first=itertools.chain(unserved, underlying)))
         source._tuneup_built = True
         self.sources = [_Source(source, dict(self.job_settings), own=True)]
         self.on_source(source)
@@ -283,9 +312,10 @@ class Relay:
 def epoch_iterator(loader: DataLoader, job_settings: Settings, on_failure: Callable[[BaseException], None],
                    on_source: Callable[[Any], None]) -> Any:
     """A new epoch's iterator for a loader running with tuneup's settings: taped and relayed,
-    so that a failure of its workers is recovered like a switched source's."""
+    so that a failure of its workers is recovered like a switched source's. It draws from
+    the job's random streams what the job's own iterator would have (see TapedSampler)."""
     settings = settings_of(loader)
-    iterator = build_iterator(loader, settings, TapedSampler(loader._index_sampler))
+    iterator = build_iterator(loader, settings, TapedSampler(loader, job_settings))
     relay_of(iterator, settings, loader, job_settings, on_failure, on_source)
     return iterator
 

@@ -39,6 +39,7 @@ TRIAL_SECONDS = 1.0
 # steps it has (at least MIN_TRIAL_STEPS): bf16 on a CPU without bf16 units can be 20x slower.
 DEADLINE_FACTOR = 3
 MIN_TRIAL_STEPS = 2 * BLOCKS
+REVERT_WAIT_SECONDS = 2.0  # how long revert_all() from another thread waits for a step close
 MIN_WINDOW = 4 * BLOCKS
 MAX_WINDOW = 1200
 RECENT_STEPS = 64
@@ -84,6 +85,9 @@ class Experimenter:
         self.wake_at = NEVER
         self._next_look = 0
         self._lock = threading.RLock()
+        self.training_thread: int | None = None
+        self._undone = 0
+        self._revert_request: tuple[str, threading.Event] | None = None
 
     def install(self, patches: PatchSet) -> None:
         """The step hooks that run the changes' guards (see Job.add_guard)."""
@@ -91,11 +95,17 @@ class Experimenter:
 
         def before(optimizer: Any, args: Any, kwargs: Any) -> None:
             for guard in job.before_update:
-                guard(optimizer)
+                try:
+                    guard(optimizer)
+                except Exception as exc:  # never into the job's optimizer.step()
+                    self._fail(exc)
 
         def after(optimizer: Any, args: Any, kwargs: Any) -> None:
             for guard in job.after_update:
-                guard(optimizer)
+                try:
+                    guard(optimizer)
+                except Exception as exc:
+                    self._fail(exc)
 
         patches.add_handle(optimizer_hooks.register_optimizer_step_pre_hook(before))
         patches.add_handle(optimizer_hooks.register_optimizer_step_post_hook(after))
@@ -106,8 +116,15 @@ class Experimenter:
         """At a step close; the ring holds the steps before `step`."""
         if not self.on:
             return
+        self.training_thread = threading.get_ident()
         with self._lock:
             try:
+                if self._revert_request is not None:
+                    reason, done = self._revert_request
+                    self._revert_request = None
+                    self._revert_now(reason)
+                    done.set()
+                    return
                 self._check_guards(step)
                 if self.trial is not None:
                     if self.trial.due(step):
@@ -222,16 +239,24 @@ class Experimenter:
         self._emit(record)
 
     def _roll_back(self, change: Change, action: Action, record: dict[str, Any], reason: str, step: int) -> None:
-        if self.trial is not None and self.trial.change is change:
-            self.trial = None
+        trial = self.trial
+        self.trial = None
+        if trial is not None and trial.change is not change:
+            # Its window would span two configurations: it ends without a verdict.
+            self._take_back(trial.change, step)
+            trial.record.update(decision="reverted", reason=f"ended without a verdict: {change.description} "
+                                                            "was rolled back during its trial",
+                                decided_step=step, time=time.time())
+            trial.action.decided(trial.change, trial.record)
+            self._emit(trial.record)
         self._take_back(change, step)
         record.update(decision="rolled back", reason=reason, decided_step=step, time=time.time())
         action.decided(change, record)
         self._emit(record)
 
     def _take_back(self, change: Change, step: int) -> None:
+        change.revert()  # first: a revert that fails stays in effect, for revert_all to try again
         self.applied = [entry for entry in self.applied if entry[0] is not change]
-        change.revert()
         self.stable_since = step + 1 + change.settle_steps
 
     def _plan(self, step: int) -> None:
@@ -256,9 +281,25 @@ class Experimenter:
 
     # --- any thread ------------------------------------------------------------------------
 
-    def revert_all(self, reason: str = "revert_all()") -> int:
+    def revert_all(self, reason: str = "revert_all()", wait: float = REVERT_WAIT_SECONDS) -> int:
         """Undo every change in effect, newest first, and try nothing more. Returns how many
-        changes were undone."""
+        changes were undone. From a thread other than the training thread, the training
+        thread does it at its next step close (a change flipped in the middle of a step can
+        break that step: a GradScaler switched off between its scale() and step()); when no
+        step closes within `wait` seconds, training has stopped and it is done here."""
+        if (self.on and wait > 0 and self.training_thread is not None
+                and threading.get_ident() != self.training_thread):
+            done = threading.Event()
+            with self._lock:
+                self._revert_request = (reason, done)
+                self.job.timeline.wake_at = 0  # the next close calls on_close
+            if done.wait(wait):
+                return self._undone
+            with self._lock:
+                self._revert_request = None
+        return self._revert_now(reason)
+
+    def _revert_now(self, reason: str) -> int:
         with self._lock:
             self.accepting = False
             step = self.job.timeline.ring.count + 1
@@ -280,7 +321,17 @@ class Experimenter:
             self.wake_at = NEVER
             if errors:
                 self.warn("revert", "apply mode could not revert " + "; ".join(errors))
+            self._undone = undone
             return undone
+
+    def close(self) -> None:
+        """At detach, after revert_all(): the actions let go of what they still hold."""
+        with self._lock:
+            for action in self.actions:
+                try:
+                    action.close()
+                except Exception as exc:
+                    self.warn("revert", f"apply mode could not clean up {action.id}: {type(exc).__name__}: {exc}")
 
     def state(self) -> dict[str, Any]:
         """What is in effect and on trial now (for snapshots and metrics)."""

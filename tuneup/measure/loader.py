@@ -22,6 +22,7 @@ from .habits import HabitsProbe
 from .steps import StepTimeline
 
 _TAG = "_tuneup_measured"
+RNG_CHECKS = (12, 40, 120, 400)  # fetches on which the global RNG is compared around the fetch
 
 
 def batch_size(batch: Any) -> int:
@@ -69,6 +70,11 @@ class LoaderProbe:
         self.tracked = tracked  # None: every loader
         self.loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # seen, for the config probe
         self.iterators: weakref.WeakSet[_BaseDataLoaderIter] = weakref.WeakSet()  # for worker pids
+        # Whether the dataset (or collate_fn) draws from torch's global RNG when it runs in the
+        # main process: checked on a few fetches of single-process iterators (apply mode must
+        # know before it moves that work into worker processes).
+        self.rng_check_at = RNG_CHECKS[0]
+        self.main_process_rng_draws: bool | None = None
 
     def install(self, patches: PatchSet) -> None:
         probe = self
@@ -108,6 +114,7 @@ class LoaderProbe:
                     return original(iterator)
                 began = perf_counter()
                 tl.in_loader = True
+                rng = probe.rng_before(iterator) if tl.fetches >= probe.rng_check_at else None
                 try:
                     batch = original(iterator)
                 except BaseException:
@@ -115,6 +122,8 @@ class LoaderProbe:
                     tl.waited(began, perf_counter())
                     raise
                 tl.in_loader = False
+                if rng is not None:
+                    probe.rng_after(rng)
                 try:
                     # Inline, as this runs on every step: a batch fetched after an optimizer
                     # stepped closes the step (StepTimeline.waited has the same rule).
@@ -139,6 +148,19 @@ class LoaderProbe:
 
         patches.replace(DataLoader, "__iter__", wrap_iter)
         patches.replace(_BaseDataLoaderIter, "__next__", wrap_next)
+
+    def rng_before(self, iterator: Any) -> torch.Tensor | None:
+        """On a checked fetch: the global RNG state, when this fetch runs the dataset in the
+        main process (not an epoch's first, where a shuffling sampler draws its order)."""
+        done = self.rng_check_at
+        self.rng_check_at = next((at for at in RNG_CHECKS if at > done), 1 << 62)
+        if getattr(iterator, "_num_workers", 1) or not getattr(iterator, "_num_yielded", 0):
+            return None
+        return torch.default_generator.get_state()
+
+    def rng_after(self, before: torch.Tensor) -> None:
+        drew = not torch.equal(before, torch.default_generator.get_state())
+        self.main_process_rng_draws = bool(self.main_process_rng_draws) or drew
 
     def worker_pids(self) -> list[int]:
         pids = []

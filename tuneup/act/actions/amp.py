@@ -92,10 +92,13 @@ class AmpChange(Change):
             "; GradScaler enabled" if self.enables_scaler else "")
         self.before = {"autocast": None, "grad_scaler_enabled": bool(scaler._enabled) if scaler else None}
         self.after = {"autocast": f"{device} {name}", "grad_scaler_enabled": True if scaler else None}
-        self.patches = PatchSet()
+        self.patches = PatchSet()  # the forwards
+        self.scaler_patches = PatchSet()  # GradScaler.scale/update while tuneup owns the scaler's state
+        self.scaled_in_flight = False  # between the loop's scale() and update(): the scaler must stay as it is
+        self.restore_pending = False
         self.guard_until = 0
         self.applied_step = 0
-        self.hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.skips: deque[tuple[int, int]] = deque()
         self.reported_losses: set[int] = set()
 
@@ -120,7 +123,8 @@ class AmpChange(Change):
         for cls in self.classes:
             self.patches.replace(cls, "forward", wrap)
         if self.enables_scaler:
-            self.patches.replace(GradScaler, "scale", self._enabling_scale)
+            self.scaler_patches.replace(GradScaler, "scale", self._switching_scale)
+            self.scaler_patches.replace(GradScaler, "update", self._tracking_update)
         self.job.add_guard(self._before_update, self._after_update)
         self.job.models.read_config_next_forward = True
 
@@ -131,56 +135,90 @@ class AmpChange(Change):
         self._after_update(None)  # gradients hidden from an update are always given back
         self.job.models.read_config_next_forward = True
 
-    def _enabling_scale(self, original):
-        """GradScaler.scale that switches the loop's scaler on at its first call: a scaler
-        enabled between its scale() and update() of one step would fail that update."""
+    # The loop's own GradScaler is switched on only where a step begins (its scale() call),
+    # and back off only between steps (after its update()): switched between scale() and
+    # step(), step() would update with gradients still scaled; between step() and update(),
+    # update() would fail.
+
+    def _switching_scale(self, original):
         change = self
 
         @functools.wraps(original)
         def scale(scaler, outputs):
-            target = change.scaler() if change.scaler is not None else None
-            if scaler is target and not scaler._enabled and change.rollback_reason is None:
-                vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+            if scaler is (change.scaler() if change.scaler is not None else None):
+                if change.restore_pending:  # a step that never reached update(): back off before this one
+                    change._restore_now(scaler)
+                elif not scaler._enabled and change.rollback_reason is None:
+                    vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+                change.scaled_in_flight = scaler._enabled
             return original(scaler, outputs)
 
         return scale
 
+    def _tracking_update(self, original):
+        change = self
+
+        @functools.wraps(original)
+        def update(scaler, new_scale=None):
+            try:
+                return original(scaler, new_scale)
+            finally:
+                if scaler is (change.scaler() if change.scaler is not None else None):
+                    change.scaled_in_flight = False
+                    if change.restore_pending:
+                        change._restore_now(scaler)
+
+        return update
+
     def _restore_scaler(self) -> None:
+        """Put the loop's GradScaler back as it was: now, or right after this step's update()
+        while a scaled backward is in flight."""
         scaler = self.scaler() if self.scaler is not None else None
-        if self.scaler_state is not None and scaler is not None:
-            vars(scaler).clear()
-            vars(scaler).update(self.scaler_state)
+        if self.scaler_state is None or scaler is None:
+            self.scaler_patches.undo_all()
+        elif self.scaled_in_flight:
+            self.restore_pending = True
+        else:
+            self._restore_now(scaler)
+
+    def _restore_now(self, scaler: GradScaler) -> None:
+        vars(scaler).clear()
+        vars(scaler).update(self.scaler_state or {})
+        self.restore_pending = self.scaled_in_flight = False
+        self.scaler_patches.undo_all()
 
     # --- guards -------------------------------------------------------------------------
 
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before each update in the guard period: are the gradients and the loss finite?"""
+        """Before each update in the guard period (and, once rolled back, every update until
+        the revert, e.g. a second optimizer's in the same step): are the gradients finite?"""
         timeline = self.job.timeline
-        if self.rollback_reason or timeline.ring.count >= self.guard_until:
+        if not self.rollback_reason and timeline.ring.count >= self.guard_until:
             return
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not parameters:
             return
         grads_finite, loss_finite = self._finite([p.grad for p in parameters], timeline.loss)
-        if grads_finite and loss_finite:
-            return
-        step = timeline.ring.count + 1
         if not grads_finite:
             # Hidden for this update only: the optimizer skips parameters without a gradient.
-            self.hidden = [(p, p.grad) for p in parameters]
+            self.hidden[id(optimizer)] = [(p, p.grad) for p in parameters]
+            self.job.skipping.add(id(optimizer))
             for parameter in parameters:
                 parameter.grad = None
+        if (grads_finite and loss_finite) or self.rollback_reason:
+            return
         self.patches.undo_all()  # the next forward runs in full precision, whatever happens next
         self._restore_scaler()
         what = "gradients" if not grads_finite else "loss"
-        self.rollback_reason = (f"non-finite {what} at step {step}" +
+        self.rollback_reason = (f"non-finite {what} at step {timeline.ring.count + 1}" +
                                 ("; that update was skipped" if not grads_finite else ""))
 
     def _after_update(self, optimizer: torch.optim.Optimizer | None) -> None:
-        if self.hidden:
-            for parameter, grad in self.hidden:
+        keys = [id(optimizer)] if optimizer is not None else list(self.hidden)
+        for key in keys:
+            for parameter, grad in self.hidden.pop(key, ()):
                 parameter.grad = grad
-            self.hidden = []
+            self.job.skipping.discard(key)
 
     @staticmethod
     def _finite(grads: list[torch.Tensor], loss: torch.Tensor | None) -> tuple[bool, bool]:
@@ -252,6 +290,11 @@ class Amp(Action):
             if "forward" in vars(model):
                 return self.refuse(f"{type(model).__name__}.forward is replaced on the instance "
                                    "(a wrapper owns it); tuneup leaves it alone")
+        if job.distributed:
+            return self.refuse("a distributed job: each rank would keep or roll back autocast on its own")
+        if any(getattr(module, "sparse", False) for model in models for module in model.modules()
+               if isinstance(module, (nn.Embedding, nn.EmbeddingBag))):
+            return self.refuse("the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check")
         parameters = [p for model in models for p in model.parameters()]
         if any(p.dtype != torch.float32 for p in parameters if p.is_floating_point()):
             self.done = True  # already in reduced precision

@@ -12,7 +12,10 @@ move an experiment of its own, on the loader the training loop is reading:
    unless slower, as its gain sits in one step per epoch, below what a block test resolves;
 4. prefetch_factor doubled, while the stall stays (bursty loads).
 
-A rejected move closes its knob. Bounds: no more workers than usable cores (affinity and
+A rejected move closes its knob. Workers are not added to a loader that runs in the main
+process when they would not fork (spawn re-imports the script) or when its dataset draws
+from torch's global RNG while the same RNG orders its samples (later epochs would come in
+another order). Bounds: no more workers than usable cores (affinity and
 cgroup quota), and no more than half the free RAM at the measured size of a worker (the
 main process's until a worker was measured). Changes land mid-epoch through a relay (see
 `act/handover.py`): the sequence of samples the model sees does not change, and the global
@@ -29,18 +32,21 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler,
+                              SubsetRandomSampler, WeightedRandomSampler)
 
 from ..._patching import PatchSet
 from ...measure.host import usable_cores
 from ...measure.loader import loader_of
 from ..action import FASTER, NOT_SLOWER, Action, Change, Job
-from ..handover import (KNOBS, Settings, effective, epoch_iterator, live_iterators, settings_of, shut_down,
-                        switch_loader, why_not_switchable)
+from ..handover import (KNOBS, Settings, TapedSampler, build_iterator, effective, epoch_iterator, live_iterators,
+                        persistent, settings_of, shut_down, switch_loader, why_not_switchable)
 
 STALL_TARGET = 0.05  # below this share of step time, more loading capacity is not worth a trial
 MAX_WORKERS = 32
@@ -51,66 +57,101 @@ PERSISTENT_MAX_EPOCH = 600  # steps: longer epochs put no epoch start in a trial
 _LATER = object()  # a move that must wait for a better moment (the next epoch to start)
 
 
-def _fingerprint(dataset: Any) -> tuple:
-    """The dataset's attributes as bound now (identity, and value for plain scalars)."""
-    state = getattr(dataset, "__dict__", {})
-    return tuple(sorted((name, id(value), value if isinstance(value, (int, float, str, bool)) else None)
-                        for name, value in state.items()))
+def order_uses_global_rng(loader: DataLoader) -> bool:
+    """Whether the order of the loader's samples comes from torch's global RNG (a shuffling
+    sampler without a generator of its own, or a sampler tuneup does not know)."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return True
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    if type(sampler) in (SequentialSampler, DistributedSampler):
+        return False
+    if type(sampler) in (RandomSampler, SubsetRandomSampler, WeightedRandomSampler):
+        return getattr(sampler, "generator", None) is None
+    return True
+
+
+def _fingerprint(value: Any, depth: int = 0) -> tuple:
+    """A dataset's attributes as bound now: identity, the value of plain scalars, the length
+    of containers, and the same for the datasets it wraps (Subset, ConcatDataset...)."""
+    items = []
+    for name, attribute in sorted(getattr(value, "__dict__", {}).items()):
+        scalar = attribute if isinstance(attribute, (int, float, str, bool)) else None
+        size = len(attribute) if isinstance(attribute, (list, tuple, dict, set)) else None
+        inner: Any = None
+        if depth < 3:
+            if isinstance(attribute, Dataset):
+                inner = _fingerprint(attribute, depth + 1)
+            elif isinstance(attribute, (list, tuple)) and attribute and all(isinstance(a, Dataset) for a in attribute):
+                inner = tuple(_fingerprint(a, depth + 1) for a in attribute)
+        items.append((name, id(attribute), scalar, size, inner))
+    return tuple(items)
+
+
+@dataclass
+class _Watched:
+    loader: weakref.ref
+    job_settings: Settings
+    fingerprint: tuple
+    quiet: bool = False  # all changes reverted; the job's persistent iterator is rebuilt once, drawing nothing
 
 
 class _EpochStarts:
-    """How each epoch of the loader being tuned starts, while its settings are tuneup's.
+    """How each epoch of the loader being tuned starts.
 
-    `DataLoader._get_iterator`: a new epoch's iterator is built by tuneup (`epoch_iterator`),
-    so a failure of its workers is recovered with the job's own settings, as mid-epoch.
-    Both hooks draw from the job's random streams exactly what the job's own settings would
-    have drawn: a new iterator draws its workers' base seed, a persistent one that is reset
-    draws none. Where tuneup made the loader persistent, a reset draws the seed the job's
-    new iterator would have (and a dataset whose attributes were reassigned gets fresh
-    workers: the old ones hold the old dataset); where the job's loader was persistent but
-    its iterator is rebuilt, nothing is drawn, as the job's reset would have drawn nothing."""
+    `DataLoader._get_iterator`: while tuneup's settings are in effect, a new epoch's iterator
+    is built by tuneup (`epoch_iterator`), so a failure of its workers is recovered with the
+    job's own settings, and it draws from the job's random streams what the job's own
+    iterator would have (see handover.TapedSampler). When every change was reverted but the
+    job's persistent iterator had to go, the next one is rebuilt once drawing nothing, as
+    the job's reset would have. `DataLoader.__iter__`: where tuneup made the loader
+    persistent and the dataset's attributes were reassigned between epochs
+    (`dataset.epoch = e`), the workers, which hold the dataset they started with, start afresh."""
 
     def __init__(self) -> None:
-        self.loaders: dict[int, tuple[weakref.ref, Settings]] = {}
-        self.fingerprints: dict[int, tuple] = {}
+        self.watched: dict[int, _Watched] = {}
         self.patches = PatchSet()
         self.on_failure: Callable[[BaseException], None] = lambda exc: None
         self.on_source: Callable[[Any], None] = lambda iterator: None
 
     def watch(self, loader: DataLoader, job_settings: Settings, on_failure: Callable[[BaseException], None],
               on_source: Callable[[Any], None]) -> None:
-        if not self.loaders:
+        if not self.watched:
             self.patches.replace(DataLoader, "__iter__", self._wrap_iter)
             self.patches.replace(DataLoader, "_get_iterator", self._wrap_get_iterator)
-        self.loaders[id(loader)] = (weakref.ref(loader), dict(job_settings))
-        self.fingerprints[id(loader)] = _fingerprint(loader.dataset)
+        self.watched[id(loader)] = _Watched(weakref.ref(loader), dict(job_settings), _fingerprint(loader.dataset))
         self.on_failure, self.on_source = on_failure, on_source
 
-    def forget(self, loader: DataLoader) -> None:
-        self.loaders.pop(id(loader), None)
-        self.fingerprints.pop(id(loader), None)
-        if not self.loaders:
+    def forget(self, loader: DataLoader, final: bool = False) -> None:
+        watched = self._of(loader)
+        if watched is not None and not final and persistent(watched.job_settings) and loader._iterator is None:
+            watched.quiet = True
+            return
+        self.watched.pop(id(loader), None)
+        if not self.watched:
             self.patches.undo_all()
 
-    def _job_settings(self, loader: DataLoader) -> Settings | None:
-        entry = self.loaders.get(id(loader))
-        return entry[1] if entry is not None and entry[0]() is loader else None
+    def close(self) -> None:
+        self.watched.clear()
+        self.patches.undo_all()
+
+    def _of(self, loader: DataLoader) -> _Watched | None:
+        watched = self.watched.get(id(loader))
+        return watched if watched is not None and watched.loader() is loader else None
 
     def _wrap_iter(self, original):
         starts = self
 
         @functools.wraps(original)
         def __iter__(loader):
-            job = starts._job_settings(loader)
-            if (job is not None and not _persistent(job) and _persistent(settings_of(loader))
+            watched = starts._of(loader)
+            if (watched is not None and not persistent(watched.job_settings) and persistent(settings_of(loader))
                     and loader._iterator is not None):  # tuneup's persistent iterator, about to be reset
                 fingerprint = _fingerprint(loader.dataset)
-                if fingerprint != starts.fingerprints.get(id(loader)):
-                    starts.fingerprints[id(loader)] = fingerprint
+                if fingerprint != watched.fingerprint:
+                    watched.fingerprint = fingerprint
                     stale, loader._iterator = loader._iterator, None
-                    shut_down(stale)  # a new iterator below: it draws, as the job's would
-                else:
-                    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+                    shut_down(stale)
             return original(loader)
 
         return __iter__
@@ -120,18 +161,17 @@ class _EpochStarts:
 
         @functools.wraps(original)
         def _get_iterator(loader):
-            job = starts._job_settings(loader)
-            if job is None or settings_of(loader) == job:
-                return original(loader)  # the job's own settings: built as the job builds it
-            if not _persistent(job):  # the job would have built a new iterator, drawing its seed first
-                torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-            return epoch_iterator(loader, job, starts.on_failure, starts.on_source)
+            watched = starts._of(loader)
+            if watched is None:
+                return original(loader)
+            if settings_of(loader) != watched.job_settings:
+                return epoch_iterator(loader, watched.job_settings, starts.on_failure, starts.on_source)
+            if watched.quiet:
+                starts.forget(loader, final=True)
+                return build_iterator(loader, watched.job_settings, TapedSampler(loader, watched.job_settings))
+            return original(loader)  # the job's own settings: built as the job builds it
 
         return _get_iterator
-
-
-def _persistent(settings: Settings) -> bool:
-    return bool(settings["persistent_workers"]) and settings["num_workers"] > 0
 
 
 class LoaderChange(Change):
@@ -212,6 +252,9 @@ class DataLoaderTuning(Action):
         if not self.in_effect:
             self.epoch_starts.forget(loader)
 
+    def close(self) -> None:
+        self.epoch_starts.close()
+
     def source_failed(self, exc: BaseException) -> None:
         """A source with tuneup's settings failed (the relay already fetches with the job's
         own): every change in effect goes, and the climb ends."""
@@ -269,8 +312,14 @@ class DataLoaderTuning(Action):
         workers = settings["num_workers"]
         stalled = recent["stall_ratio"] >= STALL_TARGET
         if stalled and "num_workers" not in self.closed and workers < self.max_workers(job):
-            count = self._workers_needed(recent, workers, self.max_workers(job))
-            return self._change(job, loader, "num_workers", num_workers=count)
+            refusal = self._why_no_workers(job, loader) if workers == 0 else None
+            if refusal is _LATER:
+                return _LATER
+            if refusal is None:
+                count = self._workers_needed(recent, workers, self.max_workers(job))
+                return self._change(job, loader, "num_workers", num_workers=count)
+            self.closed.add("num_workers")
+            self.not_applicable = f"num_workers stays 0: {refusal}"
         if job.on_cuda and torch.cuda.is_available() and not settings["pin_memory"] \
                 and "pin_memory" not in self.closed:
             return self._change(job, loader, "pin_memory", pin_memory=True)
@@ -280,6 +329,23 @@ class DataLoaderTuning(Action):
             prefetch = effective(settings)["prefetch_factor"]
             if prefetch < MAX_PREFETCH:
                 return self._change(job, loader, "prefetch_factor", prefetch_factor=2 * prefetch)
+        return None
+
+    @staticmethod
+    def _why_no_workers(job: Job, loader: DataLoader) -> Any:
+        """Why the loader's work must stay in the main process (None: it may move), or _LATER."""
+        method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+        if method != "fork":
+            return (f"worker processes would start with {method!r}, which imports the training script again in "
+                    "each worker; add workers yourself, with the script's code under `if __name__ == \"__main__\":`")
+        draws = job.loaders.main_process_rng_draws
+        if draws is None:
+            return _LATER  # not checked on a fetch yet
+        if draws and order_uses_global_rng(loader):
+            return ("the dataset draws from torch's global RNG (random augmentation), and the loader shuffles "
+                    "with that same RNG: in workers those draws would leave the main process and later epochs "
+                    "would be shuffled differently. Give the DataLoader its own generator "
+                    "(generator=torch.Generator().manual_seed(seed)) and tuneup can add workers")
         return None
 
     def _change(self, job: Job, loader: DataLoader, knob: str, **values: Any) -> LoaderChange:

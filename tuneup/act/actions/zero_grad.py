@@ -69,8 +69,10 @@ class ZeroGradChange(Change):
 
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         timeline = self.job.timeline
-        if self.rollback_reason or not (timeline.ring.count < self.guard_until or timeline.detail):
-            return
+        if id(optimizer) in self.job.skipping:
+            return  # another guard hides this update's gradients: it is skipped, zeros would move it
+        if not (self.rollback_reason or timeline.ring.count < self.guard_until or timeline.detail):
+            return  # after a rollback, every optimizer until the revert (a second one in the step)
         expected = self.expected.get(optimizer)
         if not expected:
             return
@@ -80,8 +82,10 @@ class ZeroGradChange(Change):
         for parameter in missing:  # exactly what zero_grad(set_to_none=False) would have left
             parameter.grad = torch.zeros_like(parameter)
         self.patches.undo_all()  # the next zero_grad keeps tensors again
-        self.rollback_reason = (f"{len(missing)} parameter(s) got no gradient at step {timeline.ring.count + 1}: "
-                                "with set_to_none=True the optimizer would have skipped them; zeros restored")
+        if self.rollback_reason is None:
+            self.rollback_reason = (f"{len(missing)} parameter(s) got no gradient at step "
+                                    f"{timeline.ring.count + 1}: with set_to_none=True the optimizer would "
+                                    "have skipped them; zeros restored")
 
     def revert(self) -> None:
         self.patches.undo_all()
@@ -101,6 +105,8 @@ class ZeroGradSetToNone(Action):
         if job.optimizers.set_to_none:
             self.done = True  # the job switched by itself
             return None
+        if job.distributed:
+            return self.refuse("a distributed job: each rank would roll the change back on its own")
         optimizers = list(job.optimizers.optimizers)
         if not optimizers:
             return None
