@@ -138,6 +138,8 @@ class Experimenter:
     def _check_guards(self, step: int) -> None:
         detail = self.job.timeline.detail
         for change, action, record in list(self.applied):
+            if not any(entry[0] is change for entry in self.applied):
+                continue  # taken back meanwhile (a rollback ends the trial beside it)
             if step <= record["applied_step"] + change.guard_steps or detail or change.rollback_reason:
                 reason = change.check(step)
                 if reason:
