@@ -4,7 +4,6 @@ when they help, rolled back at once when they endanger the run, undone on reques
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 import urllib.request

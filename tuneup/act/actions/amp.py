@@ -34,7 +34,6 @@ from torch.amp.grad_scaler import GradScaler
 
 from ..._patching import PatchSet
 from ...measure.config import is_compiled
-from ...measure.device_values import raw_item
 from ..action import FASTER, Action, Change, Job
 
 GUARD_STEPS = 300
