@@ -342,20 +342,12 @@ class Agent:
             self.syncs.thread_id = threading.get_ident()  # the thread that really trains
         # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
         if self.gpu_timer is None and torch.cuda.is_initialized():
-            self.gpu_timer = CudaStepTimer(self.timeline, self._training_device())
+            self.gpu_timer = CudaStepTimer(self.timeline, self.model.cuda_device())
             self.timeline.gpu_timer = self.gpu_timer
             self.timeline.add_listener("gpu_time", self.gpu_timer.on_close)
         self.model.read_config_next_forward = True
 
     # --- failures ----------------------------------------------------------------------
-
-    def _training_device(self) -> torch.device | None:
-        """The CUDA device the models train on (their first parameter's), if any."""
-        for model in self.model.root_models():
-            parameter = next(model.parameters(), None)
-            if parameter is not None and parameter.is_cuda:
-                return parameter.device
-        return None
 
     def _probe_failed(self, name: str, exc: BaseException) -> None:
         if name in ("syncs", "step_close"):

@@ -79,13 +79,7 @@ class Job:
 
     @property
     def on_cuda(self) -> bool:
-        return any(parameter.is_cuda for model in self.models.root_models()
-                   for parameter in _first_parameter(model))
-
-
-def _first_parameter(model: Any) -> list[Any]:
-    parameter = next(model.parameters(), None)
-    return [parameter] if parameter is not None else []
+        return self.models.cuda_device() is not None
 
 
 class Change:

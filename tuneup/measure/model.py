@@ -112,6 +112,14 @@ class ModelProbe:
         """The root models still alive."""
         return [model for model in (ref() for ref in list(self.roots.values())) if model is not None]
 
+    def cuda_device(self) -> torch.device | None:
+        """The CUDA device the models train on (their first parameter's), if any."""
+        for model in self.root_models():
+            parameter = next(model.parameters(), None)
+            if parameter is not None and parameter.is_cuda:
+                return parameter.device
+        return None
+
     def _hook_root(self, model: nn.Module) -> None:
         key = id(model)
         if key in self.roots or self._patches is None:

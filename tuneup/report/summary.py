@@ -56,15 +56,23 @@ def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     rows = []
     for record in actions:
         baseline, trial = record.get("baseline") or {}, record.get("trial") or {}
-        decision = record["decision"]
-        if record.get("undone"):
-            reason = record["undone"]["reason"]
-            decision += " (in effect until detach)" if reason == "detach" else f" (undone by {reason})"
+        decision, note = _decision(record)
+        if note:
+            decision += f" ({note})"
         speedup = record.get("speedup")
         rows.append((str(record.get("id", "")), record.get("change") or f"{record['action']}: {record['title']}",
                      decision, seconds(baseline.get("mean_step_seconds")), seconds(trial.get("mean_step_seconds")),
                      "–" if speedup is None else f"{speedup:.2f}x", record.get("reason", "")))
     return rows
+
+
+def _decision(record: dict[str, Any]) -> tuple[str, str | None]:
+    """The decision, and what happened to the change since (undone), if anything."""
+    undone = record.get("undone")
+    if not undone:
+        return record["decision"], None
+    reason = undone["reason"]
+    return record["decision"], "in effect until detach" if reason == "detach" else f"undone by {reason}"
 
 
 def net_change(actions: list[dict[str, Any]]) -> str | None:
@@ -87,15 +95,16 @@ def changes_group(actions: list[dict[str, Any]]) -> Group:
     """Apply mode's changes for a terminal: one line each, the decision first."""
     styles = {"kept": "bold green", "rolled back": "bold red", "failed": "bold red", "trying": "bold yellow"}
     parts: list[Any] = [Text("Changes tuneup made (apply mode)", style="bold")]
-    for number, change, decision, before, after, _, why in change_rows(actions):
+    for record, (number, change, _, before, after, _, why) in zip(actions, change_rows(actions)):
+        decision, note = _decision(record)
         line = Text(f"{number}. ")
-        line.append(decision.split(" (")[0], style=styles.get(decision.split(" (")[0], "bold"))
+        line.append(decision, style=styles.get(decision, "bold"))
         line.append(f"  {change}")
         if before != "–":
             line.append(f": mean step {before} -> {after}")
         line.append(f", {why}" if why else "")
-        if " (" in decision:
-            line.append(f"; {decision.split(' (', 1)[1].rstrip(')')}", style="dim")
+        if note:
+            line.append(f"; {note}", style="dim")
         parts.append(Padding(line, (0, 0, 0, 2)))
     net = net_change(actions)
     if net:

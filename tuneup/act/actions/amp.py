@@ -144,7 +144,7 @@ class AmpChange(Change):
 
         @functools.wraps(original)
         def scale(scaler, outputs):
-            if scaler is (change.scaler() if change.scaler is not None else None):
+            if scaler is change.loop_scaler():
                 if change.restore_pending:  # a step that never reached update(): back off before this one
                     change._restore_now(scaler)
                 elif not scaler._enabled and change.rollback_reason is None:
@@ -162,17 +162,21 @@ class AmpChange(Change):
             try:
                 return original(scaler, new_scale)
             finally:
-                if scaler is (change.scaler() if change.scaler is not None else None):
+                if scaler is change.loop_scaler():
                     change.scaled_in_flight = False
                     if change.restore_pending:
                         change._restore_now(scaler)
 
         return update
 
+    def loop_scaler(self) -> GradScaler | None:
+        """The loop's GradScaler this change uses, while it lives."""
+        return self.scaler() if self.scaler is not None else None
+
     def _restore_scaler(self) -> None:
         """Put the loop's GradScaler back as it was: now, or right after this step's update()
         while a scaled backward is in flight."""
-        scaler = self.scaler() if self.scaler is not None else None
+        scaler = self.loop_scaler()
         if self.scaler_state is None or scaler is None:
             self.scaler_patches.undo_all()
         elif self.scaled_in_flight:
