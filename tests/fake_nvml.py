@@ -3,7 +3,8 @@
 Only the driver is fake: tuneup's NVML backend runs unchanged on it. Configure through
 module attributes (in-process tests) or FAKE_NVML_* environment variables (subprocesses):
 FAKE_NVML_GPUS (count), FAKE_NVML_FAIL_AFTER (raise a driver error from the Nth
-utilization read on), FAKE_NVML_NO_POWER (power readings not supported).
+utilization read on), FAKE_NVML_NO_POWER (power readings not supported), FAKE_NVML_UTILIZATION (GPU utilization
+percent of GPU 0; GPU i reads that plus i).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class NVMLError(Exception):
 gpus = int(os.environ.get("FAKE_NVML_GPUS", "2"))
 fail_after = int(os.environ.get("FAKE_NVML_FAIL_AFTER", "0"))  # 0: never
 no_power = os.environ.get("FAKE_NVML_NO_POWER") == "1"
+utilization = int(os.environ.get("FAKE_NVML_UTILIZATION", "37"))
 throttle_mask = 0x4 | 0x40  # sw power cap + hw thermal
 utilization_reads = 0
 initialized = False
@@ -81,7 +83,7 @@ def nvmlDeviceGetUtilizationRates(handle):
     utilization_reads += 1
     if fail_after and utilization_reads >= fail_after:
         raise NVMLError(15)
-    return SimpleNamespace(gpu=37 + handle.index, memory=12)
+    return SimpleNamespace(gpu=utilization + handle.index, memory=12)
 
 
 def nvmlDeviceGetMemoryInfo(handle):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import json
-import os
 import signal
 import time
 

@@ -35,8 +35,9 @@ from .act import Experimenter, Job
 from .act.actions import ACTIONS
 from .diagnose import Evaluation, evaluate
 from .export import registry
-from .export.metrics import ApplyCollector
+from .export.metrics import agent_registry
 from .export.runlog import RunLog, log_name
+from .export.push import Pusher
 from .export.server import AgentServer
 from .measure.config import read_config
 from .measure.device_values import DeviceValues, raw_item
@@ -135,7 +136,9 @@ class Agent:
         self._evaluation = Evaluation(findings=[])
         self._findings_logged: tuple = ()
         self.server: AgentServer | None = None
+        self.pusher: Pusher | None = None
         self._announced: Path | None = None
+        self._next_heartbeat = 0.0
         self.run_info = self._run_info()
         if self.enabled:
             self._build(Tracked.split(objects))
@@ -181,6 +184,7 @@ class Agent:
             allowed = self.options.actions if self.options.actions is not None else tuple(ACTIONS)
             self.runner = Experimenter(self.job, [ACTIONS[name]() for name in ACTIONS if name in allowed],
                                        self._warn_once)
+        self.metrics = agent_registry(self, self._warn_once)  # read at scrape time (endpoint, push gateway)
 
     def start(self) -> "Agent":
         """Install the probes and start sampling; on any failure undo all of it and raise."""
@@ -200,6 +204,7 @@ class Agent:
             except Exception as exc:
                 self._slow_probe_failed("host", exc)
             self._serve()
+            self._start_pushing()
             self._open_run_log()
             self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
             self._thread.start()
@@ -207,6 +212,8 @@ class Agent:
         except BaseException:
             self._stop.set()
             self._stop_probes()
+            if self.pusher is not None:
+                self.pusher.cancel()
             if self.run_log is not None:
                 self.run_log.close()
             self.gpus.close()
@@ -226,15 +233,10 @@ class Agent:
         """Start the loopback endpoint (a failure is one warning: the job goes on)."""
         if not self.options.serve:
             return
-        from prometheus_client import CollectorRegistry
-
         port = self.options.port
         if port is None:
             port = DEFAULT_PORT + (self.local_rank or 0)
-        metrics = CollectorRegistry(auto_describe=True)
-        if self.runner is not None:
-            metrics.register(ApplyCollector(self.runner))
-        server = AgentServer(self._run_payload, metrics)
+        server = AgentServer(self._run_payload, self.metrics)
         try:
             note = server.start(self.options.host, port)
         except Exception as exc:
@@ -246,6 +248,12 @@ class Agent:
         self.server = server
         self.run_info["url"] = server.url
 
+    def _start_pushing(self) -> None:
+        if self.options.push_gateway:
+            self.pusher = Pusher(self.options.push_gateway, self.options.push_job, self.metrics, self.rank,
+                                 self.options.push_interval, self._warn_once)
+            self.pusher.start()
+
     def _announce(self) -> None:
         if self.server is not None:
             self._announced = registry.announce({
@@ -253,7 +261,12 @@ class Agent:
                 "run_dir": str(self.run_dir) if self.run_dir else None, "rank": self.rank,
                 "local_rank": self.local_rank, "argv": self.run_info["argv"],
                 "started_at": self.run_info["started_at"], "host": self.run_info["host"],
+                "group": _job_group(self.run_info["run_id"]), "mode": self.options.mode,
             })
+            if self._announced is None:
+                self._warn_once("registry", f"cannot announce this job in {registry.directory()} (not writable): "
+                                            "the node daemon and `tuneup watch` without a URL won't find it; "
+                                            f"measuring and {self.server.url} go on (set TUNEUP_REGISTRY_DIR)")
 
     def _run_payload(self) -> dict[str, Any]:
         """What /api/run answers: the run's events and the current findings."""
@@ -392,6 +405,10 @@ class Agent:
             if interval is not None:
                 self._log(self._steps_event(interval))
             self._log_warnings()
+            now = time.monotonic()
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + registry.HEARTBEAT
+                registry.heartbeat(self._announced)
             runner = self.runner
             # Apply mode acts on findings: fresh every tick while it may still act (the rules
             # cost well under a millisecond; the experiments are what it waits for).
@@ -446,7 +463,9 @@ class Agent:
         self._drained = last
         interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses)
         if interval is not None:
-            self._totals.add(interval)
+            # The wall-clock end of the last step: its perf_counter close, moved to time.time().
+            ended = ring.records[(last - 1) % ring.capacity][0]
+            self._totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))
             finite = [value for value, read in zip(columns["loss"], columns["loss_known"])
                       if read and math.isfinite(value)]
             self._recent_losses = (self._recent_losses + finite)[-SPIKE_HISTORY:]
@@ -706,6 +725,8 @@ class Agent:
             registry.withdraw(self._announced)
             if self.server is not None:
                 self.server.stop()
+            if self.pusher is not None:
+                self.pusher.stop()  # the final values, after the last drain
 
     def forked(self) -> None:
         """In a forked child (DataLoader worker): go quiet, touch nothing shared. The
@@ -717,6 +738,7 @@ class Agent:
         if self.server is not None:
             self.server.forget_in_child()
             self.server = None
+        self.pusher = None  # its thread stayed in the parent
         self._announced = None
         if self.enabled:
             for probe in self._hot_probes:
@@ -738,6 +760,14 @@ class Agent:
             return f"<tuneup.Agent inert: {self.inert_reason}>"
         state = "attached" if self.attached else "detached"
         return f"<tuneup.Agent {state} mode={self.options.mode} steps={self.timeline.ring.count}>"
+
+
+def _job_group(run_id: str) -> str:
+    """What the ranks of one distributed job on this node share (torchrun's rendezvous), so
+    the node daemon reports them as one job; a job of one process is its own group."""
+    if os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_PORT"):
+        return ":".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    return run_id
 
 
 def _options_dict(options: Options) -> dict[str, Any]:

@@ -101,34 +101,47 @@ def _check_rules(ids: list[str]) -> tuple[str, ...]:
 
 @app.command()
 def report(
-    target: str = typer.Argument(..., help="A run directory, a run log file, or the URL of a live agent."),
+    target: str = typer.Argument(..., help="A run directory, a run log file, or the URL of a live agent or "
+                                 "node daemon."),
     format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
     window: int = typer.Option(1000, min=10, max=1_000_000, help="Steps in the window the rules read."),
 ) -> None:
-    """Ranked advice for a run (finished or live), with the measured evidence and the fix."""
+    """Ranked advice for a run (finished or live), with the measured evidence and the fix.
+    Against a node daemon's URL: every job running on that node."""
     from .report.document import build
     from .report.render import FORMATS, render_document
-    from .report.sources import ReportSourceError, load
+    from .report.sources import ReportSourceError, load_jobs
 
     if format not in FORMATS:
         raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
     silenced = _check_rules(silence)
     try:
-        histories, source = load(target)
+        jobs = load_jobs(target)
     except ReportSourceError as exc:
         raise UserError(str(exc)) from None
-    document = build(histories, source=source, silence=silenced, window_steps=window)
-    if output is None:
-        if format == "text":
-            from .report.text import render_text
+    if format == "html" and len(jobs) > 1:
+        raise UserError(f"{target} serves {len(jobs)} jobs and an html report shows one: pass one job's URL "
+                        f"({'; '.join(source.split(', ')[0] for _, source in jobs)})")
+    documents = [build(histories, source=source, silence=silenced, window_steps=window) for histories, source in jobs]
+    if output is None and format == "text":
+        from .report.text import render_text
 
+        for index, document in enumerate(documents, start=1):
+            if len(documents) > 1:
+                console.rule(f"job {index} of {len(documents)}: {document['source']}", style="bold")
             render_text(document, console)
-        else:
-            sys.stdout.write(render_document(document, format) + "\n")
         return
-    text = render_document(document, format)
+    if len(documents) == 1:
+        text = render_document(documents[0], format)
+    elif format == "json":
+        text = render_document({"jobs": documents}, "json")  # type: ignore[arg-type]
+    else:
+        text = "\n\n".join(render_document(document, format) for document in documents)
+    if output is None:
+        sys.stdout.write(text + "\n")
+        return
     try:
         output.write_text(text + ("\n" if not text.endswith("\n") else ""), encoding="utf-8")
     except OSError as exc:
@@ -192,6 +205,48 @@ def run(
         exec_script(target, list(ctx.args), module=module, env_overrides=overrides)
     except LaunchError as exc:
         raise UserError(str(exc)) from None
+
+
+@app.command()
+def daemon(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface, for Prometheus "
+                             "on another machine)."),
+    port: int = typer.Option(9476, min=1, max=65535, help="Port to listen on."),
+    registry_dir: Optional[Path] = typer.Option(None, help="Where agents announce themselves (default: "
+                                                "TUNEUP_REGISTRY_DIR, else this user's runtime directory)."),
+    gpu: bool = typer.Option(True, "--gpu/--no-gpu", help="Export the node's GPUs (NVML) too."),
+) -> None:
+    """The node daemon: one Prometheus endpoint for every tuneup job on this node, plus the
+    node's GPUs; `tuneup report`/`watch` against its URL cover every running job."""
+    import errno
+    import logging
+    import signal
+    import threading
+
+    from .export import registry
+    from .export.daemon import NodeDaemon
+
+    logging.basicConfig(level=logging.INFO, format="tuneup daemon: %(message)s")
+    folder = registry_dir or registry.directory()
+    node = NodeDaemon(folder, nvml_module=os.environ.get("TUNEUP_NVML_MODULE", "pynvml"), gpu=gpu)
+    try:
+        url = node.start(host, port)
+    except OSError as exc:
+        node.stop()
+        reason = "is in use (another tuneup daemon?)" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror or exc})"
+        raise UserError(f"port {port} on {host} {reason}: choose another with --port") from None
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    console.print(f"tuneup daemon: serving every tuneup job on this node at {url}/metrics "
+                  f"(agents announce themselves in {folder}; {len(node.agents())} running now)", highlight=False)
+    console.print(f"  tuneup report {url}    tuneup watch {url}", highlight=False)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        node.stop()
+        console.print("tuneup daemon: stopped", highlight=False)
 
 
 @app.command()

@@ -94,6 +94,31 @@ def _port(value: Any) -> int | None:
     return _int_in(0, 65535)(value)
 
 
+def _gateway(value: Any) -> str | None:
+    """A Pushgateway address: http(s)://host:port, or host:port (http)."""
+    from urllib.parse import urlparse
+
+    text = str(value).strip() if value is not None else ""
+    if not text:
+        return None
+    url = text if "://" in text else f"http://{text}"
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError("expected a Pushgateway address like http://pushgateway:9091 or pushgateway:9091")
+    try:
+        parsed.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError("expected a Pushgateway address like http://pushgateway:9091 or pushgateway:9091") from None
+    return url.rstrip("/")
+
+
+def _job_name(value: Any) -> str:
+    text = str(value).strip()
+    if not text or "/" in text:
+        raise ValueError("expected a Prometheus job name without '/'")
+    return text
+
+
 def _rule_ids(value: Any) -> tuple[str, ...]:
     """Rule ids to silence: a comma-separated string or an iterable of ids."""
     from .diagnose.engine import unknown_rules
@@ -137,6 +162,9 @@ class Options:
     serve: bool = True
     host: str = "127.0.0.1"
     port: int | None = None  # None: DEFAULT_PORT + the local rank; 0: any free port
+    push_gateway: str | None = None  # a Prometheus Pushgateway to push the metrics to (short jobs)
+    push_interval: float = 15.0
+    push_job: str = "tuneup"
     silence: tuple[str, ...] = ()
     actions: tuple[str, ...] | None = None  # None: every action (apply mode only)
 
@@ -160,6 +188,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "serve": ("TUNEUP_SERVE", _bool),
     "host": ("TUNEUP_HOST", _text),
     "port": ("TUNEUP_PORT", _port),
+    "push_gateway": ("TUNEUP_PUSH_GATEWAY", _gateway),
+    "push_interval": ("TUNEUP_PUSH_INTERVAL", _float_in(1.0, 3600.0)),
+    "push_job": ("TUNEUP_PUSH_JOB", _job_name),
     "silence": ("TUNEUP_SILENCE", _rule_ids),
     "actions": ("TUNEUP_ACTIONS", parse_actions),
 }

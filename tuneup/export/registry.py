@@ -1,8 +1,11 @@
 """Where the live agents on this machine announce themselves (for `tuneup watch` without a
 URL, `tuneup report` on a live job, and the node daemon).
 
-One small JSON file per agent process in a per-user directory; an entry whose process has
-exited is ignored (and removed) by readers, so a job killed with SIGKILL leaves no ghost.
+One small JSON file per agent process in a per-user directory (TUNEUP_REGISTRY_DIR to
+share one node-wide, as the node daemon's deployments do). An entry whose process has exited
+is ignored (and removed) by readers, so a job killed with SIGKILL leaves no ghost. A reader in
+another PID namespace (a container beside the job's) cannot see the process: there the
+entry's heartbeat decides, which the agent refreshes every HEARTBEAT seconds.
 """
 
 from __future__ import annotations
@@ -10,10 +13,22 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+HEARTBEAT = 10.0  # seconds between the agent's refreshes of its entry
+STALE = 3 * HEARTBEAT  # an entry from another PID namespace not refreshed for this long is dead
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace (Linux), so readers know whether its pid means anything to them."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def directory() -> Path:
@@ -30,6 +45,7 @@ def announce(entry: dict[str, Any]) -> Path | None:
     writable (the agent then simply is not discoverable)."""
     folder = directory()
     path = folder / f"{os.getpid()}.json"
+    entry = dict(entry, pid_namespace=pid_namespace())
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         temporary = path.with_suffix(".tmp")
@@ -38,6 +54,15 @@ def announce(entry: dict[str, Any]) -> Path | None:
     except OSError:
         return None
     return path
+
+
+def heartbeat(path: Path | None) -> None:
+    """Refresh the entry's modification time (readers in other PID namespaces go by it)."""
+    if path is not None:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
 
 
 def withdraw(path: Path | None) -> None:
@@ -59,17 +84,24 @@ def _alive(pid: int, started: float | None) -> bool:
         return False
 
 
-def live_agents() -> list[dict[str, Any]]:
+def live_agents(folder: Path | None = None) -> list[dict[str, Any]]:
     """Entries of the agents still running, oldest first."""
     entries = []
-    folder = directory()
+    folder = directory() if folder is None else folder
+    namespace = pid_namespace()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         try:
             entry = json.loads(path.read_text())
             pid = int(entry["pid"])
+            modified = path.stat().st_mtime
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _alive(pid, entry.get("started_at")):
+        theirs = entry.get("pid_namespace")
+        if theirs is None or theirs == namespace:
+            alive = _alive(pid, entry.get("started_at"))
+        else:
+            alive = time.time() - modified < STALE
+        if alive:
             entries.append(entry)
         else:
             withdraw(path)

@@ -36,47 +36,35 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _json(start_response: Callable, payload: Any, status: str = "200 OK") -> Iterable[bytes]:
+def json_response(start_response: Callable, payload: Any, status: str = "200 OK") -> Iterable[bytes]:
     body = json.dumps(payload, default=str, allow_nan=False).encode()
     start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]
 
 
-class AgentServer:
-    """Serves one agent; `url` is where it listens once started."""
+def text_response(start_response: Callable, text: str, status: str = "200 OK") -> Iterable[bytes]:
+    body = text.encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
 
-    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry) -> None:
-        self._run_payload = run_payload
-        self._metrics = make_wsgi_app(registry)
+
+class HttpEndpoint:
+    """A WSGI app served on a daemon thread; `url` is where it listens once started."""
+
+    def __init__(self, app: Callable[[dict[str, Any], Callable], Iterable[bytes]]) -> None:
+        self.app = app
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
-    def app(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "/")
-        if path == "/metrics":
-            return self._metrics(environ, start_response)
-        if path == "/api/run":
-            try:
-                return _json(start_response, json_safe(self._run_payload()))
-            except Exception as exc:  # never let a request take the agent down
-                return _json(start_response, {"error": f"{type(exc).__name__}: {exc}"}, "500 Internal Server Error")
-        if path == "/api/health":
-            return _json(start_response, {"ok": True})
-        if path == "/":
-            body = b"tuneup agent: /metrics (Prometheus), /api/run (tuneup report/watch), /api/health\n"
-            start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
-            return [body]
-        return _json(start_response, {"error": f"no such endpoint: {path}"}, "404 Not Found")
-
-    def start(self, host: str, port: int) -> str | None:
-        """Listen on host:port, or on a free port when that one is taken. Returns a note
-        for the user when the requested port was busy."""
+    def start(self, host: str, port: int, fallback: bool = True) -> str | None:
+        """Listen on host:port, or (with `fallback`) on a free port when that one is taken.
+        Returns a note for the user when the requested port was busy."""
         note = None
         try:
             self._server = make_server(host, port, self.app, _ThreadingServer, _QuietHandler)
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE or port == 0:
+            if not fallback or exc.errno != errno.EADDRINUSE or port == 0:
                 raise
             self._server = make_server(host, 0, self.app, _ThreadingServer, _QuietHandler)
             note = (f"port {port} on {host} is in use (another job?); serving on port "
@@ -102,6 +90,32 @@ class AgentServer:
             except OSError:
                 pass
             self._server = None
+
+
+class AgentServer(HttpEndpoint):
+    """Serves one agent."""
+
+    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry) -> None:
+        super().__init__(self.route)
+        self._run_payload = run_payload
+        self._metrics = make_wsgi_app(registry)
+
+    def route(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if path == "/metrics":
+            return self._metrics(environ, start_response)
+        if path == "/api/run":
+            try:
+                return json_response(start_response, json_safe(self._run_payload()))
+            except Exception as exc:  # never let a request take the agent down
+                return json_response(start_response, {"error": f"{type(exc).__name__}: {exc}"},
+                                     "500 Internal Server Error")
+        if path == "/api/health":
+            return json_response(start_response, {"ok": True})
+        if path == "/":
+            return text_response(start_response, "tuneup agent: /metrics (Prometheus), /api/run (tuneup report/watch), "
+                                                  "/api/health\n")
+        return json_response(start_response, {"error": f"no such endpoint: {path}"}, "404 Not Found")
 
 
 def _url_host(host: str) -> str:

@@ -10,6 +10,7 @@ its figures come from those steps alone.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from statistics import median
 from typing import Any, Mapping, Sequence
 
@@ -96,6 +97,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
     known_losses = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     synced = [value for value in columns["syncs"] if value >= 0]
     gpu = [value for value in columns["gpu_seconds"] if value >= 0]
+    data_wait = columns["data_wait_seconds"]
     # Plain sums, kept in the summary so the agent's running totals add them up.
     sums = {
         "steps": steps,
@@ -115,8 +117,11 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
     }
     for part in SPLIT:
         sums[part] = sum(columns[part][i] for i in detailed)
+    sums["detailed_data_wait_seconds"] = sum(data_wait[i] for i in detailed)
+    # The rest of each detail step (the loop's own code; the forward too when no model is timed).
+    sums["detailed_other_seconds"] = sum(
+        max(0.0, step_seconds[i] - sum(columns[part][i] for part in PARTS)) for i in detailed)
     total_time = sums["seconds"]
-    data_wait = columns["data_wait_seconds"]
     summary: dict[str, Any] = {
         "steps": steps,
         "first_step": columns["step"][0],
@@ -149,8 +154,8 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
             other = [
                 max(0.0, step_seconds[i] - sum(columns[part][i] for part in PARTS)) for i in detailed
             ]
-            summary["other_seconds"] = {"median": median(other), "mean": sum(other) / len(other)}
-            summary["other_ratio"] = _ratio(sum(other), sums["detailed_seconds"])
+            summary["other_seconds"] = {"median": median(other), "mean": sums["detailed_other_seconds"] / len(other)}
+            summary["other_ratio"] = _ratio(sums["detailed_other_seconds"], sums["detailed_seconds"])
         else:
             for part in ("forward_seconds", "other_seconds"):
                 summary[part] = None
@@ -163,24 +168,36 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
     return summary
 
 
+# Upper bounds of the step-time histogram (seconds): a 0.3 ms CPU step to a minute-long one.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class Totals:
-    """Running sums over every step since attach (constant memory), from interval summaries."""
+    """Running sums over every step since attach (constant memory), from interval summaries.
+    Only ever grow: Prometheus reads them as counters, from another thread, at any time."""
 
     ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
              "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
-             "nonfinite_losses") + SPLIT
+             "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds") + SPLIT
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
         self.last_loss: float | None = None
         self.dropped_steps = 0  # steps the ring overwrote before they were read
+        self.step_buckets = [0] * (len(STEP_BUCKETS) + 1)  # steps per bucket (not cumulative); last: +Inf
+        self.last_step_time: float | None = None  # wall-clock end of the last step added
 
-    def add(self, interval: dict[str, Any]) -> None:
+    def add(self, interval: dict[str, Any], step_seconds: Sequence[float] = (), last_step_time: float | None = None) -> None:
         sums = interval["sums"]
         for name in self.ADDED:
-            self.sums[name] += sums[name]
+            self.sums[name] += sums.get(name, 0)  # logs from older versions lack the newer sums
         if sums["last_loss"] is not None:
             self.last_loss = sums["last_loss"]
+        buckets = self.step_buckets
+        for value in step_seconds:
+            buckets[bisect_left(STEP_BUCKETS, value)] += 1
+        if last_step_time is not None:
+            self.last_step_time = last_step_time
 
     def summary(self) -> dict[str, Any]:
         sums = self.sums

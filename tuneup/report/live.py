@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.table import Table
 from rich.text import Text
 
 from ..export import registry
+from ..format import percent, seconds
 from ..measure.history import RunHistory
 from . import summary
 from .document import build
@@ -30,15 +34,57 @@ def choose_agent() -> str:
 
 
 def frame(url: str) -> tuple[Group, bool]:
-    """One screen of the view, and whether the job is still attached."""
+    """One screen of the view, and whether to keep refreshing (the job is still attached; for
+    a node daemon, always)."""
     payload = fetch_run(url)
+    if payload.get("daemon"):
+        return node_frame(url, payload), True
+    return job_frame(url, payload), bool(payload.get("attached"))
+
+
+def job_frame(url: str, payload: dict[str, Any]) -> Group:
     history = RunHistory.of(payload["events"], source=url)
     document = build([history], source=url)
     snapshot = document["runs"][0]["snapshot"]
     state = "live" if payload.get("attached") else "detached"
     head = Text(f"tuneup watch {url}  ({state}, {time.strftime('%H:%M:%S')})", style="bold")
     changes = [summary.changes_group(snapshot["actions"])] if snapshot.get("actions") else []
-    return Group(head, findings_group(document), *changes, summary.render(snapshot)), bool(payload.get("attached"))
+    return Group(head, findings_group(document), *changes, summary.render(snapshot))
+
+
+def node_frame(url: str, payload: dict[str, Any]) -> Group:
+    """A node daemon: its only job in full, or one line per job."""
+    base = url.rstrip("/").removesuffix("/api/run")
+    jobs = payload["jobs"]
+    answering = [job for job in jobs if isinstance(job.get("payload"), dict) and "events" in job["payload"]]
+    if len(jobs) == 1 and answering:
+        return job_frame(base + answering[0]["path"], answering[0]["payload"])
+    head = Text(f"tuneup watch {base}  (node daemon on {payload.get('host')}: {len(jobs)} jobs, "
+                f"{time.strftime('%H:%M:%S')})", style="bold")
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("job", "run id", "pid", "rank", "steps/s", "step (median)", "data stall", "top finding"):
+        table.add_column(column, justify="right" if column in ("pid", "rank", "steps/s", "step (median)",
+                                                                "data stall") else "left")
+    for job in jobs:
+        agent = job.get("agent") or {}
+        argv = [str(part) for part in agent.get("argv") or []]
+        script = " ".join([Path(argv[0]).name] + argv[1:])[:32] if argv else str(job.get("run_id"))
+        rank = "" if agent.get("rank") is None else str(agent["rank"])
+        if job not in answering:
+            table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–", "–", "–",
+                          Text(f"not answering: {job.get('error')}", style="yellow"))
+            continue
+        history = RunHistory.of(job["payload"]["events"], source=base + job["path"])
+        window = history.window(1000) or {}
+        findings = (job["payload"].get("findings") or {}).get("findings") or []
+        top = findings[0]["rule"] if findings else "none"
+        rate = window.get("steps_per_second")
+        step = (window.get("step_seconds") or {}).get("median")
+        table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–" if rate is None else f"{rate:,.1f}",
+                      seconds(step), percent(window.get("stall_ratio")), top)
+    hint = Text(f"one job in full: tuneup watch {base}/jobs/<run_id>   every job's advice: tuneup report {base}",
+                style="dim")
+    return Group(head, table, hint)
 
 
 def watch(url: str | None, console: Console, *, interval: float = 2.0, once: bool = False) -> None:

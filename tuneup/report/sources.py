@@ -25,10 +25,46 @@ def is_url(target: str) -> bool:
     return urlparse(target).scheme in ("http", "https")
 
 
+Job = tuple[list[RunHistory], str]  # a job's runs (one per rank) and where they came from
+
+
+def load_jobs(target: str) -> list[Job]:
+    """The jobs at `target`: one for a run directory, a log or an agent's URL; every running
+    job of the node for a node daemon's URL (the ranks of a torchrun job together)."""
+    if not is_url(target):
+        return [load(target)]
+    payload = fetch_run(target)
+    if not payload.get("daemon"):
+        return [([RunHistory.of(payload["events"], source=target)], target)]
+    base = target.rstrip("/").removesuffix("/api/run")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for job in payload["jobs"]:
+        if isinstance(job.get("payload"), dict) and isinstance(job["payload"].get("events"), list):
+            groups.setdefault(str(job.get("group")), []).append(job)
+    if not groups:
+        raise ReportSourceError(f"the node daemon at {base} sees no running tuneup job that answers "
+                                f"({len(payload['jobs'])} registered): start one, or check TUNEUP_REGISTRY_DIR")
+    jobs = []
+    for members in groups.values():
+        histories = [RunHistory.of(m["payload"]["events"], source=base + m["path"]) for m in members]
+        histories.sort(key=_rank_order)
+        jobs.append((histories, ", ".join(base + m["path"] for m in members)))
+    return jobs
+
+
+def _rank_order(history: RunHistory) -> tuple[bool, int]:
+    rank = (history.run or {}).get("rank")
+    return rank is None, rank or 0
+
+
 def load(target: str) -> tuple[list[RunHistory], str]:
     """The runs at `target` (one per rank) and a description of where they came from."""
     if is_url(target):
-        return [RunHistory.of(fetch_run(target)["events"], source=target)], target
+        jobs = load_jobs(target)
+        if len(jobs) > 1:
+            raise ReportSourceError(f"{target} is a node daemon serving {len(jobs)} jobs: pick one "
+                                    f"({'; '.join(source for _, source in jobs)})")
+        return jobs[0]
     try:
         files = log_files(Path(target))
         histories = []
@@ -37,12 +73,12 @@ def load(target: str) -> tuple[list[RunHistory], str]:
             histories.append(RunHistory.of(record.events, source=str(path)))
     except RunLogError as exc:
         raise ReportSourceError(str(exc)) from None
-    histories.sort(key=lambda h: ((h.run or {}).get("rank") is None, (h.run or {}).get("rank") or 0))
+    histories.sort(key=_rank_order)
     return histories, target
 
 
 def fetch_run(url: str) -> dict[str, Any]:
-    """GET <url>/api/run from a live agent."""
+    """GET <url>/api/run from a live agent (its run) or a node daemon (every job's)."""
     endpoint = url.rstrip("/")
     if not endpoint.endswith("/api/run"):
         endpoint += "/api/run"
@@ -58,6 +94,8 @@ def fetch_run(url: str) -> dict[str, Any]:
             "lists the agents on this machine") from None
     except ValueError:
         raise ReportSourceError(f"{endpoint} did not answer JSON: is this a tuneup agent's URL?") from None
+    if isinstance(payload, dict) and payload.get("daemon") and isinstance(payload.get("jobs"), list):
+        return payload  # a node daemon: every running job's
     if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
         raise ReportSourceError(f"{endpoint} did not answer a tuneup run: is this a tuneup agent's URL?")
     return payload

@@ -71,7 +71,7 @@ def render_text(document: dict[str, Any], console: Console) -> None:
 
 
 def to_markdown(document: dict[str, Any]) -> str:
-    out = [f"# tuneup report", "", f"Source: `{document['source']}`", ""]
+    out = ["# tuneup report", "", f"Source: `{document['source']}`", ""]
     findings = document["findings"]
     out += ["## Advice, ranked by estimated gain", ""]
     if not findings:
