@@ -278,3 +278,37 @@ def test_an_unreachable_pushgateway_is_one_warning_and_the_job_goes_on(run_dir):
 def test_a_bad_pushgateway_address_is_a_one_line_error(address, message):
     with pytest.raises(ValueError, match=message):
         tuneup.attach(push_gateway=address)
+
+
+def test_scrapes_closer_than_the_sampling_interval_reuse_one_rendering():
+    """The figures change once per interval: a scraper asking more often gets the same bytes
+    and the collectors run once (per exposition format asked for)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tuneup.export.server import AgentServer
+
+    calls = []
+
+    class Counting:
+        def collect(self):
+            calls.append(time.monotonic())
+            yield GaugeMetricFamily("tuneup_test_renders", "renders so far", value=len(calls))
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Counting())
+    server = AgentServer(lambda: {}, registry, fresh_for=0.5)
+    server.start("127.0.0.1", 0)
+    try:
+        first = [scrape(server.url) for _ in range(5)]
+        openmetrics = urllib.request.Request(server.url + "/metrics",
+                                             headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(openmetrics, timeout=5) as response:
+            assert response.read().decode().rstrip().endswith("# EOF")
+        time.sleep(0.6)
+        later = scrape(server.url)
+    finally:
+        server.stop()
+    assert len(set(first)) == 1 and "tuneup_test_renders 1.0" in first[0]
+    assert len(calls) == 3  # the text format once, OpenMetrics once, the text format again after 0.5 s
+    assert "tuneup_test_renders 3.0" in later

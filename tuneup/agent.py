@@ -236,7 +236,9 @@ class Agent:
         port = self.options.port
         if port is None:
             port = DEFAULT_PORT + (self.local_rank or 0)
-        server = AgentServer(self._run_payload, self.metrics)
+        # Scrapes closer together than the sampling interval would read the same totals: they
+        # get the same rendering (at most 1 s old, so the process metrics stay current).
+        server = AgentServer(self._run_payload, self.metrics, fresh_for=min(self.options.interval, 1.0))
         try:
             note = server.start(self.options.host, port)
         except Exception as exc:

@@ -32,7 +32,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from ..measure.gpu import open_gpus
+from ..measure.gpu import NoGpus, open_gpus
 from . import registry
 from .metrics import Families, gpu_families, gpu_info
 from .server import HttpEndpoint, json_response, text_response
@@ -49,8 +49,15 @@ class NodeGpus:
     one log line (the agents' own GPU series go on)."""
 
     def __init__(self, module: str, enabled: bool) -> None:
-        self.backend = open_gpus(module, enabled)
+        self.module = module
+        self.enabled = enabled
+        self.backend: Any = NoGpus("not opened yet")
         self.lock = threading.Lock()
+
+    def open(self) -> None:
+        if not self.enabled:
+            return  # --no-gpu: asked for, nothing to say
+        self.backend = open_gpus(self.module)
         if not self.backend.available:
             log.info("node GPU metrics off: %s", self.backend.reason)
 
@@ -166,6 +173,7 @@ class NodeDaemon:
 
     def start(self, host: str, port: int) -> str:
         self.endpoint.start(host, port, fallback=False)
+        self.gpus.open()
         return str(self.endpoint.url)
 
     def stop(self) -> None:

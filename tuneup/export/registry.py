@@ -42,12 +42,21 @@ def directory() -> Path:
 
 def announce(entry: dict[str, Any]) -> Path | None:
     """Write this process's entry; returns its path, or None when the directory is not
-    writable (the agent then simply is not discoverable)."""
+    writable (the agent then simply is not discoverable). Named by pid and run id: pids of
+    processes in different containers sharing the directory can be equal."""
     folder = directory()
-    path = folder / f"{os.getpid()}.json"
+    path = folder / f"{os.getpid()}-{entry.get('run_id', 'run')}.json"
     entry = dict(entry, pid_namespace=pid_namespace())
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            folder.mkdir(parents=True, mode=0o700)
+        except FileExistsError:
+            pass
+        else:
+            if os.environ.get("TUNEUP_REGISTRY_DIR"):
+                # A shared node-wide directory (the daemon's deployments create it so already):
+                # every user's jobs announce themselves there; the sticky bit keeps entries theirs.
+                os.chmod(folder, 0o1777)
         temporary = path.with_suffix(".tmp")
         temporary.write_text(json.dumps(entry, default=str))
         os.replace(temporary, path)

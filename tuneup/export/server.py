@@ -16,6 +16,7 @@ import errno
 import json
 import socketserver
 import threading
+import time
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -92,13 +93,42 @@ class HttpEndpoint:
             self._server = None
 
 
+class CachedApp:
+    """prometheus-client's WSGI app, its answers kept for `seconds` per (format, encoding)
+    asked for. The agent's figures change once per sampling interval: scrapers asking more
+    often than that (several Prometheus replicas, a `watch curl`) get the same bytes without
+    rendering them again on the training process's GIL."""
+
+    def __init__(self, app: Callable, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._kept: dict[tuple, tuple[float, str, list, bytes]] = {}
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        key = (environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", ""), environ.get("QUERY_STRING", ""))
+        with self._lock:  # one render at a time; the others wait for it and reuse it
+            now = time.monotonic()
+            kept = self._kept.get(key)
+            if kept is None or now - kept[0] >= self.seconds:
+                answer: list[Any] = []
+
+                def capture(status: str, headers: list, exc_info: Any = None) -> None:
+                    answer[:] = [status, headers]
+
+                body = b"".join(self.app(environ, capture))
+                kept = self._kept[key] = (now, answer[0], answer[1], body)
+        start_response(kept[1], kept[2])
+        return [kept[3]]
+
+
 class AgentServer(HttpEndpoint):
     """Serves one agent."""
 
-    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry) -> None:
+    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry, fresh_for: float = 0.0) -> None:
         super().__init__(self.route)
         self._run_payload = run_payload
-        self._metrics = make_wsgi_app(registry)
+        self._metrics = CachedApp(make_wsgi_app(registry), fresh_for) if fresh_for > 0 else make_wsgi_app(registry)
 
     def route(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")

@@ -1,0 +1,205 @@
+"""A real Prometheus (the Debian package) on loopback scrapes real training jobs, directly and
+through the node daemon; then every expression of every dashboard panel and variable, and
+every alert rule, is evaluated through Prometheus' HTTP API and must return data.
+
+The jobs are made to show what each panel and alert is for: rank 0 and rank 1 of one job
+(rank 1 straggles and stalls on its loader; rank 0 skips GradScaler steps, has an idle GPU and
+runs apply mode), and a second job that stops stepping (hung). NVML is the fake one (no GPU
+here); the CUDA allocator figures come from the same function the agent reads, answering as
+a CUDA job's would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import yaml
+
+from tests.conftest import PROGRAMS, ROOT
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="prometheus (Debian package) not installed; .ci/run installs it")
+
+RATE_INTERVAL = "20s"
+ALERTS = ROOT / "agents" / "prometheus" / "tuneup-alerts.yml"
+# An alert whose condition takes real time to become true is evaluated with that time shortened:
+# (alert, pattern, replacement).
+SHORTENED = {"TuneupTrainingHung": (r">\s*600\b", "> 5")}
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("tuneup_dashboards", ROOT / "dashboards" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for probe in sockets:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in sockets]
+    finally:
+        for probe in sockets:
+            probe.close()
+
+
+def get_json(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def query(base, expr):
+    payload = get_json(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
+    assert payload["status"] == "success", payload
+    return payload["data"]["result"]
+
+
+def substitute(expr):
+    """Grafana's variables as the dashboards' "All": every job, instance and rank."""
+    for name in ("job", "instance", "rank"):
+        expr = expr.replace(f"${name}", ".*")
+    return expr.replace("$__rate_interval", RATE_INTERVAL)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prometheus")
+    registry_dir = folder / "agents"
+    rank0, rank1, hung, daemon_port, prometheus_port = free_ports(5)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                    TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_REGISTRY_DIR=str(registry_dir),
+                    TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5")
+    ddp = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "it"}
+    jobs = {
+        "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_PORT": str(rank0), "TUNEUP_MODE": "apply",
+                   "TUNEUP_ACTIONS": "dataloader", "FAKE_NVML_UTILIZATION": "3"},
+                  ["--delay", "0.0005", "--skip-every", "4", "--fake-allocator"]),
+        "rank1": ({**ddp, "RANK": "1", "LOCAL_RANK": "1", "TUNEUP_PORT": str(rank1)},
+                  ["--delay", "0.006", "--workers", "2", "--compute", "0.02"]),
+        "hung": ({"TUNEUP_PORT": str(hung)}, ["--steps", "40", "--hang"]),
+    }
+    processes = []
+    for name, (env, args) in jobs.items():
+        process = subprocess.Popen([sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "600", *args],
+                                   env={**base_env, **env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True)
+        processes.append(process)
+        assert process.stdout.readline(), f"{name} did not start"
+    processes.append(subprocess.Popen([sys.executable, "-m", "tuneup", "daemon", "--port", str(daemon_port),
+                                       "--registry-dir", str(registry_dir)], env=base_env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ALERTS)],
+        "scrape_configs": [
+            {"job_name": "tuneup", "static_configs": [{"targets": [f"127.0.0.1:{rank0}", f"127.0.0.1:{rank1}"]}]},
+            {"job_name": "tuneup-hung", "static_configs": [{"targets": [f"127.0.0.1:{hung}"]}]},
+            {"job_name": "tuneup-node", "static_configs": [{"targets": [f"127.0.0.1:{daemon_port}"]}]},
+        ],
+    }
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    server = subprocess.Popen(["prometheus", f"--config.file={folder / 'prometheus.yml'}",
+                               f"--storage.tsdb.path={folder / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
+    processes.append(server)
+    base = f"http://127.0.0.1:{prometheus_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                targets = get_json(f"{base}/api/v1/targets")["data"]["activeTargets"]
+                if len(targets) == 4 and all(t["health"] == "up" for t in targets):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "Prometheus did not scrape every target"
+            assert server.poll() is None, "Prometheus exited"
+            time.sleep(0.5)
+        time.sleep(25)  # enough samples for every 20 s rate window, and past the hung job's last step
+        yield base
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait(20)
+
+
+def test_prometheus_scraped_every_job_directly_and_through_the_daemon(prometheus):
+    direct = query(prometheus, 'tuneup_step_seconds_count{job=~"tuneup|tuneup-hung"}')
+    assert sorted(s["metric"]["rank"] for s in direct) == ["0", "0", "1"]
+    through = query(prometheus, 'tuneup_step_seconds_count{job="tuneup-node"}')
+    assert len(through) == 3 and len({s["metric"]["run_id"] for s in through}) == 3
+    assert query(prometheus, 'tuneup_daemon_agents{job="tuneup-node"}')[0]["value"][1] == "3"
+
+
+def dashboard_expressions():
+    generator = load_generator()
+    return [pytest.param(expr, id=f"{uid}: {title}") for uid, title, expr in generator.expressions()]
+
+
+@pytest.mark.parametrize("expr", dashboard_expressions())
+def test_every_dashboard_panel_returns_data(prometheus, expr):
+    assert query(prometheus, substitute(expr)), f"no data for:\n{substitute(expr)}"
+
+
+def variable_queries():
+    generator = load_generator()
+    return [pytest.param(q, id=f"{uid}: ${name}") for uid, name, q in generator.variable_queries()]
+
+
+@pytest.mark.parametrize("variable", variable_queries())
+def test_every_dashboard_variable_has_values(prometheus, variable):
+    """Grafana's label_values(selector, label): the series' values of that label."""
+    match = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\)\s*", variable, re.S)
+    if match:
+        selector, label = match.groups()
+        result = query(prometheus, f"count by ({label}) ({substitute(selector)})")
+        assert [s for s in result if s["metric"].get(label)], f"no values of {label} in {selector}"
+    else:
+        assert query(prometheus, substitute(variable))
+
+
+def alert_rules():
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [pytest.param(rule["alert"], rule["expr"], id=rule["alert"]) for group in groups for rule in group["rules"]
+            if "alert" in rule]
+
+
+@pytest.mark.parametrize("name, expr", alert_rules())
+def test_every_alert_condition_is_met_by_the_job_made_to_meet_it(prometheus, name, expr):
+    if name in SHORTENED:
+        pattern, replacement = SHORTENED[name]
+        assert re.search(pattern, expr), f"{name}'s threshold changed: update SHORTENED"
+        expr = re.sub(pattern, replacement, expr)
+    firing = query(prometheus, expr)
+    assert firing, f"{name}: no series meets\n{expr}"
+    # The rank made to meet it (rank 0's own loader stalls too until apply mode has fixed it).
+    expected = {"TuneupDataStallHigh": {"1"}, "TuneupGradScalerSkipRateHigh": {"0"}, "TuneupGpuIdle": {"0"},
+                "TuneupRankStraggler": {"1"}}
+    if name in expected:
+        ranks = {s["metric"]["rank"] for s in firing if s["metric"].get("job") == "tuneup"}
+        assert ranks == expected[name] or (name == "TuneupDataStallHigh" and ranks == {"0", "1"}), ranks
+    if name == "TuneupTrainingHung":
+        assert {s["metric"]["job"] for s in firing if s["metric"]["job"] != "tuneup-node"} == {"tuneup-hung"}
+
+
+def test_prometheus_loads_the_alert_rules(prometheus):
+    rules = get_json(f"{prometheus}/api/v1/rules")["data"]["groups"]
+    loaded = {rule["name"]: rule for group in rules for rule in group["rules"]}
+    assert set(loaded) == {name for name, _ in (p.values for p in alert_rules())}
+    assert all(rule["health"] == "ok" for rule in loaded.values())
