@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,14 @@ import tuneup  # noqa: E402
 from tuneup.export.daemon import NodeDaemon  # noqa: E402
 
 SCRAPER = r"""
-import json, sys, time, urllib.request
+import json, signal, sys, time, urllib.request
+
+
+def stop(*_):  # the benchmark's run is over (SIGTERM: SIGINT may be ignored in background jobs)
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGTERM, stop)
 url, period, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 latencies, size = [], 0
 print("ready", flush=True)
@@ -55,7 +61,7 @@ try:
             pass
         if period:
             time.sleep(max(0.0, period - (time.perf_counter() - began)))
-except KeyboardInterrupt:  # the benchmark's run is over
+except KeyboardInterrupt:
     pass
 print(json.dumps({"latencies": latencies, "size": size}))
 """
@@ -104,7 +110,7 @@ def run(mode: str, steps: int, url_of=lambda agent: agent.server.url + "/metrics
             times = loop(steps)
             scrapes = {}
             if scraper is not None:
-                scraper.send_signal(signal.SIGINT)
+                scraper.terminate()
                 out, _ = scraper.communicate()
                 scrapes = json.loads(out.strip().splitlines()[-1])
         finally:
@@ -116,9 +122,9 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[round(q * (len(ordered) - 1))]
 
 
-def run_scraper_until_done(url: str, count: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRAPER, url, "0.2", str(count * 0.2)], capture_output=True,
-                         text=True).stdout
+def run_scraper_until_done(url: str, count: int, period: float = 0.2) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRAPER, url, str(period), str(count * period)],
+                         capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -151,6 +157,30 @@ def main() -> None:
         size = f"{runs[-1].get('size', 0) / 1024:.1f} KiB" if ordered else "–"
         print(f"{mode:<22} {1e3 * mean:>8.3f}ms {mean / base_mean:>7.3f} {1e3 * p99:>8.3f}ms "
               f"{p99 / base_p99:>7.3f} {per_run:>12.0f} {p50:>11} {p90:>11}", f"{size:>8}")
+
+    # What one scrape costs the training process itself: its CPU time while scraped, less its
+    # CPU time over as long a stretch unscraped (the background sampling), per scrape, for
+    # scrapes 1.05 s apart (each renders afresh) and 0.1 s apart (most are answered from the
+    # rendering kept for the sampling interval). On this 2-core box the steps above also pay
+    # for the scraper process competing for the cores torch's two threads use.
+    print()
+    with tempfile.TemporaryDirectory() as folder:
+        agent = tuneup.attach(run_dir=folder, port=0, log=False)
+        try:
+            loop(300)
+            for label, count, period in (("fresh renders", 10, 1.05), ("within an interval", 50, 0.1)):
+                time.sleep(1.2)
+                before = time.process_time()
+                time.sleep(count * period)
+                idle = time.process_time() - before
+                before = time.process_time()
+                began = time.monotonic()
+                scraped = run_scraper_until_done(agent.server.url + "/metrics", count, period=period)
+                spent = (time.process_time() - before) - idle * (time.monotonic() - began) / (count * period)
+                print(f"CPU of the training process per scrape, {label:<18}: "
+                      f"{1e3 * spent / len(scraped['latencies']):.2f} ms ({len(scraped['latencies'])} scrapes)")
+        finally:
+            agent.detach()
 
     # The node daemon reading the same busy agent: its scrape = the agent's + parsing + merging.
     with tempfile.TemporaryDirectory() as folder:

@@ -225,3 +225,49 @@ def test_a_shared_registry_directory_is_created_open_to_every_user(tmp_path, mon
     assert path == shared / f"{os.getpid()}-abc.json"
     assert (shared.stat().st_mode & 0o7777) == 0o1777
     registry.withdraw(path)
+
+
+def test_the_daemon_exports_every_gpu_whatever_its_own_cuda_visible_devices(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    node = NodeDaemon(tmp_path / "agents", nvml_module="tests.fake_nvml")
+    url = node.start("127.0.0.1", 0)
+    try:
+        text = get(url + "/metrics")
+    finally:
+        node.stop()
+    assert sorted(s.labels["gpu"] for s in samples(text, "tuneup_node_gpu_memory_total_bytes")) == ["0", "1"]
+    assert {s.labels["uuid"] for s in samples(text, "tuneup_node_gpu_info")} == {"GPU-fake-0000", "GPU-fake-0001"}
+
+
+def stepping(url):
+    text = get(url + "/metrics")
+    return text if samples(text, "tuneup_step_seconds_count") else None
+
+
+def test_ranks_on_one_node_listen_on_a_port_each(tmp_path):
+    """No TUNEUP_PORT: the port is 9477 + the local rank (another free one where that is busy)."""
+    folder = tmp_path / "agents"
+    processes = []
+    try:
+        urls = []
+        for rank in (0, 1):
+            env = environment(folder, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT="29600")
+            del env["TUNEUP_PORT"]
+            process = subprocess.Popen([sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "60"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            processes.append(process)
+            urls.append(json.loads(process.stdout.readline())["url"])
+        assert len(set(urls)) == 2
+        for rank, url in enumerate(urls):
+            with socket.socket() as probe:
+                busy = probe.connect_ex(("127.0.0.1", 9477 + rank)) == 0
+            assert url.endswith(f":{9477 + rank}") or busy
+            text = wait_for(lambda: stepping(url))
+            assert samples(text, "tuneup_step_seconds_count")[0].labels == {"rank": str(rank), "local_rank": str(rank)}
+        # The daemon groups the two ranks as one job (same torchrun rendezvous).
+        groups = {entry["group"] for entry in registry.live_agents(folder)}
+        assert len(groups) == 1
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait(10)

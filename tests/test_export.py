@@ -312,3 +312,15 @@ def test_scrapes_closer_than_the_sampling_interval_reuse_one_rendering():
     assert len(set(first)) == 1 and "tuneup_test_renders 1.0" in first[0]
     assert len(calls) == 3  # the text format once, OpenMetrics once, the text format again after 0.5 s
     assert "tuneup_test_renders 3.0" in later
+
+
+def test_however_hard_it_is_polled_the_agent_answers_at_most_twenty_times_a_second(run_dir):
+    from tuneup.export.server import ANSWER_GAP
+
+    with tuneup.attach(run_dir=run_dir, interval=0.1) as agent:
+        train(10)
+        began = time.monotonic()
+        for _ in range(21):
+            scrape(agent.server.url)
+        took = time.monotonic() - began
+    assert ANSWER_GAP == 0.05 and took >= 20 * ANSWER_GAP * 0.95

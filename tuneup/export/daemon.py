@@ -57,7 +57,7 @@ class NodeGpus:
     def open(self) -> None:
         if not self.enabled:
             return  # --no-gpu: asked for, nothing to say
-        self.backend = open_gpus(self.module)
+        self.backend = open_gpus(self.module, every_device=True)
         if not self.backend.available:
             log.info("node GPU metrics off: %s", self.backend.reason)
 

@@ -122,11 +122,35 @@ class CachedApp:
         return [kept[3]]
 
 
+class Throttled:
+    """Answers at most one request per `gap` seconds, the others wait their turn (asleep,
+    without the GIL). An agent lives in the training process: however hard something polls
+    it, the loop keeps the interpreter (20 answers a second is far beyond what Prometheus or
+    `tuneup watch` ask for)."""
+
+    def __init__(self, app: Callable, gap: float) -> None:
+        self.app = app
+        self.gap = gap
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        with self._lock:
+            wait = self._last + self.gap - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            self._last = time.monotonic()
+        return self.app(environ, start_response)
+
+
+ANSWER_GAP = 0.05
+
+
 class AgentServer(HttpEndpoint):
     """Serves one agent."""
 
     def __init__(self, run_payload: RunPayload, registry: CollectorRegistry, fresh_for: float = 0.0) -> None:
-        super().__init__(self.route)
+        super().__init__(Throttled(self.route, ANSWER_GAP))
         self._run_payload = run_payload
         self._metrics = CachedApp(make_wsgi_app(registry), fresh_for) if fresh_for > 0 else make_wsgi_app(registry)
 

@@ -47,7 +47,7 @@ class NvmlGpus:
     available = True
     reason = None
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, every_device: bool = False) -> None:
         self.nvml = nvml
         self.pid = os.getpid()
         # Renamed in newer NVML; the old name remains as an alias in older bindings.
@@ -57,7 +57,8 @@ class NvmlGpus:
         self._unsupported: set[tuple[int, str]] = set()
         self.handles: list[tuple[int, Any]] = []
         self.devices: list[dict[str, Any]] = []
-        for index in self._visible_indices():
+        indices = list(range(nvml.nvmlDeviceGetCount())) if every_device else self._visible_indices()
+        for index in indices:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             self.handles.append((index, handle))
             self.devices.append(
@@ -165,8 +166,9 @@ def _reasons(mask: int | None) -> list[str] | None:
     return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
 
 
-def open_gpus(module_name: str = "pynvml", enabled: bool = True) -> NvmlGpus | NoGpus:
-    """The GPU backend for this process; never raises."""
+def open_gpus(module_name: str = "pynvml", enabled: bool = True, every_device: bool = False) -> NvmlGpus | NoGpus:
+    """The GPU backend for this process (the GPUs CUDA_VISIBLE_DEVICES leaves it, or with
+    `every_device` all of the machine's: the node daemon's view); never raises."""
     if not enabled:
         return NoGpus("GPU sampling turned off (TUNEUP_GPU=0)")
     try:
@@ -178,7 +180,7 @@ def open_gpus(module_name: str = "pynvml", enabled: bool = True) -> NvmlGpus | N
     except Exception as exc:
         return NoGpus(f"no NVIDIA driver: NVML did not start ({_describe(exc)})")
     try:
-        gpus = NvmlGpus(nvml)
+        gpus = NvmlGpus(nvml, every_device)
     except Exception as exc:
         try:
             nvml.nvmlShutdown()
