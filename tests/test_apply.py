@@ -394,8 +394,9 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
     assert [e["decision"] for e in logged] == ["trying", "kept", "kept"]  # tried, kept, undone at detach
     assert logged[-1]["undone"]["reason"] == "detach" and logged[1]["speedup"] == kept["speedup"]
     families = {f.name: f for f in text_string_to_metric_families(scraped["text"])}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in families.values() for s in f.samples}
+    rank = {"rank": "0", "local_rank": "0"}  # every tuneup_ series carries the job's rank
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in rank))): s.value
+               for f in families.values() for s in f.samples if all(s.labels.get(k) == v for k, v in rank.items())}
     assert samples[("tuneup_apply_decisions_total", (("action", "dataloader"), ("decision", "kept")))] == 1
     assert samples[("tuneup_apply_changes_in_effect", (("action", "dataloader"),))] >= 1
     assert samples[("tuneup_apply_speedup_ratio", (("action", "dataloader"),))] == pytest.approx(kept["speedup"])
