@@ -50,12 +50,15 @@ from .measure.loader import LoaderProbe
 from .measure.memory import allocator_stats
 from .measure.model import ModelProbe
 from .measure.optimizer import OptimizerProbe
+from .measure.ranks import RankExchange, compact
 from .measure.scaler import ScalerProbe
 from .measure.steps import StepTimeline
 from .measure.syncs import SyncCounter
 from .measure.windows import SPIKE_HISTORY, Totals, summarize
 from .options import DEFAULT_PORT, Options, TuneupWarning, default_run_dir
 
+RANKS_WAIT = 2.0  # seconds detach waits for one store operation
+RANKS_FINAL_WAIT = 5.0  # seconds rank 0 waits for every rank's final summary
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
 CONFIG_EVERY_TICKS = 10
 FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
@@ -184,6 +187,8 @@ class Agent:
             allowed = self.options.actions if self.options.actions is not None else tuple(ACTIONS)
             self.runner = Experimenter(self.job, [ACTIONS[name]() for name in ACTIONS if name in allowed],
                                        self._warn_once)
+        self.ranks = RankExchange(self._warn_once)  # the other ranks' summaries, through the job's store
+        self._ranks_finished = False
         self.metrics = agent_registry(self, self._warn_once)  # read at scrape time (endpoint, push gateway)
 
     def start(self) -> "Agent":
@@ -199,6 +204,11 @@ class Agent:
                 probe.install(self._patches)
             if self.runner is not None:
                 self.runner.install(self._patches)
+            if torch.distributed.is_available():
+                from torch.distributed import distributed_c10d
+
+                for owner in (torch.distributed, distributed_c10d):
+                    self._patches.replace(owner, "destroy_process_group", self._before_destroy)
             try:
                 self.host = HostProbe()
             except Exception as exc:
@@ -421,14 +431,21 @@ class Agent:
                 for record in runner.drain():
                     self._log({"event": "action", **record})
 
-    def _diagnose(self) -> None:
-        """Run the rules over the history (off the training thread); log what changed."""
+    def _diagnose(self, final: bool = False) -> None:
+        """Run the rules over the history (off the training thread); log what changed. In a
+        distributed job, publish this rank's summary for the others; rank 0 reads theirs, so
+        its rules see every rank (the straggler rule)."""
+        ranks = self.ranks
         try:
-            self._evaluation = evaluate(self.history.snapshot(self.options.window_steps),
-                                        silence=self.options.silence)
+            snapshot = self.history.snapshot(self.options.window_steps)
+            peers = ranks.peer_snapshots() if ranks.rank == 0 else []
+            self._evaluation = evaluate(snapshot, ranks=peers, silence=self.options.silence)
         except Exception as exc:
             self._warn_once("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
             return
+        if not final and ranks.connect():
+            ranks.publish(compact(snapshot, [f.to_dict() for f in self._evaluation.findings], final=False))
+            ranks.gather()  # rank 0 only; read at the next evaluation
         if self.runner is not None:
             self.job.findings = {f.rule: f.to_dict() for f in self._evaluation.findings}
         current = tuple((f.rule, f.severity) for f in self._evaluation.findings)
@@ -436,6 +453,50 @@ class Agent:
             self._findings_logged = current
             self._log({"event": "findings", "time": time.time(),
                        "findings": [f.to_dict() for f in self._evaluation.findings]})
+
+    def _finish_ranks(self) -> None:
+        """The end of a distributed run: publish this rank's final summary; rank 0 waits a few
+        seconds for the others' (no collective: the store), evaluates the rules across every
+        rank once more, logs the ranks and prints the summary across ranks."""
+        ranks = self.ranks
+        if self._ranks_finished or not ranks.active:
+            return
+        self._ranks_finished = True
+        snapshot = self.history.snapshot(self.options.window_steps)
+        store_up = ranks.group_alive()  # the job may have destroyed its process group already
+        if store_up:
+            ranks.publish(compact(snapshot, self.findings(), final=True), wait=RANKS_WAIT)
+        if ranks.rank != 0:
+            return
+        if store_up:
+            ranks.gather(wait=RANKS_WAIT + RANKS_FINAL_WAIT, final_within=RANKS_FINAL_WAIT)
+        self._diagnose(final=True)
+        own = compact(snapshot, self.findings(), final=True)
+        everyone = [own] + ranks.peer_snapshots()
+        self._log({"event": "ranks", "time": time.time(), "world_size": ranks.world_size, "ranks": everyone,
+                   "findings": [f.to_dict() for f in self._evaluation.findings if f.rule == "rank-straggler"]})
+        from .report.ranks import rank_summary
+
+        run_dir = str(self.run_dir) if self.run_log is not None else None
+        sys.stderr.write(rank_summary(everyone, ranks.world_size, self.findings(), run_dir) + "\n")
+
+    def _before_destroy(self, original: Any) -> Any:
+        """torch.distributed.destroy_process_group takes the store with it: exchange the final
+        summaries first (the default group only)."""
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            if not args and kwargs.get("group") is None and self.attached:
+                try:
+                    if self._lock.acquire(timeout=LOCK_TIMEOUT):
+                        try:
+                            self._drain(final=False)
+                            self._finish_ranks()
+                        finally:
+                            self._lock.release()
+                except Exception as exc:
+                    self._warn_once("ranks", f"the final cross-rank summary failed: {type(exc).__name__}: {exc}")
+            return original(*args, **kwargs)
+
+        return destroy_process_group
 
     def _log_warnings(self) -> None:
         while self._warnings_logged < len(self.warnings):
@@ -716,6 +777,7 @@ class Agent:
         try:
             self.values.poll()
             self._tick(final=True)
+            self._finish_ranks()
             self._log({"event": "end", "time": time.time(), "totals": self._totals_summary(),
                        "syncs": self.syncs.summary(), "scaler": self.scaler.summary(),
                        "habits": self._habits(), "warnings": self.warnings})

@@ -228,7 +228,19 @@ def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) ->
 
 
 def default_run_dir(rank: int | None) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    """./tuneup-runs/<time>-<host>-<pid>; under torchrun, the ranks of a node share one
+    directory (named after the torchrun agent that started them: its start time and pid), so
+    `tuneup report` on it reads every local rank's log."""
     host = socket.gethostname().split(".")[0] or "host"
+    if rank is not None and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        try:
+            import psutil
+
+            parent = psutil.Process(os.getppid())
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(parent.create_time()))
+            return Path("tuneup-runs") / f"{stamp}-{host}-torchrun{parent.pid}"
+        except Exception:
+            pass
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     suffix = f"-rank{rank}" if rank is not None else ""
     return Path("tuneup-runs") / f"{stamp}-{host}-{os.getpid()}{suffix}"

@@ -1,0 +1,110 @@
+"""torchrun: two real processes (gloo on CPU) under `-m tuneup run`: rank labels on both
+endpoints, the straggler found live on rank 0 and named in its end-of-run summary, the ranks
+sharing one run directory, and a rank dying without anything hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import PROGRAMS, ROOT
+from tuneup.export import registry
+
+JOB = str(PROGRAMS / "ddp_job.py")
+
+
+def torchrun(tmp_path, *args, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    full.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                TUNEUP_REGISTRY_DIR=str(tmp_path / "agents"), TUNEUP_INTERVAL="0.2", TUNEUP_RUN_DIR=str(tmp_path / "run"))
+    full.update(env)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "tuneup", "run", JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=full, cwd=tmp_path)
+
+
+def samples(url, name):
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def both_ranks(folder):
+    found = registry.live_agents(folder)
+    return found if len(found) == 2 else None
+
+
+def test_a_straggling_rank_is_found_live_and_named_at_the_end(tmp_path):
+    job = torchrun(tmp_path, "--steps", "1500", "--slow-rank", "1", "--delay", "0.01")
+    try:
+        agents = wait_for(lambda: both_ranks(tmp_path / "agents"))
+        urls = {entry["rank"]: entry["url"] for entry in agents}
+        assert set(urls) == {0, 1} and len(set(urls.values())) == 2  # a port per local rank
+        for rank, url in urls.items():
+            counted = wait_for(lambda url=url: samples(url, "tuneup_step_seconds_count"))
+            assert counted[0].labels["rank"] == str(rank) and counted[0].labels["local_rank"] == str(rank)
+        # Rank 0 reads the other ranks' summaries from the job's store (no collective) and
+        # finds the straggler while the job runs.
+        live = wait_for(lambda: [s for s in samples(urls[0], "tuneup_finding_active")
+                                 if s.labels["rule"] == "rank-straggler"])
+        assert live[0].labels["rank"] == "0"
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-2000:]
+    assert "tuneup: summary across 2 ranks" in err and "straggler: rank 1 spends" in err
+    assert err.count("tuneup: summary across") == 1  # rank 0 only
+    # One run directory for the node's ranks: each rank's log, and rank 0's summary of all.
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("events-rank*.jsonl")) == ["events-rank0.jsonl", "events-rank1.jsonl"]
+    events = [json.loads(line) for line in (run / "events-rank0.jsonl").read_text().splitlines()]
+    ranks = [e for e in events if e["event"] == "ranks"]
+    assert len(ranks) == 1 and sorted(r["run"]["rank"] for r in ranks[0]["ranks"]) == [0, 1]
+    assert ranks[0]["findings"][0]["evidence"]["rank"] == 1
+    report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run), "--format", "json"],
+                            capture_output=True, text=True, timeout=60)
+    straggler = next(f for f in json.loads(report.stdout)["findings"] if f["rule"] == "rank-straggler")
+    assert straggler["evidence"]["rank"] == 1
+
+
+def test_ranks_at_the_same_pace_have_no_straggler(tmp_path):
+    job = torchrun(tmp_path, "--steps", "300")
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-2000:]
+    assert "tuneup: summary across 2 ranks" in err and "no straggler" in err
+
+
+def test_a_rank_that_dies_ends_the_job_without_a_hang(tmp_path):
+    began = time.monotonic()
+    job = torchrun(tmp_path, "--steps", "100000", "--die-rank", "1", "--die-after", "3")
+    try:
+        out, err = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("the job hung after a rank died")
+    assert job.returncode != 0
+    assert time.monotonic() - began < 120
+    # Rank 0's agent was measuring up to the end: its log has steps.
+    events = [json.loads(line) for line in (tmp_path / "run" / "events-rank0.jsonl").read_text().splitlines()
+              if line.strip()]
+    assert any(e["event"] == "steps" for e in events)
