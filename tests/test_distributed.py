@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,10 +15,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PROGRAMS, ROOT
+from tests.conftest import ROOT
 from tuneup.export import registry
 
-JOB = str(PROGRAMS / "ddp_job.py")
+JOB = str(ROOT / "examples" / "torchrun_ddp.py")
 
 
 def torchrun(tmp_path, *args, **env):
@@ -96,8 +97,12 @@ def test_ranks_at_the_same_pace_have_no_straggler(tmp_path):
 
 def test_a_rank_that_dies_ends_the_job_without_a_hang(tmp_path):
     began = time.monotonic()
-    job = torchrun(tmp_path, "--steps", "100000", "--die-rank", "1", "--die-after", "3")
+    job = torchrun(tmp_path, "--steps", "100000")
     try:
+        agents = wait_for(lambda: both_ranks(tmp_path / "agents"))
+        rank0, rank1 = sorted(agents, key=lambda entry: entry["rank"])
+        wait_for(lambda: [s for s in samples(rank0["url"], "tuneup_step_seconds_count") if s.value > 20])
+        os.kill(rank1["pid"], signal.SIGKILL)
         out, err = job.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         job.kill()

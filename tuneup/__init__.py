@@ -41,7 +41,14 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     """
     global _current
     from .agent import Agent
+    from .integrations import framework_of, install
 
+    trainers = [obj for obj in objects if framework_of(obj) is not None]
+    if trainers:  # Lightning / Transformers: their callback focuses the agent when training starts
+        resolve(options)  # a bad keyword argument raises here, at the call site
+        for trainer in trainers:
+            install(trainer, options)
+        objects = tuple(obj for obj in objects if framework_of(obj) is None)
     with _lock:
         if _current is not None and (_current.attached or not _current.enabled):
             _current.add(objects)

@@ -35,6 +35,7 @@ from .act import Experimenter, Job
 from .act.actions import ACTIONS
 from .diagnose import Evaluation, evaluate
 from .export import registry
+from .integrations import framework_of, unwrap_loader, unwrap_optimizer
 from .export.metrics import agent_registry
 from .export.runlog import RunLog, log_name
 from .export.push import Pusher
@@ -87,13 +88,15 @@ class Tracked:
         kinds: dict[str, list[Any]] = {"loaders": [], "models": [], "optimizers": [], "scalers": []}
         for obj in objects:
             if isinstance(obj, DataLoader):
-                kinds["loaders"].append(obj)
+                kinds["loaders"].append(unwrap_loader(obj))  # Accelerate's wrapper: its base loader iterates
             elif isinstance(obj, nn.Module):
                 kinds["models"].append(obj)
             elif isinstance(obj, torch.optim.Optimizer):
-                kinds["optimizers"].append(obj)
+                kinds["optimizers"].append(unwrap_optimizer(obj))  # Accelerate's wrapper: its inner one steps
             elif isinstance(obj, GradScaler):
                 kinds["scalers"].append(obj)
+            elif framework_of(obj) is not None:
+                continue  # a framework's Trainer: tuneup.attach installs its callback
             elif inspect.isfunction(obj) or inspect.ismethod(obj):
                 raise TypeError(
                     "tuneup.attach cannot patch a plain function in place: decorate your step "
@@ -189,6 +192,7 @@ class Agent:
                                        self._warn_once)
         self.ranks = RankExchange(self._warn_once)  # the other ranks' summaries, through the job's store
         self._ranks_finished = False
+        self._framework: dict[str, Any] | None = None
         self.metrics = agent_registry(self, self._warn_once)  # read at scrape time (endpoint, push gateway)
 
     def start(self) -> "Agent":
@@ -304,6 +308,36 @@ class Agent:
             self.history.source = str(log.path)
         else:
             self._run_log_failed(log)
+
+    def focus(self, *, models: Iterable[Any] = (), loaders: Iterable[Any] = (), optimizers: Iterable[Any] = (),
+              scalers: Iterable[Any] = ()) -> None:
+        """Measure exactly these objects, kind by kind (a framework's training objects: its
+        validation loaders are then left out); a kind given nothing stays as it was."""
+        if not self.enabled:
+            return
+        for kind, probe, objects in (("loaders", self.loader, loaders), ("optimizers", self.optimizer, optimizers),
+                                     ("scalers", self.scaler, scalers)):
+            objects = [obj for obj in objects if obj is not None]
+            if objects:
+                chosen = weakref.WeakSet(objects)
+                setattr(self.tracked, kind, chosen)
+                if probe is self.loader:
+                    self.loader.focus(chosen)
+                else:
+                    probe.tracked = chosen
+        if self.tracked.models:
+            for model in models:
+                self.model._hook_root(model)
+
+    def note_framework(self, info: dict[str, Any]) -> None:
+        """The training framework's own settings (Lightning, Transformers), for the run log
+        and the configuration the rules and reports read."""
+        if not self.enabled:
+            return
+        self._framework = dict(info)
+        with self._lock:
+            self._log({"event": "framework", "time": time.time(), **self._framework})
+            self._refresh_config()
 
     def add(self, objects: tuple[Any, ...]) -> None:
         """attach() again with more objects: measure those too."""
@@ -603,6 +637,8 @@ class Agent:
             for kind in ("loaders", "optimizers", "models"):
                 if not config[kind]:
                     config[kind] = self._config[kind]
+        if self._framework is not None:
+            config["framework"] = self._framework
         if config != self._config:
             self._config = config
             self._log({"event": "config", "time": time.time(), **config})

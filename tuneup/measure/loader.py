@@ -76,6 +76,17 @@ class LoaderProbe:
         self.rng_check_at = RNG_CHECKS[0]
         self.main_process_rng_draws: bool | None = None
 
+    def focus(self, loaders: weakref.WeakSet) -> None:
+        """Measure only these loaders from now on, their iterators already running included
+        (a framework may start iterating before it tells us which loaders train)."""
+        for iterator in list(self.iterators):
+            if loader_of(iterator) in loaders:
+                try:
+                    setattr(iterator, _TAG, True)
+                except Exception:
+                    pass
+        self.tracked = loaders
+
     def install(self, patches: PatchSet) -> None:
         probe = self
         tl = self.timeline

@@ -64,6 +64,7 @@ def ddp_backend(facts: Facts) -> Evidence | None:
 
 
 STRAGGLER_FACTOR = 1.15
+STRAGGLER_MIN_SECONDS = 0.001  # below a millisecond per step, ranks differ by scheduling jitter alone
 
 
 def own_time(snapshot: dict) -> float | None:
@@ -82,9 +83,11 @@ def own_time(snapshot: dict) -> float | None:
     title="One rank is slower than the others",
     severity="high",
     inputs="per-rank step time (less the backward, which holds the all-reduce wait) from every rank's run log",
-    threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks",
+    threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks, and >= "
+              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more",
     why="Every all-reduce waits for the slowest rank, so the whole job runs at its pace; 15% is "
-        "well above the few percent ranks differ by on identical hardware.",
+        "well above the few percent ranks differ by on identical hardware, and a millisecond above "
+        "the scheduling jitter of steps that short.",
     doc="https://docs.pytorch.org/docs/stable/notes/ddp.html",
 )
 def rank_straggler(facts: Facts) -> Evidence | None:
@@ -97,7 +100,7 @@ def rank_straggler(facts: Facts) -> Evidence | None:
         raise Missing("per-rank step times")
     middle = median(times.values())
     slowest = max(times, key=times.get)
-    if not middle or times[slowest] <= STRAGGLER_FACTOR * middle:
+    if not middle or times[slowest] <= STRAGGLER_FACTOR * middle or times[slowest] - middle < STRAGGLER_MIN_SECONDS:
         return None
     excess = times[slowest] - middle
     slow = next(s for s in ranks if s["run"]["rank"] == slowest)

@@ -44,7 +44,7 @@ def data_stall(facts: Facts) -> Evidence | None:
         numbers={"stall_ratio": stall, "data_wait_seconds": window["data_wait_seconds"]["median"],
                  "step_seconds": window["step_seconds"]["median"], "num_workers": workers,
                  "usable_cores": cores},
-        fix=f"loader = DataLoader(dataset, batch_size=..., {', '.join(options)})",
+        fix=loader_fix(facts, options),
         gain=stall,
         severity="high" if stall >= 0.3 else None,
     )
@@ -78,6 +78,15 @@ def pageable_copies(facts: Facts) -> Evidence | None:
             "x = x.to(device, non_blocking=True)\ny = y.to(device, non_blocking=True)",
         gain_text="host-to-device copies overlap with compute",
     )
+
+
+def loader_fix(facts: Facts, options: list[str]) -> str:
+    """The DataLoader settings, where the job sets them: the Hugging Face Trainer builds its
+    loader from TrainingArguments (`dataloader_*`)."""
+    if (facts.config.get("framework") or {}).get("framework") == "transformers":
+        named = [f"dataloader_{option}" for option in options]
+        return f"TrainingArguments(..., {', '.join(named)})"
+    return f"loader = DataLoader(dataset, batch_size=..., {', '.join(options)})"
 
 
 NUMPY_COPIES_PER_STEP = 0.5

@@ -8,6 +8,9 @@ from ..rule import Evidence, Facts, rule
 SYNCS_PER_STEP = 1.0
 
 
+FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each step's loss (nan/inf filter)
+
+
 @rule(
     id="host-syncs",
     title="The loop reads device values on the host every step",
@@ -42,14 +45,19 @@ def host_syncs(facts: Facts) -> Evidence | None:
     else:
         gain_text = "on a GPU: the host runs ahead of the GPU instead of waiting for it every step"
     meaning = "syncs" if on_gpu else "host reads that would sync on a GPU"
+    fix = ("running_loss += loss.detach()            # stays on the device: no sync\n"
+           "if step % 100 == 0:\n"
+           "    print(running_loss.item() / 100)     # one sync every 100 steps\n"
+           "    running_loss.zero_()")
+    if any(FRAMEWORK_SYNC in s["location"] for s in sources[:1]):
+        # The Hugging Face Trainer's own check of every step's loss for NaN/inf.
+        fix = ("TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every "
+               "step's loss\n# (a NaN loss then shows in the logged loss instead of being skipped in it)")
     return Evidence(
         observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
         numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": inherent, "backend": syncs.get("backend"),
                  "sampled_steps": syncs.get("sampled_steps"), "top_sources": sources[:5]},
-        fix="running_loss += loss.detach()            # stays on the device: no sync\n"
-            "if step % 100 == 0:\n"
-            "    print(running_loss.item() / 100)     # one sync every 100 steps\n"
-            "    running_loss.zero_()",
+        fix=fix,
         gain=gain,
         gain_text=gain_text,
         severity="high" if per_step >= 3 and on_gpu else None,

@@ -1,13 +1,15 @@
-"""A DDP training job for torchrun (gloo, CPU), run under `-m tuneup run`.
+"""DistributedDataParallel under torchrun (gloo on CPU, ~10 s), with tuneup attached by
+`tuneup run` — no code change:
 
-    --steps N         train this many steps (every rank the same: they all-reduce each step)
-    --slow-rank R     this rank does --delay seconds of extra work per step outside backward
-    --die-rank R      this rank kills itself (SIGKILL) after --die-after seconds
+    torchrun --standalone --nproc_per_node=2 -m tuneup run examples/torchrun_ddp.py --slow-rank 1
+
+Every rank is measured and serves its own endpoint (port 9477 + local rank, labelled with
+its rank); the ranks share one run directory; rank 0 reads the others' summaries through
+the job's store (no collective) and at the end prints a summary across ranks naming the
+straggler: --slow-rank R makes rank R do --delay seconds of extra host work per step.
 """
 
 import argparse
-import os
-import signal
 import time
 
 import torch
@@ -20,8 +22,6 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--delay", type=float, default=0.01)
-parser.add_argument("--die-rank", type=int, default=-1)
-parser.add_argument("--die-after", type=float, default=3.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -33,15 +33,12 @@ data = TensorDataset(torch.randn(4096, 32), torch.randn(4096, 1))
 sampler = DistributedSampler(data)
 loader = DataLoader(data, batch_size=32, sampler=sampler)
 
-began = time.monotonic()
 step = epoch = 0
 while step < args.steps:
     sampler.set_epoch(epoch)
     for x, y in loader:
         if rank == args.slow_rank:
             time.sleep(args.delay)  # a slower host, outside the backward's all-reduce
-        if rank == args.die_rank and time.monotonic() - began > args.die_after:
-            os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()

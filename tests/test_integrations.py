@@ -1,0 +1,165 @@
+"""Lightning, the Hugging Face Trainer and Accelerate: the same bottleneck (a DataLoader that
+decodes slowly in the main process) gives the same finding as in a plain loop, measured on
+the framework's own objects; the examples run; the core install pulls no framework."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+from importlib import metadata
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import tuneup
+from tests.conftest import ROOT
+
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(name, *args, timeout=180):
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def report(run_dir):
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir), "--format", "json"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def events(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """The plain loop, Lightning and HF Trainer examples, each with the same slow loader."""
+    out = {}
+    for name in ("plain_loop.py", "lightning_job.py", "hf_trainer.py"):
+        run_dir = tmp_path_factory.mktemp(name.removesuffix(".py")) / "run"
+        began = time.monotonic()
+        result = run_example(name, "--steps", "150", "--run-dir", str(run_dir))
+        out[name] = {"report": report(run_dir), "events": events(run_dir), "stdout": result.stdout,
+                     "seconds": time.monotonic() - began}
+    return out
+
+
+@pytest.mark.parametrize("name", ["plain_loop.py", "lightning_job.py", "hf_trainer.py"])
+def test_every_framework_gives_the_plain_loops_finding_for_the_same_bottleneck(reports, name):
+    found = reports[name]["report"]["findings"]
+    assert found[0]["rule"] == "data-stall", [f["rule"] for f in found]
+    plain = reports["plain_loop.py"]["report"]["findings"][0]["evidence"]["stall_ratio"]
+    # ~1 ms per sample, 16 per batch, in the main process: most of every step, in every framework.
+    assert found[0]["evidence"]["stall_ratio"] > 0.4 and abs(found[0]["evidence"]["stall_ratio"] - plain) < 0.35
+    assert "Advice, ranked by estimated gain" in reports[name]["stdout"]
+    assert reports[name]["seconds"] < 60  # each example runs in under a minute on CPU
+
+
+def test_lightning_settings_come_from_the_trainer_and_validation_is_not_training(reports):
+    run = reports["lightning_job.py"]
+    framework = next(e for e in run["events"] if e["event"] == "framework")
+    assert framework["framework"] == "lightning" and framework["precision"] == "32-true"
+    assert framework["accumulate_grad_batches"] == 1 and framework["strategy"] == "SingleDeviceStrategy"
+    totals = next(e for e in run["events"] if e["event"] == "end")["totals"]
+    # 150 training steps of 16 samples (Lightning fetches one batch ahead, in each of the two
+    # epochs); the validation loader's 64 samples, read at step 100, are not counted.
+    assert 150 * 16 <= totals["samples"] <= 152 * 16 and totals["optimizer_steps"] == 150
+
+
+def test_hf_settings_come_from_training_arguments_and_the_fixes_speak_them(reports):
+    run = reports["hf_trainer.py"]
+    framework = next(e for e in run["events"] if e["event"] == "framework")
+    assert framework["framework"] == "transformers" and framework["dataloader_num_workers"] == 0
+    assert framework["gradient_accumulation_steps"] == 1 and framework["fp16"] is False
+    found = {f["rule"]: f for f in run["report"]["findings"]}
+    assert found["data-stall"]["fix"].startswith("TrainingArguments(..., dataloader_num_workers=")
+    # The Trainer's own NaN/inf check reads every step's loss: named, with its switch.
+    assert "logging_nan_inf_filter=False" in found["host-syncs"]["fix"]
+    totals = next(e for e in run["events"] if e["event"] == "end")["totals"]
+    assert totals["optimizer_steps"] == 150 and totals["samples"] in (150 * 16, 151 * 16)  # one batch ahead
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, index):
+        time.sleep(0.001)
+        return torch.full((8,), float(index % 5)), torch.tensor([1.0])
+
+
+def test_accelerate_prepared_objects_work_with_the_plain_attach(run_dir):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Slow(), batch_size=16, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    other = DataLoader(Slow(), batch_size=16)  # not named: not measured
+    with tuneup.attach(model, optimizer, loader, run_dir=run_dir) as agent:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            optimizer.step()
+        for _ in zip(range(4), other):
+            pass
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["optimizer_steps"] == 32 and snapshot["totals"]["samples"] == 512
+    assert snapshot["window"]["stall_ratio"] > 0.4
+    assert "data-stall" in [f["rule"] for f in agent.findings()]
+
+
+def test_the_callbacks_are_usable_directly_and_attach_once(run_dir):
+    import lightning as L
+
+    from tuneup.integrations.lightning import TuneupCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    callback = TuneupCallback(run_dir=run_dir)
+    trainer = L.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    tuneup.attach(trainer)  # the callback is there already: not a second one
+    assert sum(isinstance(cb, TuneupCallback) for cb in trainer.callbacks) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), DataLoader(Slow(), batch_size=16))
+    # attach(trainer) started the agent; the callback focused it and leaves detaching to its owner.
+    agent = tuneup.current()
+    assert agent is callback.agent and agent.attached
+    agent.detach()
+    assert agent.snapshot()["totals"]["optimizer_steps"] == 20
+
+
+def test_the_core_install_pulls_no_framework():
+    requires = metadata.requires("tuneup") or []
+    core = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in core if r.split()[0].lower().startswith(("lightning", "transformers", "accelerate"))]
+    extras = {r.split(";")[1].strip() for r in requires if "extra ==" in r}
+    assert 'extra == "lightning"' in extras and 'extra == "hf"' in extras
+    # And importing tuneup imports none of them.
+    code = "import sys, tuneup; tuneup.attach(log=False).detach(); " \
+           "print([m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr
