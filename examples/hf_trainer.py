@@ -1,6 +1,8 @@
 """A Hugging Face Transformers Trainer job with tuneup (CPU, ~20 s): `pip install tuneup[hf]`.
 
-    python examples/hf_trainer.py [--steps 300] [--workers 0] [--run-dir DIR]
+    python examples/hf_trainer.py [--steps 300] [--workers 0] [--run-dir DIR] [--gpu]
+
+--gpu trains on CUDA with fp16=True (autocast + the Trainer's GradScaler).
 
 A tiny BERT built from a config (nothing is downloaded) on token sequences that take ~1 ms
 each to tokenize, in the main process. `TuneupTrainerCallback` measures the Trainer's model,
@@ -36,6 +38,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--gpu", action="store_true", help="CUDA with fp16 mixed precision")
     args = parser.parse_args()
 
     config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -45,7 +48,8 @@ def main():
     with tempfile.TemporaryDirectory() as output:
         training = TrainingArguments(output_dir=output, max_steps=args.steps, per_device_train_batch_size=16,
                                      learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
-                                     dataloader_num_workers=args.workers, use_cpu=True, disable_tqdm=True)
+                                     dataloader_num_workers=args.workers, use_cpu=not args.gpu, fp16=args.gpu,
+                                     disable_tqdm=True)
         Trainer(model=model, args=training, train_dataset=SlowTokens(), callbacks=[callback]).train()
     print(callback.agent.report())
 

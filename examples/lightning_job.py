@@ -1,6 +1,8 @@
 """A PyTorch Lightning job with tuneup (CPU, ~20 s): `pip install tuneup[lightning]`.
 
-    python examples/lightning_job.py [--steps 300] [--workers 0] [--run-dir DIR]
+    python examples/lightning_job.py [--steps 300] [--workers 0] [--run-dir DIR] [--gpu]
+
+--gpu trains on CUDA with precision="16-mixed" (autocast + Lightning's GradScaler).
 
 `tuneup.attach(trainer)` gives the Trainer tuneup's callback: when training starts it measures
 the LightningModule, its optimizer and its training DataLoader (the validation loader is left
@@ -55,11 +57,13 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--gpu", action="store_true", help="CUDA with 16-bit mixed precision")
     args = parser.parse_args()
 
     train = DataLoader(SlowImages(2048), batch_size=16, shuffle=True, num_workers=args.workers)
     val = DataLoader(SlowImages(64), batch_size=16, num_workers=args.workers)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
+    device = {"accelerator": "gpu", "precision": "16-mixed"} if args.gpu else {"accelerator": "cpu"}
+    trainer = L.Trainer(max_steps=args.steps, devices=1, logger=False, **device,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         val_check_interval=100)
     agent = tuneup.attach(trainer, run_dir=args.run_dir)
