@@ -51,6 +51,9 @@ def test_keyboard_interrupt_mid_epoch_behaves_as_without_the_agent(tmp_path, wor
             [sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", agent, "--workers", str(workers),
              "--steps", "100000", "--latency", "0.001", "--run-dir", str(tmp_path / agent)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+            # A test run started in the background (nohup, CI runners) ignores SIGINT, and
+            # children inherit that: give the job Ctrl-C's default back, as a terminal would.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         for line in process.stdout:
             if line.strip() == "step 20":
