@@ -216,8 +216,9 @@ def daemon(
                                                 "TUNEUP_REGISTRY_DIR, else this user's runtime directory)."),
     gpu: bool = typer.Option(True, "--gpu/--no-gpu", help="Export the node's GPUs (NVML) too."),
 ) -> None:
-    """The node daemon: one Prometheus endpoint for every tuneup job on this node, plus the
-    node's GPUs; `tuneup report`/`watch` against its URL cover every running job."""
+    """The node daemon: one Prometheus endpoint for every tuneup job on this node, plus the node's GPUs.
+
+    `tuneup report` and `tuneup watch` against its URL cover every running job."""
     import errno
     import logging
     import signal
