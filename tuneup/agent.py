@@ -35,11 +35,11 @@ from .act import Experimenter, Job
 from .act.actions import ACTIONS
 from .diagnose import Evaluation, evaluate
 from .export import registry
-from .integrations import framework_of, unwrap_loader, unwrap_optimizer
 from .export.metrics import agent_registry
-from .export.runlog import RunLog, log_name
 from .export.push import Pusher
+from .export.runlog import RunLog, log_name
 from .export.server import AgentServer
+from .integrations import framework_of, unwrap_loader, unwrap_optimizer
 from .measure.config import read_config
 from .measure.device_values import DeviceValues, raw_item
 from .measure.gpu import open_gpus
@@ -465,28 +465,29 @@ class Agent:
                 for record in runner.drain():
                     self._log({"event": "action", **record})
 
-    def _diagnose(self, final: bool = False) -> None:
+    def _diagnose(self, snapshot: dict[str, Any] | None = None, final: bool = False) -> None:
         """Run the rules over the history (off the training thread); log what changed. In a
         distributed job, publish this rank's summary for the others; rank 0 reads theirs, so
         its rules see every rank (the straggler rule)."""
         ranks = self.ranks
         try:
-            snapshot = self.history.snapshot(self.options.window_steps)
+            if snapshot is None:
+                snapshot = self.history.snapshot(self.options.window_steps)
             peers = ranks.peer_snapshots() if ranks.rank == 0 else []
             self._evaluation = evaluate(snapshot, ranks=peers, silence=self.options.silence)
         except Exception as exc:
             self._warn_once("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
             return
+        found = [f.to_dict() for f in self._evaluation.findings]
         if not final and ranks.connect():
-            ranks.publish(compact(snapshot, [f.to_dict() for f in self._evaluation.findings], final=False))
+            ranks.publish(compact(snapshot, found, final=False))
             ranks.gather()  # rank 0 only; read at the next evaluation
         if self.runner is not None:
-            self.job.findings = {f.rule: f.to_dict() for f in self._evaluation.findings}
-        current = tuple((f.rule, f.severity) for f in self._evaluation.findings)
+            self.job.findings = {f["rule"]: f for f in found}
+        current = tuple((f["rule"], f["severity"]) for f in found)
         if current != self._findings_logged:
             self._findings_logged = current
-            self._log({"event": "findings", "time": time.time(),
-                       "findings": [f.to_dict() for f in self._evaluation.findings]})
+            self._log({"event": "findings", "time": time.time(), "findings": found})
 
     def _finish_ranks(self) -> None:
         """The end of a distributed run: publish this rank's final summary; rank 0 waits a few
@@ -504,7 +505,7 @@ class Agent:
             return
         if store_up:
             ranks.gather(wait=RANKS_WAIT + RANKS_FINAL_WAIT, final_within=RANKS_FINAL_WAIT)
-        self._diagnose(final=True)
+        self._diagnose(snapshot, final=True)  # across every rank's final summary
         own = compact(snapshot, self.findings(), final=True)
         everyone = [own] + ranks.peer_snapshots()
         self._log({"event": "ranks", "time": time.time(), "world_size": ranks.world_size, "ranks": everyone,
@@ -522,7 +523,7 @@ class Agent:
                 try:
                     if self._lock.acquire(timeout=LOCK_TIMEOUT):
                         try:
-                            self._drain(final=False)
+                            self._tick()  # the steps so far reach the history (and the run log) first
                             self._finish_ranks()
                         finally:
                             self._lock.release()

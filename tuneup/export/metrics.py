@@ -69,8 +69,8 @@ class Families:
         self.names = list(names)
         self.values = list(values)
 
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), unit: str = "") -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=self.names + list(labels), unit=unit)
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=self.names + list(labels))
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
         return CounterMetricFamily(name, doc, labels=self.names + list(labels))

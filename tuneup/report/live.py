@@ -16,7 +16,7 @@ from ..format import percent, seconds
 from ..measure.history import RunHistory
 from . import summary
 from .document import build
-from .sources import ReportSourceError, fetch_run
+from .sources import ReportSourceError, answering, daemon_base, fetch_run
 from .text import findings_group
 
 
@@ -54,11 +54,11 @@ def job_frame(url: str, payload: dict[str, Any]) -> Group:
 
 def node_frame(url: str, payload: dict[str, Any]) -> Group:
     """A node daemon: its only job in full, or one line per job."""
-    base = url.rstrip("/").removesuffix("/api/run")
+    base = daemon_base(url)
     jobs = payload["jobs"]
-    answering = [job for job in jobs if isinstance(job.get("payload"), dict) and "events" in job["payload"]]
-    if len(jobs) == 1 and answering:
-        return job_frame(base + answering[0]["path"], answering[0]["payload"])
+    answered = answering(payload)
+    if len(jobs) == 1 and answered:
+        return job_frame(base + answered[0]["path"], answered[0]["payload"])
     head = Text(f"tuneup watch {base}  (node daemon on {payload.get('host')}: {len(jobs)} jobs, "
                 f"{time.strftime('%H:%M:%S')})", style="bold")
     table = Table(show_edge=False, pad_edge=False)
@@ -70,7 +70,7 @@ def node_frame(url: str, payload: dict[str, Any]) -> Group:
         argv = [str(part) for part in agent.get("argv") or []]
         script = " ".join([Path(argv[0]).name] + argv[1:])[:32] if argv else str(job.get("run_id"))
         rank = "" if agent.get("rank") is None else str(agent["rank"])
-        if job not in answering:
+        if job not in answered:
             table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–", "–", "–",
                           Text(f"not answering: {job.get('error')}", style="yellow"))
             continue

@@ -36,11 +36,10 @@ def load_jobs(target: str) -> list[Job]:
     payload = fetch_run(target)
     if not payload.get("daemon"):
         return [([RunHistory.of(payload["events"], source=target)], target)]
-    base = target.rstrip("/").removesuffix("/api/run")
+    base = daemon_base(target)
     groups: dict[str, list[dict[str, Any]]] = {}
-    for job in payload["jobs"]:
-        if isinstance(job.get("payload"), dict) and isinstance(job["payload"].get("events"), list):
-            groups.setdefault(str(job.get("group")), []).append(job)
+    for job in answering(payload):
+        groups.setdefault(str(job.get("group")), []).append(job)
     if not groups:
         raise ReportSourceError(f"the node daemon at {base} sees no running tuneup job that answers "
                                 f"({len(payload['jobs'])} registered): start one, or check TUNEUP_REGISTRY_DIR")
@@ -52,19 +51,24 @@ def load_jobs(target: str) -> list[Job]:
     return jobs
 
 
+def daemon_base(url: str) -> str:
+    """A node daemon's URL without the /api/run a user may have given."""
+    return url.rstrip("/").removesuffix("/api/run")
+
+
+def answering(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The jobs of a node daemon's /api/run whose agents answered with their run."""
+    return [job for job in payload["jobs"]
+            if isinstance(job.get("payload"), dict) and isinstance(job["payload"].get("events"), list)]
+
+
 def _rank_order(history: RunHistory) -> tuple[bool, int]:
     rank = (history.run or {}).get("rank")
     return rank is None, rank or 0
 
 
 def load(target: str) -> tuple[list[RunHistory], str]:
-    """The runs at `target` (one per rank) and a description of where they came from."""
-    if is_url(target):
-        jobs = load_jobs(target)
-        if len(jobs) > 1:
-            raise ReportSourceError(f"{target} is a node daemon serving {len(jobs)} jobs: pick one "
-                                    f"({'; '.join(source for _, source in jobs)})")
-        return jobs[0]
+    """The runs in a run directory or log file (one per rank), and where they came from."""
     try:
         files = log_files(Path(target))
         histories = []
