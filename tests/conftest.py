@@ -15,6 +15,27 @@ import tuneup
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+# The machine as the whole suite treats it. The advice depends on whether the CPU has bf16
+# units (amp-off), so TUNEUP_CPU_BF16=0 (or 1) set when the suite starts runs every test, and
+# every job a test starts, as on a CPU without (with) them, through tuneup's documented
+# cpu_bf16 option; unset, tuneup reads the CPU. Tests whose expectation depends on it pin it.
+MACHINE = ("TUNEUP_CPU_BF16",)
+SESSION = ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR")  # set per test by no_agent_left
+
+
+def child_env(*, session: bool = False, **variables: str | None) -> dict[str, str]:
+    """The environment of a process a test starts: none of the caller's TUNEUP_* settings but
+    the machine's (MACHINE, as the test sees it) and, with `session`, this test's free port and
+    private registry; this checkout first on PYTHONPATH. A variable given None is removed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
+    env.update({k: os.environ[k] for k in MACHINE + (SESSION if session else ()) if k in os.environ})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    for name, value in variables.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_agent_left(monkeypatch, tmp_path_factory):
     for name in list(os.environ):
-        if name.startswith("TUNEUP_"):
+        if name.startswith("TUNEUP_") and name not in MACHINE:
             monkeypatch.delenv(name)
     # Agents in tests listen on a free port and announce themselves in a private registry.
     monkeypatch.setenv("TUNEUP_PORT", "0")
@@ -52,10 +73,7 @@ def run_dir(tmp_path):
 def run_program(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
                 **kwargs) -> subprocess.CompletedProcess:
     """Run tests/programs/<name> in a fresh interpreter (for faults that end a process)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    full_env.update({k: os.environ[k] for k in ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR") if k in os.environ})
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
-    full_env.update(env or {})
+    full_env = child_env(session=True, **(env or {}))
     return subprocess.run(
         [sys.executable, str(PROGRAMS / name), *args],
         env=full_env, capture_output=True, text=True, timeout=timeout, **kwargs,

@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 import tuneup
-import tuneup.measure.config as measured_config
 from benchmarks.scenarios import sample, spin
 from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
@@ -77,7 +76,10 @@ def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True
 
 
 def apply_options(run_dir, **extra):
-    return dict(mode="apply", run_dir=run_dir, interval=0.2, **extra)
+    # The CPU's bf16 capability is pinned (absent unless a test claims it): whether amp-off
+    # fires, and so whether apply mode tries AMP beside the change a test is about, must not
+    # depend on the machine the suite runs on.
+    return dict(mode="apply", run_dir=run_dir, interval=0.2, **{"cpu_bf16": False, **extra})
 
 
 def records(agent, action=None, decision=None):
@@ -145,32 +147,37 @@ def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tu
 
 
 class Timed(nn.Module):
-    """An MLP that notes, per forward, whether autocast was on (tuneup puts it around forward)."""
+    """An MLP that notes, per forward, whether autocast was on (tuneup puts it around forward).
+    With `slow_under_autocast=k` its forward also runs its layers k more times in fp32 under
+    autocast: a precision change that makes steps several times slower on every CPU, with or
+    without bf16 units, loaded or not (the extra work scales with the machine's own speed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slow_under_autocast: int = 0) -> None:
         super().__init__()
         self.layers = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                                     nn.Linear(512, 10))
         self.autocast: list[bool] = []
+        self.slow_under_autocast = slow_under_autocast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        autocast = torch.is_autocast_enabled("cpu")
+        self.autocast.append(autocast)
+        if autocast:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                for _ in range(self.slow_under_autocast):
+                    self.layers(x)
         return self.layers(x)
 
 
-@pytest.fixture
-def cpu_with_bf16(monkeypatch):
-    """This CPU has no bf16 units; the amp-off rule fires only where it has. Claim them: bf16
-    autocast then really runs here, far slower than fp32, which is what the trial must see."""
-    monkeypatch.setattr(measured_config, "_CPU_FLAGS", {"avx512_bf16"})
-
-
-def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",)):
+def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",),
+            slow_under_autocast=0):
+    """Train `Timed` under apply mode with the CPU's bf16 capability claimed (the documented
+    cpu_bf16 option): amp-off fires and apply mode tries AMP, whatever CPU the suite runs on."""
     torch.manual_seed(0)
-    model = Timed()
+    model = Timed(slow_under_autocast)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-    agent = tuneup.attach(**apply_options(run_dir, actions=list(actions)))
+    agent = tuneup.attach(**apply_options(run_dir, actions=list(actions), cpu_bf16=True))
     times = []
     try:
         for step in range(1, steps + 1):
@@ -197,9 +204,9 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
     return agent, model, optimizer, times
 
 
-def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir, cpu_with_bf16):
+def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):
     forward = vars(Timed)["forward"]
-    agent, model, _, times = amp_run(run_dir, 4000)
+    agent, model, _, times = amp_run(run_dir, 4000, slow_under_autocast=12)
     [record] = records(agent, "amp")
     assert record["decision"] == "reverted" and record["speedup"] < 0.8, record
     assert record["after"]["autocast"] == "cpu bfloat16" and record["before"]["autocast"] is None
@@ -211,12 +218,12 @@ def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_re
     baseline = statistics.median(times[applied - 100: applied])
     trial = statistics.median(times[applied + 10: decided])
     after = statistics.median(times[decided + 10:])
-    assert trial > 3 * baseline  # bf16 without bf16 units: many times slower, as measured
+    assert trial > 3 * baseline  # the forward's extra work under autocast, as measured
     assert abs(after - baseline) < abs(after - trial) / 5, (baseline, trial, after)
     assert vars(Timed)["forward"] is forward  # the class is as the job defined it (after detach)
 
 
-def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_update_applied(run_dir, cpu_with_bf16):
+def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_update_applied(run_dir):
     state = {}
 
     def inject(step, loss, model, optimizer, agent):
@@ -243,7 +250,7 @@ def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_upd
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in optimizer.state.values())
 
 
-def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exactly(run_dir, cpu_with_bf16,
+def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exactly(run_dir,
                                                                                     monkeypatch):
     monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)  # a GPU without bf16
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -264,7 +271,7 @@ def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exa
     assert vars(scaler) == before and not scaler.is_enabled()
 
 
-def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, cpu_with_bf16, monkeypatch):
+def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, monkeypatch):
     monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     state = {}
@@ -501,7 +508,7 @@ def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_orde
     assert (loader.num_workers, loader.persistent_workers) == (1, True)
 
 
-def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir, cpu_with_bf16):
+def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir):
     torch.manual_seed(0)
     model = Timed()
     head, body = model.layers[-1], model.layers[:-1]
@@ -509,7 +516,7 @@ def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir, 
     second = torch.optim.SGD(head.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
     state = {}
-    with tuneup.attach(**apply_options(run_dir, actions=["amp"])) as agent:
+    with tuneup.attach(**apply_options(run_dir, actions=["amp"], cpu_bf16=True)) as agent:
         for step in range(1, 2000):
             first.zero_grad()
             second.zero_grad()
@@ -531,7 +538,7 @@ def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir, 
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, cpu_with_bf16, monkeypatch):
+def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, monkeypatch):
     def broken(grads, loss):
         raise NotImplementedError("cannot check these gradients")
 
@@ -543,7 +550,7 @@ def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, cpu_
     assert not any(model.autocast[record["applied_step"] + 3:])
 
 
-def test_numerics_are_left_alone_in_a_distributed_job(run_dir, cpu_with_bf16, monkeypatch):
+def test_numerics_are_left_alone_in_a_distributed_job(run_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     agent, model, _, _ = amp_run(run_dir, 600)
     [record] = records(agent, "amp")
@@ -551,7 +558,7 @@ def test_numerics_are_left_alone_in_a_distributed_job(run_dir, cpu_with_bf16, mo
     assert not any(model.autocast)
 
 
-def test_revert_all_from_another_thread_lands_between_steps(run_dir, cpu_with_bf16, monkeypatch):
+def test_revert_all_from_another_thread_lands_between_steps(run_dir, monkeypatch):
     import threading
 
     monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)

@@ -111,12 +111,17 @@ def test_keyword_beats_environment(monkeypatch, tmp_path):
         assert agent.options.sync_sample_every == 3
 
 
-def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, tmp_path):
-    monkeypatch.setenv("TUNEUP_INTERVAL", "soon")
-    with pytest.warns(tuneup.TuneupWarning, match=r"TUNEUP_INTERVAL='soon'.*using the default") as caught:
+@pytest.mark.parametrize("variable, value, option, default", [
+    ("TUNEUP_INTERVAL", "soon", "interval", 1.0),
+    ("TUNEUP_CPU_BF16", "maybe", "cpu_bf16", None),  # None: read the CPU
+])
+def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, tmp_path, variable, value, option,
+                                                                    default):
+    monkeypatch.setenv(variable, value)
+    with pytest.warns(tuneup.TuneupWarning, match=rf"{variable}='{value}'.*using the default") as caught:
         agent = tuneup.attach(run_dir=tmp_path)
     agent.detach()
-    assert agent.options.interval == 1.0
+    assert getattr(agent.options, option) == default
     assert len([w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]) == 1
 
 
@@ -127,6 +132,7 @@ def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, 
         ({"interval": -1}, r"interval=-1.*from 0.05 to 60"),
         ({"sync_sample_every": 2.5}, r"sync_sample_every=2.5.*whole number"),
         ({"colour": "red"}, r"unknown option 'colour'; valid options are"),
+        ({"cpu_bf16": "maybe"}, r"cpu_bf16='maybe'.*expected auto, 1/0"),
     ],
 )
 def test_bad_keyword_raises_a_one_line_error(options, message):

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.conftest import child_env
 from tuneup import __version__
 from tuneup.export.runlog import read_log
 
 
 def tuneup(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env.update({k: os.environ[k] for k in ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR") if k in os.environ})
-    env["PYTHONPATH"] = str(ROOT)
-    env["COLUMNS"] = "200"  # one summary line per line, for the assertions
+    env = child_env(session=True, COLUMNS="200")  # COLUMNS: one summary line per line, for the assertions
     return subprocess.run([sys.executable, "-m", "tuneup", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout)
 

@@ -139,3 +139,32 @@ def test_a_short_job_leaves_its_configuration_after_its_objects_are_gone(run_dir
     assert [entry["class"] for entry in config["optimizers"]] == ["Adam"]
     assert [entry["num_workers"] for entry in config["loaders"]] == [0]
     assert [entry["class"] for entry in config["models"]] == ["Sequential"]
+
+
+def _hardware_after_a_few_steps(run_dir, **options) -> dict:
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, **options) as agent:
+        for _ in range(8):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+    return agent.snapshot()["config"]["hardware"]
+
+
+def test_the_cpu_bf16_capability_is_torchs_reading_unless_pinned(run_dir, monkeypatch):
+    monkeypatch.delenv("TUNEUP_CPU_BF16", raising=False)
+    # What torch's own cpuinfo reports for this CPU: the expectation comes from the machine
+    # the test runs on, not the one it was written on.
+    detected = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    auto = _hardware_after_a_few_steps(run_dir / "auto")
+    assert (auto["cpu_bf16"], auto["cpu_bf16_detected"], auto["cpu_bf16_source"]) == (detected, detected, "detected")
+    for value in (True, False):
+        monkeypatch.setenv("TUNEUP_CPU_BF16", "1" if value else "0")
+        pinned = _hardware_after_a_few_steps(run_dir / f"env-{value}")
+        assert (pinned["cpu_bf16"], pinned["cpu_bf16_detected"]) == (value, detected)
+        assert "TUNEUP_CPU_BF16" in pinned["cpu_bf16_source"]
+        keyword = _hardware_after_a_few_steps(run_dir / f"keyword-{value}", cpu_bf16=not value)  # keywords win
+        assert keyword["cpu_bf16"] is (not value)
+    monkeypatch.setenv("TUNEUP_CPU_BF16", "auto")
+    assert _hardware_after_a_few_steps(run_dir / "env-auto")["cpu_bf16_source"] == "detected"

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PROGRAMS, ROOT
+from tests.conftest import PROGRAMS, child_env
 from tuneup.export import registry
 from tuneup.export.daemon import NodeDaemon
 
@@ -30,12 +30,8 @@ def free_port():
 
 
 def environment(registry_dir, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env.update(TUNEUP_REGISTRY_DIR=str(registry_dir), TUNEUP_PORT="0", TUNEUP_LOG="0",
-               TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_INTERVAL="0.2",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(extra)
-    return env
+    return child_env(TUNEUP_REGISTRY_DIR=str(registry_dir), TUNEUP_PORT="0", TUNEUP_LOG="0",
+                     TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_INTERVAL="0.2", **extra)
 
 
 def start_job(registry_dir, *args):

@@ -15,17 +15,15 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 from tuneup.export import registry
 
 JOB = str(ROOT / "examples" / "torchrun_ddp.py")
 
 
 def torchrun(tmp_path, *args, **env):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    full.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                TUNEUP_REGISTRY_DIR=str(tmp_path / "agents"), TUNEUP_INTERVAL="0.2", TUNEUP_RUN_DIR=str(tmp_path / "run"))
-    full.update(env)
+    full = child_env(TUNEUP_REGISTRY_DIR=str(tmp_path / "agents"), TUNEUP_INTERVAL="0.2",
+                     TUNEUP_RUN_DIR=str(tmp_path / "run"), **env)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "-m", "tuneup", "run", JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=full, cwd=tmp_path)

@@ -16,7 +16,7 @@ import torch
 
 import tuneup
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
-from tests.conftest import PROGRAMS, ROOT, run_program
+from tests.conftest import PROGRAMS, child_env, run_program
 from tuneup.export.runlog import read_log
 
 
@@ -45,8 +45,7 @@ def test_exception_in_the_users_dataset_passes_through_unchanged(tmp_path, worke
 @pytest.mark.parametrize("workers", [0, 2])
 def test_keyboard_interrupt_mid_epoch_behaves_as_without_the_agent(tmp_path, workers):
     def interrupted(agent: str) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-        env["PYTHONPATH"] = str(ROOT)
+        env = child_env()
         process = subprocess.Popen(
             [sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", agent, "--workers", str(workers),
              "--steps", "100000", "--latency", "0.001", "--run-dir", str(tmp_path / agent)],
@@ -89,8 +88,7 @@ def test_read_only_run_directory_warns_once_and_training_goes_on(tmp_path):
     run_dir = tmp_path / "readonly"
     run_dir.mkdir()
     prefix = read_only_prefix(run_dir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env = child_env()
     result = subprocess.run(
         [*prefix, sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", "on", "--snapshot",
          "--run-dir", str(run_dir / "run")],

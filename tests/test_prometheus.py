@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import socket
@@ -26,7 +25,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.conftest import PROGRAMS, ROOT
+from tests.conftest import PROGRAMS, ROOT, child_env
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus (Debian package) not installed; .ci/run installs it")
@@ -79,10 +78,8 @@ def prometheus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     registry_dir = folder / "agents"
     rank0, rank1, hung, daemon_port, prometheus_port = free_ports(5)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                    TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_REGISTRY_DIR=str(registry_dir),
-                    TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5")
+    base_env = child_env(TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_REGISTRY_DIR=str(registry_dir),
+                         TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5")
     ddp = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "it"}
     jobs = {
         "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_PORT": str(rank0), "TUNEUP_MODE": "apply",

@@ -4,15 +4,15 @@ real processes, real run logs, a live agent's loopback endpoint."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 from tests.test_cli import tuneup
 from tuneup.cli import rules_markdown
 
@@ -61,10 +61,9 @@ def write_job(folder: Path, attach: str = "") -> Path:
 
 
 def env_for(run_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env.update({k: os.environ[k] for k in ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR") if k in os.environ})
-    env.update(PYTHONPATH=str(ROOT), TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.1", COLUMNS="200")
-    return env
+    # The CPU's bf16 capability is pinned (absent): these jobs' findings are compared exactly.
+    return child_env(session=True, TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.1", COLUMNS="200",
+                     TUNEUP_CPU_BF16="0")
 
 
 def findings(run_dir: Path) -> list[dict]:
@@ -210,10 +209,18 @@ def test_a_live_job_answers_report_and_watch(tmp_path):
     one_line_error(tuneup("watch", "--once"), "no tuneup agent is running")
 
 
-def test_doctor_and_rules():
+def test_doctor_and_rules(monkeypatch):
+    monkeypatch.delenv("TUNEUP_CPU_BF16", raising=False)
     doctor = tuneup("doctor")
     assert doctor.returncode == 0, doctor.stderr
     assert "torch" in doctor.stdout and "run directory" in doctor.stdout
+    detected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    shown = " ".join(doctor.stdout.split())  # the table folds long lines
+    assert ("AVX512-BF16/AMX present (detected" if detected else "no AVX512-BF16/AMX (detected") in shown
+    for value, effect in (("1", "are advised bf16 autocast (amp-off)"), ("0", "amp-off stays silent")):
+        monkeypatch.setenv("TUNEUP_CPU_BF16", value)
+        pinned = " ".join(tuneup("doctor").stdout.split())
+        assert f"treated as {'present' if value == '1' else 'absent'} by TUNEUP_CPU_BF16" in pinned and effect in pinned
     rules = tuneup("rules")
     assert rules.returncode == 0 and "data-stall" in rules.stdout
 

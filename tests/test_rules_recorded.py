@@ -20,13 +20,15 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def cpu_snapshot(tmp_path_factory):
-    """A real clean CPU run's snapshot, as the report reads it."""
+    """A real clean CPU run's snapshot, as the report reads it: on a CPU pinned as one without
+    bf16 units, so the tests below start from no findings on any CPU (they set the capability
+    they need in the snapshot)."""
     from tuneup.report.sources import load
 
     run_dir = tmp_path_factory.mktemp("recorded") / "run"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TUNEUP_PORT", "0")
-        with tuneup.attach(run_dir=run_dir, interval=0.1):
+        with tuneup.attach(run_dir=run_dir, interval=0.1, cpu_bf16=False):
             run_job(CLEAN)
     histories, _ = load(str(run_dir))
     snapshot = histories[0].snapshot()

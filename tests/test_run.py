@@ -6,7 +6,6 @@ Every test starts real interpreters: the launcher execs one, whose start-up impo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT, child_env
 from tuneup.launch import LaunchError, exec_script
 
-ROOT = Path(__file__).resolve().parent.parent
 # The launcher process, as the CLI will run it; ROOT first so that it works from a plain checkout too.
 LAUNCHER = ("import sys; sys.path.insert(0, {root!r}); from tuneup.launch import exec_script; "
             "exec_script(sys.argv[1], sys.argv[2:], module={module})")
@@ -39,9 +38,7 @@ TRAIN = textwrap.dedent("""
 
 
 def environment(tmp_path: Path, **variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_") and k != "PYTHONPATH"}
-    env.update(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", **variables)
-    return env
+    return child_env(PYTHONPATH=None, TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", **variables)
 
 
 def write(path: Path, source: str) -> Path:

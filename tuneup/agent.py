@@ -627,6 +627,7 @@ class Agent:
                 autocast=self.model.autocast,
                 set_to_none=self.optimizer.set_to_none,
                 grad_scaler=self.scaler.summary(),
+                cpu_bf16=self.options.cpu_bf16,
             )
         except RuntimeError:
             return  # a dict changed size while the job mutated it: read again next time

@@ -76,6 +76,16 @@ def _bool(value: Any) -> bool:
     raise ValueError("expected True or False")
 
 
+def _auto_bool(value: Any) -> bool | None:
+    """True/False, or None for "auto" (what the hardware reports)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        return _bool(value)
+    except ValueError:
+        raise ValueError("expected auto, 1/0, true/false, yes/no or on/off") from None
+
+
 def _path_or_none(value: Any) -> Path | None:
     if value is None or value == "":
         return None
@@ -167,6 +177,7 @@ class Options:
     push_job: str = "tuneup"
     silence: tuple[str, ...] = ()
     actions: tuple[str, ...] | None = None  # None: every action (apply mode only)
+    cpu_bf16: bool | None = None  # None: as the CPU reports (AVX512-BF16/AMX); True/False: treat it as so
 
 
 DEFAULT_PORT = 9477
@@ -193,6 +204,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "push_job": ("TUNEUP_PUSH_JOB", _job_name),
     "silence": ("TUNEUP_SILENCE", _rule_ids),
     "actions": ("TUNEUP_ACTIONS", parse_actions),
+    "cpu_bf16": ("TUNEUP_CPU_BF16", _auto_bool),
 }
 assert set(_SPEC) == {f.name for f in fields(Options)}
 

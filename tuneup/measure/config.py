@@ -184,7 +184,9 @@ def model_config(model: nn.Module, leaf_order: list[nn.Module] | None) -> dict[s
     }
 
 
-def _cpu_flags() -> set[str]:
+def _proc_cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux): the fallback where torch is too old
+    to report them itself."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as handle:
             for line in handle:
@@ -195,18 +197,36 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_CPU_FLAGS: set[str] | None = None
+_CPU_BF16_DETECTED: bool | None = None
 
 
-def hardware() -> dict[str, Any]:
+def cpu_bf16_detected() -> bool:
+    """Whether this CPU has bf16 matrix units (AVX512-BF16 or AMX), as torch's own cpuinfo
+    reads them (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`); read once."""
+    global _CPU_BF16_DETECTED
+    if _CPU_BF16_DETECTED is None:
+        try:
+            import torch.cpu
+
+            _CPU_BF16_DETECTED = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        except (AttributeError, RuntimeError):
+            _CPU_BF16_DETECTED = bool(_proc_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return _CPU_BF16_DETECTED
+
+
+def hardware(cpu_bf16: bool | None = None) -> dict[str, Any]:
     """What the AMP and TF32 rules need: bf16 on this CPU (AVX512-BF16 or AMX: where CPU
-    autocast pays off) and, once the job initialized CUDA, each GPU's compute capability."""
-    global _CPU_FLAGS
-    if _CPU_FLAGS is None:
-        _CPU_FLAGS = _cpu_flags()
+    autocast pays off) and, once the job initialized CUDA, each GPU's compute capability.
+
+    `cpu_bf16` (the `cpu_bf16` option, TUNEUP_CPU_BF16) overrides the detected CPU capability:
+    None uses what the CPU reports. The advice depends on it (amp-off fires for fp32 jobs on a
+    CPU with bf16 units), so tests pin it and `tuneup doctor` shows which one is in force."""
+    detected = cpu_bf16_detected()
     out: dict[str, Any] = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_bf16": bool(_CPU_FLAGS & {"avx512_bf16", "amx_bf16"}),
+        "cpu_bf16": detected if cpu_bf16 is None else cpu_bf16,
+        "cpu_bf16_detected": detected,
+        "cpu_bf16_source": "detected" if cpu_bf16 is None else "set by the cpu_bf16 option (TUNEUP_CPU_BF16)",
         "cuda_devices": [],
     }
     if torch.cuda.is_initialized():  # never initialize CUDA for the job
@@ -247,6 +267,7 @@ def read_config(
     autocast: dict[str, str | None] | None,
     set_to_none: bool | None,
     grad_scaler: dict[str, Any],
+    cpu_bf16: bool | None = None,
 ) -> dict[str, Any]:
     order = [m for m in (ref() for ref in leaf_order) if m is not None]
     return {
@@ -256,7 +277,7 @@ def read_config(
             "cuda_initialized": torch.cuda.is_initialized(),
         },
         "backends": backends(),
-        "hardware": hardware(),
+        "hardware": hardware(cpu_bf16),
         "debug": debug_tools(),
         "autocast": autocast,
         "zero_grad_set_to_none": set_to_none,

@@ -19,7 +19,7 @@ from rich.text import Text
 from .. import __version__
 from ..measure.config import hardware
 from ..measure.host import usable_cores
-from ..options import DEFAULT_PORT
+from ..options import DEFAULT_PORT, resolve
 
 Check = tuple[str, str, str]  # (what, status: ok | warn | fail | info, detail)
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
@@ -75,9 +75,27 @@ def _nvml() -> list[Check]:
 
 
 def _cpu() -> list[Check]:
-    info = hardware()
-    bf16 = "AVX512-BF16/AMX: CPU bf16 autocast pays off" if info["cpu_bf16"] else "no AVX512-BF16/AMX: CPU bf16 autocast is usually slower"
-    return [("CPU", "ok", f"{usable_cores()} usable cores, {info['cpu_capability']}; {bf16}")]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # a bad TUNEUP_CPU_BF16 is shown below
+        warnings.simplefilter("always")
+        override = resolve({}).cpu_bf16
+    info = hardware(override)
+    detected = "AVX512-BF16/AMX present" if info["cpu_bf16_detected"] else "no AVX512-BF16/AMX"
+    if info["cpu_bf16"]:
+        effect = ("fp32 jobs on the CPU are advised bf16 autocast (amp-off), and apply mode may try it "
+                  "as a measured experiment")
+    else:
+        effect = "amp-off stays silent for jobs on the CPU (bf16 autocast is usually slower without bf16 units)"
+    if override is None:
+        bf16 = ("CPU bf16", "ok", f"{detected} (detected; TUNEUP_CPU_BF16=0/1 overrides it): {effect}")
+    else:
+        bf16 = ("CPU bf16", "info", f"treated as {'present' if override else 'absent'} by TUNEUP_CPU_BF16 "
+                                f"(detected: {detected}): {effect}")
+    checks = [("CPU", "ok", f"{usable_cores()} usable cores, {info['cpu_capability']}"), bf16]
+    checks += [("TUNEUP_CPU_BF16", "warn", str(w.message).removeprefix("tuneup: "))
+               for w in caught if "TUNEUP_CPU_BF16" in str(w.message)]
+    return checks
 
 
 def _run_dir() -> list[Check]:
