@@ -8,7 +8,8 @@ training step this kind of 2-core host runs). Each round runs every configuratio
 shuffled order, so slow drifts of the machine hit all of them alike. A run's figure is its
 mean step time (wall time / steps, so the occasional sampled step is paid for); the table
 prints the median over rounds, the ratio to the bare loop and the added time per step, and
-the median (and IQR) of the difference to the bare run of the same round.
+the median (and IQR) of the difference to the bare run of the same round; then the same for
+CPU time per step (time.process_time(): it counts tuneup's own threads).
 
 torch.profiler runs continuously with schedule(wait=5, warmup=1, active=3, repeat=0) and a
 trace handler that discards the trace: the cheapest way to keep it on for a whole run.
@@ -69,14 +70,15 @@ def make(features, hidden, depth, batch, optimizer_class, pre_batched):
     return loader, model, optimizer
 
 
-def loop(loader, model, optimizer, steps: int, on_step=None) -> float:
-    """Run `steps` steps; returns the wall time of the last `steps - WARMUP_STEPS`."""
+def loop(loader, model, optimizer, steps: int, on_step=None) -> tuple[float, float]:
+    """Run `steps` steps; returns the wall and CPU time of the last `steps - WARMUP_STEPS` (CPU
+    time of the whole process: the agent's own thread included)."""
     step = 0
     started = None
     while True:
         for x, y in loader:
             if step == WARMUP_STEPS:
-                started = time.perf_counter()
+                started = time.perf_counter(), time.process_time()
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -87,7 +89,7 @@ def loop(loader, model, optimizer, steps: int, on_step=None) -> float:
                 on_step()
             step += 1
             if step == steps:
-                return time.perf_counter() - started
+                return time.perf_counter() - started[0], time.process_time() - started[1]
 
 
 def bare(job, steps, _tmp):
@@ -127,23 +129,28 @@ def main() -> None:
             job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
             steps = WARMUP_STEPS + timed
             per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
+            cpu_per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
             for _ in range(args.rounds):
                 order = list(CONFIGS.items())
                 random.shuffle(order)
                 for name, run in order:
-                    per_step[name].append(run(job, steps, tmp) / timed)
-            base = statistics.median(per_step["bare loop"])
+                    wall, cpu = run(job, steps, tmp)
+                    per_step[name].append(wall / timed)
+                    cpu_per_step[name].append(cpu / timed)
             print(f"\n{workload} (batch {batch}, {timed} timed steps per run)")
-            print(f"  {'configuration':<18}{'median step':>14}{'ratio':>9}{'added/step':>13}"
-                  f"{'paired added/step (IQR)':>30}")
-            for name, values in per_step.items():
-                median = statistics.median(values)
-                # Paired with the bare run of the same round: drifts of the machine cancel out.
-                added = [(v - b) * 1e6 for v, b in zip(values, per_step["bare loop"])]
-                q1, q2, q3 = statistics.quantiles(added, n=4)
-                print(f"  {name:<18}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
-                      f"{(median - base) * 1e6:>10.1f} µs{statistics.median(added):>12.1f} µs"
-                      f" ({q1:.1f} to {q3:.1f})")
+            for title, figures in (("wall time", per_step), ("CPU time", cpu_per_step)):
+                base = statistics.median(figures["bare loop"])
+                print(f"  {title:<18}{'median step':>14}{'ratio':>9}{'added/step':>13}"
+                      f"{'paired added/step (IQR)':>30}")
+                for name, values in figures.items():
+                    median = statistics.median(values)
+                    # Paired with the bare run of the same round: drifts of the machine cancel out.
+                    added = [(v - b) * 1e6 for v, b in zip(values, figures["bare loop"])]
+                    q1, _, q3 = statistics.quantiles(added, n=4)
+                    print(f"  {name:<18}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
+                          f"{(median - base) * 1e6:>10.1f} µs{statistics.median(added):>12.1f} µs"
+                          f" ({q1:.1f} to {q3:.1f})")
+
 
 if __name__ == "__main__":
     main()

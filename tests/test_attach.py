@@ -20,7 +20,7 @@ from tuneup.measure.syncs import HOST_READS
 PATCHED = [
     (DataLoader, "__iter__"),
     (_BaseDataLoaderIter, "__next__"),
-    (torch.autograd, "backward"),
+    (torch.Tensor, "backward"),
     (torch.optim.Optimizer, "zero_grad"),
     (nn.Module, "zero_grad"),
     (torch.amp.GradScaler, "scale"),

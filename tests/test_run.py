@@ -38,7 +38,7 @@ TRAIN = textwrap.dedent("""
 
 
 def environment(tmp_path: Path, **variables: str) -> dict[str, str]:
-    return child_env(PYTHONPATH=None, TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", **variables)
+    return child_env(**{"PYTHONPATH": None, "TUNEUP_RUN_DIR": str(tmp_path / "run"), "TUNEUP_PORT": "0", **variables})
 
 
 def write(path: Path, source: str) -> Path:

@@ -7,20 +7,163 @@ deleted again rather than copied onto the subclass).
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import re
+import sys
+import types
 from typing import Any, Callable
 
 _MISSING = object()
+
+try:  # the C switch under torch._dynamo.disable: available without importing torch._dynamo
+    from torch._C._dynamo.eval_frame import set_eval_frame as quiet_dynamo
+except ImportError:  # pragma: no cover - a torch without dynamo
+    def quiet_dynamo(callback: Any) -> Any:
+        return None
+
+# A measured call of a torch function, posing as it (see posing_as and measured).
+_MEASURED = """
+def measured(*args, **kwargs):
+    if _tuneup_is_compiling():
+        return _tuneup_original(*args, **kwargs)
+    _tuneup_prior = _tuneup_quiet(None)
+    try:
+        _tuneup_token = _tuneup_before(args, kwargs)
+    finally:
+        _tuneup_quiet(_tuneup_prior)
+    if _tuneup_token is None:
+        return _tuneup_original(*args, **kwargs)
+    _tuneup_result = None
+    try:
+        _tuneup_result = _tuneup_original(*args, **kwargs)
+        return _tuneup_result
+    finally:
+        _tuneup_prior = _tuneup_quiet(None)
+        try:
+            _tuneup_after(_tuneup_token, _tuneup_result, args, kwargs)
+        finally:
+            _tuneup_quiet(_tuneup_prior)
+"""
+
+
+def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
+             *, home: type | None = None) -> types.FunctionType:
+    """`original`, posing as itself (posing_as), with `before(args, kwargs)` run ahead of each
+    call and, where it returned a token other than None, `after(token, result, args, kwargs)`
+    once the call returned (result None if it raised). Neither may raise.
+
+    Neither runs while dynamo traces the call (is_compiling() comes first and folds to True:
+    dynamo traces straight to `original` and guards on none of tuneup's state), and both run
+    with dynamo's frame callback off, as torch._dynamo.disable does it
+    (torch/_dynamo/eval_frame.py: `set_eval_frame(None)`): inside a compiled function's eager
+    parts (after a graph break) dynamo would otherwise compile tuneup's bookkeeping frames as
+    the job's own: extra graphs and graph breaks."""
+    import torch
+
+    return posing_as(original, _MEASURED, home=home, _tuneup_original=original, _tuneup_before=before,
+                     _tuneup_after=after, _tuneup_is_compiling=torch.compiler.is_compiling,
+                     _tuneup_quiet=quiet_dynamo)
+
+
+def posing_as(original: Any, template: str, *, home: type | None = None, **bindings: Any) -> types.FunctionType:
+    """The function `template` defines, built to pass for `original` wherever torch's
+    front-ends look at a function rather than call it.
+
+    - TorchScript compiles a module's `forward` from `inspect.getsource` (which follows
+      `__wrapped__` to `original`) and resolves the names in it through the function's own
+      `__globals__` and closure (torch/jit/_recursive.py `make_stub`, torch/_jit_internal.py
+      `get_closure`); its file is `inspect.getsourcefile` of the function itself
+      (torch/_sources.py `get_source_lines_and_file`). A plain wrapper has tuneup's globals and
+      file: `torch.jit.script(model)` then fails on any name the model's module imports.
+    - fx.symbolic_trace patches the functions it autowraps in the forward's `__globals__`
+      (torch/fx/_symbolic_trace.py `Tracer.trace`).
+    - dynamo decides by a frame's file whether to trace it or skip it (torch/_dynamo/
+      trace_rules.py `check`): torch's own files are skipped, so a wrapper in tuneup's file
+      around a torch function is traced where the original would be skipped (an extra graph
+      break, an extra frame compiled).
+
+    So the wrapper gets `original`'s globals, file, name and def line (for a function written
+    in C, those of `home`, the class that holds it). The names it uses itself are `bindings`:
+    closure variables, all `_tuneup_`-prefixed (no clash with the user's names); it uses no
+    global name, not even a builtin. Every line of it is numbered as the def line, so a
+    traceback through it shows that line rather than a line of tuneup.
+
+    `template` is the source of one function definition using the names in `bindings`.
+    """
+    if any(not name.startswith("_tuneup_") for name in bindings):
+        raise ValueError("bindings must be named _tuneup_*")
+    code = getattr(original, "__code__", None)
+    if code is not None:
+        filename, line, globals_, name = code.co_filename, code.co_firstlineno, original.__globals__, code.co_name
+        qualname = getattr(code, "co_qualname", None)
+    else:  # a function written in C: it poses as a function of the class that holds it
+        if home is None:
+            raise ValueError(f"{original!r} has no code: give the class that holds it as home")
+        filename, line, globals_ = _class_place(home)
+        name = original.__name__
+        qualname = f"{home.__qualname__}.{name}"
+    names = sorted(bindings)
+    source = f"def _tuneup_factory({', '.join(names)}):\n" + "".join(
+        f"    {text}\n" for text in template.strip("\n").splitlines()) + "    return " + _defined(template) + "\n"
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if "lineno" in node._attributes:
+            node.lineno = node.end_lineno = line
+            node.col_offset = node.end_col_offset = 0
+    namespace: dict[str, Any] = {}
+    exec(compile(tree, filename, "exec"), namespace)
+    inner = namespace["_tuneup_factory"](*(bindings[name] for name in names))
+    code = inner.__code__.replace(co_name=name)
+    if qualname is not None and hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=qualname)
+    wrapper = types.FunctionType(code, globals_, name, inner.__defaults__, inner.__closure__)
+    return functools.update_wrapper(wrapper, original)
+
+
+def _class_place(cls: type) -> tuple[str, int, dict[str, Any]]:
+    """The file and `class` line that define `cls`, and its module's globals: those of the
+    Python functions it defines (torch.Tensor says it is torch's; it is written in
+    torch/_tensor.py). Line 1 where the line is not found."""
+    function = next((value for value in vars(cls).values() if isinstance(value, types.FunctionType)), None)
+    if function is not None:
+        filename, globals_ = function.__code__.co_filename, function.__globals__
+    else:
+        filename, globals_ = inspect.getsourcefile(cls) or "<unknown>", vars(sys.modules[cls.__module__])
+    return filename, _class_line(filename, cls.__name__), globals_
+
+
+@functools.lru_cache(maxsize=None)
+def _class_line(filename: str, name: str) -> int:
+    pattern = re.compile(rf"^class {re.escape(name)}\b")
+    try:
+        with open(filename, encoding="utf-8") as source:
+            for number, text in enumerate(source, start=1):
+                if pattern.match(text):
+                    return number
+    except OSError:
+        pass
+    return 1
+
+
+def _defined(template: str) -> str:
+    """The name of the function `template` defines."""
+    return template.strip().split("(", 1)[0].split()[-1]
 
 
 class PatchSet:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self.replaced: list[tuple[Any, str, Any]] = []  # (owner, name, original) of each replace, in effect or not
 
     def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         """Replace `owner.name` with `make(original)`; undo restores the exact prior state."""
         own = vars(owner).get(name, _MISSING)
-        replacement = make(getattr(owner, name))
+        original = getattr(owner, name)
+        replacement = make(original)
         setattr(owner, name, replacement)
+        self.replaced.append((owner, name, original))
 
         def undo() -> None:
             if vars(owner).get(name, _MISSING) is not replacement:

@@ -40,6 +40,7 @@ from .export.push import Pusher
 from .export.runlog import RunLog, log_name
 from .export.server import AgentServer
 from .integrations import framework_of, unwrap_loader, unwrap_optimizer
+from .measure.calls import CallWatch
 from .measure.config import read_config
 from .measure.device_values import DeviceValues, raw_item
 from .measure.gpu import open_gpus
@@ -179,10 +180,11 @@ class Agent:
         self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
         self.syncs = SyncCounter(self.timeline, self.options.sync_sample_every, threading.get_ident())
+        self.calls = CallWatch(self.timeline, self.syncs)
         self.host: HostProbe | None = None
         self.gpus = open_gpus(self.options.nvml_module, self.options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
-        self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits)
+        self._hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits, self.calls)
         self._slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
         self.runner: Experimenter | None = None
         if self.options.mode == "apply":
@@ -203,9 +205,11 @@ class Agent:
         try:
             self.timeline.attached_at = time.perf_counter()
             self.timeline.add_listener("syncs", self.syncs.on_close)
+            self.timeline.add_listener("calls", self.calls.on_close)  # after syncs: see SyncCounter.step_watched
             self.timeline.add_listener("step_close", self._on_close)
-            for probe in self._hot_probes:
+            for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
                 probe.install(self._patches)
+            self.calls.install()
             if self.runner is not None:
                 self.runner.install(self._patches)
             if torch.distributed.is_available():
@@ -240,6 +244,7 @@ class Agent:
         for probe in self._hot_probes:
             probe.on = False
         self.syncs.close()
+        self.calls.close()
         self.model.uninstall_discovery()
         self._patches.undo_all()
 
@@ -393,6 +398,7 @@ class Agent:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
         else:
             wake = 1 << 62
+        wake = min(wake, self.calls.wake_after(step))
         tl.wake_at = min(wake, runner.wake_at) if runner is not None else wake
 
     def _lifecycle(self, step: int) -> None:
@@ -579,7 +585,7 @@ class Agent:
         return event
 
     def _habits(self) -> dict[str, Any]:
-        return dict(self.habits.summary(self.timeline.ring.count), eval_forwards_with_grad=self.model.eval_with_grad)
+        return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad)
 
     def _sample_system(self) -> dict[str, Any]:
         system: dict[str, Any] = {"time": time.time()}
@@ -847,6 +853,7 @@ class Agent:
                 probe.on = False
             self.syncs.sampling = False
             self.syncs.counting_reads = False
+            self.calls.close()  # a worker forked during a watched step inherited the profile function
             self.run_log = None
             if self.runner is not None:
                 self.runner.on = False

@@ -1,34 +1,25 @@
-"""Code habits the advice rules need, measured where they happen:
+"""Samples of the input batches the advice rules need: whether they are pinned, on which
+device, whether their shapes change (cudnn.benchmark needs static shapes), and value
+statistics of the float inputs (normalization) — on a few fetches only (1-5, then sparser),
+never on the GPU.
 
-- `torch.tensor(ndarray)` calls (a copy; `torch.as_tensor`/`torch.from_numpy` share the
-  array's memory), with their time and source lines;
-- gradient clipping calls (`clip_grad_norm_`, `clip_grad_value_`);
-- samples of the input batches: whether they are pinned, on which device, whether their
-  shapes change (cudnn.benchmark needs static shapes), and value statistics of the float
-  inputs (normalization) — on a few fetches only (1-5, then sparser), never on the GPU.
-
-Evaluation forwards that build autograd graphs are counted by the model probe.
+The other code habits are measured where they happen: `torch.tensor(ndarray)` copies and
+gradient clipping by the call watch (calls.py), evaluation forwards that build autograd
+graphs by the model probe.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Mapping
-from time import perf_counter
 from typing import Any
 
 import torch
 
-from .._patching import PatchSet
 from .device_values import raw_item
 from .steps import StepTimeline
-from .syncs import format_location
 
-MAX_SOURCES = 10
 MAX_SHAPES = 64
 SAMPLE_ROWS = 8  # rows of a batch read for its statistics
-_CLIP = ("clip_grad_norm_", "clip_grad_value_")
 
 
 def _inspect_schedule(fetch: int) -> int:
@@ -61,11 +52,6 @@ class HabitsProbe:
     def __init__(self, timeline: StepTimeline) -> None:
         self.on = True
         self.timeline = timeline
-        self.numpy_copies = 0
-        self.numpy_copy_seconds = 0.0
-        self.numpy_copies_in_loader = 0
-        self.numpy_sources: dict[str, int] = {}
-        self.clip_calls = 0
         self.next_inspect = 1
         self.inspected = 0
         self.pinned = 0
@@ -75,57 +61,6 @@ class HabitsProbe:
         self.shape_changes = 0
         self._last_shape: tuple | None = None
         self.inputs: dict[str, Any] | None = None  # the newest float-input statistics
-
-    def install(self, patches: PatchSet) -> None:
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
-        if numpy is not None:
-            patches.replace(torch, "tensor", self._wrap_tensor(numpy.ndarray))
-        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in _CLIP:
-                if hasattr(module, name):
-                    patches.replace(module, name, self._wrap_clip)
-
-    def _wrap_tensor(self, ndarray: type):
-        probe = self
-        tl = self.timeline
-
-        def wrap(original):
-            @functools.wraps(original)
-            def tensor(data, *args, **kwargs):
-                if type(data) is not ndarray or not probe.on:
-                    return original(data, *args, **kwargs)
-                began = perf_counter()
-                try:
-                    return original(data, *args, **kwargs)
-                finally:
-                    try:
-                        probe.numpy_copy_seconds += perf_counter() - began
-                        probe.numpy_copies += 1
-                        if tl.in_loader:
-                            probe.numpy_copies_in_loader += 1
-                        if len(probe.numpy_sources) < MAX_SOURCES or probe.numpy_copies % 64 == 0:
-                            frame = sys._getframe(1)
-                            where = format_location(frame.f_code.co_filename, frame.f_lineno)
-                            probe.numpy_sources[where] = probe.numpy_sources.get(where, 0) + 1
-                    except Exception as exc:
-                        probe.fail(exc)
-
-            return tensor
-
-        return wrap
-
-    def _wrap_clip(self, original):
-        probe = self
-
-        @functools.wraps(original)
-        def clip(*args, **kwargs):
-            probe.clip_calls += 1
-            return original(*args, **kwargs)
-
-        return clip
 
     def inspect(self, batch: Any) -> None:
         """Called by the loader probe on scheduled fetches (off the common path)."""
@@ -165,16 +100,8 @@ class HabitsProbe:
         except Exception as exc:
             self.fail(exc)
 
-    def summary(self, steps: int) -> dict[str, Any]:
-        per_step = (lambda n: n / steps) if steps else (lambda n: None)
-        sources = sorted(self.numpy_sources.items(), key=lambda item: -item[1])[:5]
+    def summary(self) -> dict[str, Any]:
         return {
-            "numpy_copies": self.numpy_copies,
-            "numpy_copies_per_step": per_step(self.numpy_copies),
-            "numpy_copies_in_loader": self.numpy_copies_in_loader,
-            "numpy_copy_seconds": self.numpy_copy_seconds,
-            "numpy_copy_sources": [{"location": where, "calls": calls} for where, calls in sources],
-            "clip_grad_calls": self.clip_calls,
             "batches": {
                 "inspected": self.inspected,
                 "devices": sorted(self.devices),

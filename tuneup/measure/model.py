@@ -5,24 +5,31 @@ while no other module is running is a root. After that step the roots are timed 
 their class's `forward`, patched to check `id(module)` against the roots: a module hook
 would push every call of the root onto nn.Module's slow path (about 12 µs on a small CPU
 host), and an instance attribute would be copied by `copy.deepcopy(model)` (EMA models)
-and break `torch.save(model)`. A root that already has an instance-level `forward` (as
-Accelerate installs) gets hooks instead, made inert when copied or pickled.
-The leaf modules' call order seen during discovery is kept for the configuration probe
-(Conv→BatchNorm checks need the order modules actually run in, not their declared order).
+and break `torch.save(model)`. The patched forward poses as the model's own to TorchScript,
+fx and dynamo (`_patching.measured`: `torch.jit.script(model)`, `fx.symbolic_trace(model)`
+and `torch.compile(model)` see exactly what they would without tuneup). A root that already
+has an instance-level `forward` (as Accelerate installs) gets hooks instead, made inert when
+copied or pickled. The leaf modules' call order seen during discovery is kept for the
+configuration probe (Conv→BatchNorm checks need the order modules actually run in, not
+their declared order).
+
+Backward is timed through `Tensor.backward` (what `loss.backward()` calls), not
+`torch.autograd.backward`: TorchScript resolves the latter by identity (an `aten::backward`
+builtin in torch/jit/_builtins.py), so replacing it breaks any scripted function that calls it.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import _symbolic_trace as _fx_tracing
 from torch.nn.modules import module as module_hooks
 
-from .._patching import PatchSet
+from .._patching import PatchSet, measured
 from .steps import StepTimeline
 
 # Autocast is thread-local, so it can only be read on the training thread, inside forward.
@@ -40,6 +47,12 @@ def read_autocast() -> dict[str, str | None]:
             continue
         state[device] = str(dtype).replace("torch.", "") if dtype is not None else None
     return state
+
+
+def tracing() -> bool:
+    """Whether torch.jit.trace, fx.symbolic_trace or torch.export is running the model rather
+    than the job. fx's flag is read as is: its getter, is_fx_tracing(), logs a warning."""
+    return bool(torch._C._get_tracing_state()) or getattr(_fx_tracing, "_is_fx_tracing_flag", False)
 
 
 class ModelProbe:
@@ -63,12 +76,14 @@ class ModelProbe:
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
+        self.grad_enabled = torch.is_grad_enabled
+        self._backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
 
     # --- install --------------------------------------------------------------------
 
     def install(self, patches: PatchSet) -> None:
         self._patches = patches
-        patches.replace(torch.autograd, "backward", self._wrap_backward)
+        patches.replace(torch.Tensor, "backward", self._wrap_backward)
         if self.explicit:
             for model in self._named:
                 self._hook_root(model)
@@ -137,46 +152,33 @@ class ModelProbe:
             self._patches.replace(cls, "forward", self._wrap_forward)
 
     def _wrap_forward(self, original):
-        probe = self
-        tl = self.timeline
+        return measured(original, self._forward_before, self._forward_after)
 
-        root_ids = self.roots  # a dict: `in` tests its keys, the ids
-        is_compiling = torch.compiler.is_compiling
-        grad_enabled = torch.is_grad_enabled
-
-        @functools.wraps(original)
-        def forward(module, *args, **kwargs):
-            # is_compiling() first: dynamo folds it to True and traces straight through.
-            if is_compiling() or not (probe.on and tl.detail) or id(module) not in root_ids:
-                if not module.training and grad_enabled() and probe.on and id(module) in root_ids:
-                    probe.eval_with_grad += 1  # an evaluation forward that builds a graph
-                return original(module, *args, **kwargs)
-            if not module.training and grad_enabled():
-                probe.eval_with_grad += 1
-            # StepTimeline.forward_begin/forward_end, inlined: this runs on every step.
-            began = perf_counter()
-            if tl.forward_depth == 0:
-                if tl.step_start is None:
-                    tl.step_start = began
-                tl.in_optimizer = False
-                if tl.gpu_timer is not None or probe.read_config_next_forward:
-                    probe._first_forward_extras()
-            tl.forward_depth += 1
-            try:
-                return original(module, *args, **kwargs)
-            finally:
-                tl.forward_depth -= 1
-                if tl.forward_depth == 0:
-                    tl.forward += perf_counter() - began
-
-        return forward
-
-    def _first_forward_extras(self) -> None:
+    def _forward_before(self, args: tuple, kwargs: dict) -> bool | None:
+        """Starts timing a call of a root class's forward (True), or leaves it untimed (None):
+        not a root, not a detail step, or the model being traced (jit.trace, fx) rather than
+        trained. Counts evaluation forwards that build autograd graphs on the way."""
         try:
-            if self.timeline.gpu_timer is not None:
-                self.timeline.gpu_timer.forward_started()
-            if self.read_config_next_forward:
+            module = args[0]
+            if id(module) not in self.roots or not self.on:
+                return None
+            traced = tracing()
+            if not module.training and self.grad_enabled() and not traced:
+                self.eval_with_grad += 1
+            tl = self.timeline
+            if not tl.detail or traced:
+                return None
+            if tl.forward_depth == 0 and self.read_config_next_forward:
                 self._read_config()
+            tl.forward_begin(perf_counter())
+            return True
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def _forward_after(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            self.timeline.forward_end(perf_counter())
         except Exception as exc:
             self.fail(exc)
 
@@ -242,28 +244,38 @@ class ModelProbe:
         self.autocast = read_autocast()
 
     def _wrap_backward(self, original):
-        probe = self
-        tl = self.timeline
+        return measured(original, self._backward_before, self._backward_after)
 
-        @functools.wraps(original)
-        def backward(tensors, *args, **kwargs):
-            if probe._discovery:
-                probe._end_discovery()
-            if not (probe.on and tl.detail):
-                return original(tensors, *args, **kwargs)
-            began = perf_counter()
-            if type(tensors) is torch.Tensor and id(tensors) != tl.scaled_loss_id and tensors.numel() == 1:
-                tl.loss = tensors.detach()  # read when the step closes
-            try:
-                return original(tensors, *args, **kwargs)
-            finally:
-                # Inline: the backward share of the step, on detail steps.
-                if tl.step_start is None:
-                    tl.step_start = began
-                tl.backward += perf_counter() - began
-                tl.backward_passes += 1
+    def _backward_before(self, args: tuple, kwargs: dict) -> float | None:
+        """The start of a timed backward, or None: not a detail step, or a tensor subclass's
+        __torch_function__ calling Tensor.backward again inside one."""
+        try:
+            if not self.on or self._backward_depth:
+                return None
+            if self._discovery:
+                self._end_discovery()
+            tl = self.timeline
+            if not tl.detail:
+                return None
+            tensor = args[0]
+            if type(tensor) is torch.Tensor and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
+                tl.loss = tensor.detach()  # read when the step closes
+            self._backward_depth += 1
+            return perf_counter()
+        except Exception as exc:
+            self.fail(exc)
+            return None
 
-        return backward
+    def _backward_after(self, began: float, result: Any, args: tuple, kwargs: dict) -> None:
+        self._backward_depth -= 1
+        try:
+            tl = self.timeline
+            if tl.step_start is None:
+                tl.step_start = began
+            tl.backward += perf_counter() - began
+            tl.backward_passes += 1
+        except Exception as exc:
+            self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

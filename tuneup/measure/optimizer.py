@@ -7,7 +7,6 @@ the update).
 
 from __future__ import annotations
 
-import functools
 import weakref
 from time import perf_counter
 from typing import Any, Callable
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
-from .._patching import PatchSet
+from .._patching import PatchSet, measured
 from .steps import StepTimeline
 
 
@@ -79,21 +78,22 @@ class OptimizerProbe:
             self.fail(exc)
 
     def _wrap_zero_grad(self, original):
-        probe = self
-        tl = self.timeline
+        # Posing as the original (see posing_as): Optimizer.zero_grad is dynamo-disabled
+        # (@torch._disable_dynamo, whose wrapper lives in torch/_compile.py, a file dynamo skips),
+        # so a compiled train step must meet a function dynamo skips just the same.
+        return measured(original, self._zero_grad_before, self._zero_grad_after)
 
-        @functools.wraps(original)
-        def zero_grad(owner, *args, **kwargs):
-            if not (probe.on and tl.detail):
-                return original(owner, *args, **kwargs)
-            began = perf_counter()
-            try:
-                return original(owner, *args, **kwargs)
-            finally:
-                probe.set_to_none = bool(args[0] if args else kwargs.get("set_to_none", True))
-                tl.optimizer += perf_counter() - began
+    def _zero_grad_before(self, args: tuple, kwargs: dict) -> float | None:
+        return perf_counter() if self.on and self.timeline.detail else None
 
-        return zero_grad
+    def _zero_grad_after(self, began: float, result: Any, args: tuple, kwargs: dict) -> None:
+        """On detail steps: the set_to_none the loop uses, and the time (optimizer time:
+        zeroing gradients is part of the update)."""
+        try:
+            self.set_to_none = bool(args[1] if len(args) > 1 else kwargs.get("set_to_none", True))
+            self.timeline.optimizer += perf_counter() - began
+        except Exception as exc:
+            self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

@@ -9,7 +9,6 @@ a rise is a growth.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from time import perf_counter
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import GradScaler
 
-from .._patching import PatchSet
+from .._patching import PatchSet, measured
 from .device_values import DeviceValues
 from .optimizer import OptimizerProbe
 from .steps import StepTimeline
@@ -59,51 +58,60 @@ class ScalerProbe:
     def _measured(self, scaler: GradScaler) -> bool:
         return self.on and (self.tracked is None or scaler in self.tracked)
 
-    # --- wrappers ----------------------------------------------------------------------
+    # --- wrappers (posing as GradScaler's own methods: see posing_as) --------------------
 
     def _wrap_scale(self, original):
-        probe = self
-        tl = self.timeline
+        return measured(original, self._before_scale, self._after_scale)
 
-        @functools.wraps(original)
-        def scale(scaler, outputs):
-            result = original(scaler, outputs)
-            if probe._measured(scaler):
-                try:
-                    if scaler not in probe.scalers:
-                        probe.scalers.add(scaler)
-                        probe.seen += 1
-                        start = getattr(scaler, "_scale", None)  # absent on a disabled scaler
-                        if start is not None:  # the starting scale, so a first back-off counts
-                            ref = weakref.ref(scaler)
-                            probe.values.read(start, lambda value: probe._scale_read(ref, value, True))
-                    probe.enabled = bool(scaler._enabled)
-                    if tl.detail and result is not outputs and type(outputs) is torch.Tensor and outputs.numel() == 1:
-                        tl.loss = outputs.detach()  # the unscaled loss, on detail steps
-                        tl.scaled_loss_id = id(result)
-                except Exception as exc:
-                    probe.fail(exc)
-            return result
+    def _before_scale(self, args: tuple, kwargs: dict) -> bool | None:
+        try:
+            return True if self._measured(args[0]) else None
+        except Exception as exc:
+            self.fail(exc)
+            return None
 
-        return scale
+    def _after_scale(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
+        if result is None:
+            return  # scale() raised
+        try:
+            scaler = args[0]
+            outputs = args[1] if len(args) > 1 else kwargs.get("outputs")
+            tl = self.timeline
+            if scaler not in self.scalers:
+                self.scalers.add(scaler)
+                self.seen += 1
+                start = getattr(scaler, "_scale", None)  # absent on a disabled scaler
+                if start is not None:  # the starting scale, so a first back-off counts
+                    ref = weakref.ref(scaler)
+                    self.values.read(start, lambda value: self._scale_read(ref, value, True))
+            self.enabled = bool(scaler._enabled)
+            if tl.detail and result is not outputs and type(outputs) is torch.Tensor and outputs.numel() == 1:
+                tl.loss = outputs.detach()  # the unscaled loss, on detail steps
+                tl.scaled_loss_id = id(result)
+        except Exception as exc:
+            self.fail(exc)
 
     def _wrap_step(self, original):
-        probe = self
+        return measured(original, self._before_step, self._after_step_call)
 
-        @functools.wraps(original)
-        def step(scaler, optimizer, *args, **kwargs):
-            probe.calls["step"] += 1
-            if not probe._measured(scaler) or not scaler._enabled:
-                return original(scaler, optimizer, *args, **kwargs)
-            ran_before = probe.optimizers.total_steps
-            result = original(scaler, optimizer, *args, **kwargs)
-            try:
-                probe._after_step(scaler, optimizer, ran_before)
-            except Exception as exc:
-                probe.fail(exc)
-            return result
+    def _before_step(self, args: tuple, kwargs: dict) -> int | None:
+        """The optimizer steps run so far, or None when this step() is not measured."""
+        self.calls["step"] += 1
+        try:
+            scaler = args[0]
+            if not self._measured(scaler) or not scaler._enabled:
+                return None
+        except Exception as exc:
+            self.fail(exc)
+            return None
+        return self.optimizers.total_steps
 
-        return step
+    def _after_step_call(self, ran_before: int, result: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            optimizer = args[1] if len(args) > 1 else kwargs.get("optimizer")
+            self._after_step(args[0], optimizer, ran_before)
+        except Exception as exc:
+            self.fail(exc)
 
     def _after_step(self, scaler: GradScaler, optimizer: Any, ran_before: int) -> None:
         self.steps += 1
@@ -138,23 +146,22 @@ class ScalerProbe:
             self.skip_run = 0
 
     def _wrap_update(self, original):
-        probe = self
+        return measured(original, self._before_update, self._after_update)
 
-        @functools.wraps(original)
-        def update(scaler, new_scale=None):
-            probe.calls["update"] += 1
-            result = original(scaler, new_scale)
+    def _before_update(self, args: tuple, kwargs: dict) -> bool:
+        self.calls["update"] += 1
+        return True
+
+    def _after_update(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            scaler = args[0]
             current = getattr(scaler, "_scale", None)
-            if probe._measured(scaler) and scaler._enabled and current is not None:
-                try:
-                    ref = weakref.ref(scaler)
-                    set_by_hand = new_scale is not None
-                    probe.values.read(current, lambda value: probe._scale_read(ref, value, set_by_hand))
-                except Exception as exc:
-                    probe.fail(exc)
-            return result
-
-        return update
+            if self._measured(scaler) and scaler._enabled and current is not None:
+                ref = weakref.ref(scaler)
+                set_by_hand = (args[1] if len(args) > 1 else kwargs.get("new_scale")) is not None
+                self.values.read(current, lambda value: self._scale_read(ref, value, set_by_hand))
+        except Exception as exc:
+            self.fail(exc)
 
     def _scale_read(self, ref: weakref.ref, value: float, reset: bool) -> None:
         """A scale value arrived. `reset`: the starting scale, or one set by hand (no event)."""

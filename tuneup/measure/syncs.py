@@ -9,11 +9,15 @@ nothing. Two backends, chosen per sampled step:
   callbacks were the other candidate, but once activated they cannot be turned off and call
   into Python on every allocation and event for the rest of the process.)
 - CPU only: the host reads that would block on an accelerator (`.item()`, `.tolist()`,
-  `bool(t)`, `float(t)`, `int(t)`, `.cpu()`, `.numpy()`, `nonzero`) are counted on the
+  `bool(t)`, `float(t)`, `int(t)`, `.cpu()`, `.numpy()`, `.nonzero()`) are counted on the
   sampled step and reported as "would sync on GPU". Reads inside the DataLoader, inside
-  optimizer.step (CPU-side step counters) and inside tuneup don't count.
+  optimizer.step (CPU-side step counters) and inside tuneup don't count. The function
+  `torch.nonzero` cannot be wrapped (TorchScript resolves it by identity: see calls.py): the
+  call watch counts it on the steps it watches, so its figures have their own denominator
+  (WATCHED_KINDS: sampled steps that were also watched).
 
-The host-read wrappers are installed once, at attach, and only check a flag outside
+The host-read wrappers (Tensor methods: TorchScript and dynamo resolve those by name, never
+through the Python attribute) are installed once, at attach, and only check a flag outside
 sampled steps. Installing them per sampled step would be simpler, but setting attributes
 on torch.Tensor (dunder slots above all) invalidates the interpreter's attribute caches for
 every tensor: measured at 30-240 µs per sampled step, against nothing measurable for a
@@ -23,6 +27,7 @@ torch.compiler.is_compiling(), so dynamo folds it away and never guards on our s
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -32,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._patching import PatchSet
+from .._patching import PatchSet, posing_as, quiet_dynamo
 from .steps import StepTimeline
 
 HOST_READS: tuple[tuple[Any, str], ...] = (
@@ -44,8 +49,27 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "cpu"),
     (torch.Tensor, "numpy"),
     (torch.Tensor, "nonzero"),
-    (torch, "nonzero"),
 )
+WATCHED_KINDS = frozenset({"torch.nonzero"})  # seen by the call watch only (calls.py)
+# A host-read method of Tensor, counted on sampled steps. Like _patching.measured, but it
+# checks counting_reads first: host reads may come many to a step, and off sampled steps
+# this test is all they pay for.
+_HOST_READ = """
+def host_read(*args, **kwargs):
+    if _tuneup_is_compiling() or not _tuneup_counter.counting_reads:
+        return _tuneup_original(*args, **kwargs)
+    _tuneup_prior = _tuneup_quiet(None)
+    try:
+        _tuneup_counted = _tuneup_counts()
+    finally:
+        _tuneup_quiet(_tuneup_prior)
+    if not _tuneup_counted:
+        return _tuneup_original(*args, **kwargs)
+    try:
+        return _tuneup_original(*args, **kwargs)
+    finally:
+        _tuneup_counter._busy = False
+"""
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
@@ -106,7 +130,8 @@ class SyncCounter:
         self.backend = "cpu"  # "cpu": would sync on GPU; "cuda": real syncs
         self.calls = 0  # in the sampled step under way
         self.sampled_steps = 0
-        self.sampled_calls = 0
+        self.watched_steps = 0  # sampled steps the call watch also watched: WATCHED_KINDS' denominator
+        self.step_watched = False  # set by the call watch for the step it watches
         self.max_per_step = 0
         # Counted into the step under way, merged into the totals when it completes, so a
         # step cut short (detach, an exception) never skews the per-step figures.
@@ -128,7 +153,7 @@ class SyncCounter:
             self._stop()
             self.timeline.ring.put("syncs", step, self.calls)
             self.sampled_steps += 1
-            self.sampled_calls += self.calls
+            self.watched_steps += self.step_watched
             self.max_per_step = max(self.max_per_step, self.calls)
             for kind, count in self.step_kinds.items():
                 self.by_kind[kind] = self.by_kind.get(kind, 0) + count
@@ -189,32 +214,27 @@ class SyncCounter:
     # --- CPU: count the host reads on sampled steps ----------------------------------
 
     def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        counter = self
+        # Posing as the Tensor method it wraps (see posing_as): after a graph break, dynamo
+        # skips its frame as it skips torch's own instead of compiling it.
+        return posing_as(original, _HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
+                         _tuneup_counts=functools.partial(self._counts, kind), _tuneup_is_compiling=torch.compiler.is_compiling,
+                         _tuneup_quiet=quiet_dynamo)
+
+    def _counts(self, kind: str) -> bool:
+        """Whether the read under way (the caller's caller) is one of the job's host reads on
+        the sampled step; if so it is recorded and reads inside it are not counted again."""
         timeline = self.timeline
-        get_ident = threading.get_ident
-        is_compiling = torch.compiler.is_compiling
-
-        def host_read(*args, **kwargs):  # (tensor, ...) or torch.nonzero(input=tensor)
-            if (
-                not counter.counting_reads
-                or is_compiling()
-                or counter._busy
-                or timeline.in_loader
-                or timeline.in_optimizer
-                or timeline.in_tuneup
-                or get_ident() != counter.thread_id
-            ):
-                return original(*args, **kwargs)
-            counter._busy = True  # a read inside a counted read is the same sync
-            try:
-                counter.record(kind, sys._getframe(1))
-                return original(*args, **kwargs)
-            finally:
-                counter._busy = False
-
-        host_read.__name__ = getattr(original, "__name__", kind)
-        host_read.__doc__ = getattr(original, "__doc__", None)
-        return host_read
+        if (self._busy or timeline.in_loader or timeline.in_optimizer
+                or timeline.in_tuneup or threading.get_ident() != self.thread_id):
+            return False
+        try:
+            self.record(kind, sys._getframe(2))  # _counts <- the wrapper <- the caller
+        except Exception as exc:
+            self.turn_off(f"stopped after an internal error: {type(exc).__name__}: {exc}")
+            self.timeline.fail(self.name, exc)
+            return False
+        self._busy = True  # a read inside a counted read is the same sync
+        return True
 
     # --- CUDA: torch's sync debug mode -------------------------------------------------
 
@@ -270,23 +290,30 @@ class SyncCounter:
 
     def summary(self, top: int = 10) -> dict[str, Any]:
         sampled = self.sampled_steps
-        ranked = sorted(dict(self.sources).items(), key=lambda item: -item[1])[:top] if sampled else []
+
+        def per_step(kind: str, count: int) -> float:
+            steps = self.watched_steps if kind in WATCHED_KINDS else sampled
+            return count / steps if steps else 0.0
+
+        by_kind = {kind: per_step(kind, count) for kind, count in sorted(dict(self.by_kind).items())} if sampled else {}
+        sources = [(key, per_step(key[3], count)) for key, count in dict(self.sources).items()] if sampled else []
+        ranked = sorted(sources, key=lambda item: -item[1])[:top]
         return {
             "measured": sampled > 0,
             "backend": self.backend,
             "meaning": "cuda synchronizations" if self.backend == "cuda" else "host reads that would sync on GPU",
             "sampled_steps": sampled,
-            "per_step": self.sampled_calls / sampled if sampled else None,
+            "per_step": sum(by_kind.values()) if sampled else None,
             "max_per_step": self.max_per_step if sampled else None,
-            "by_kind": {kind: count / sampled for kind, count in sorted(dict(self.by_kind).items())} if sampled else {},
+            "by_kind": by_kind,
             "top_sources": [
                 {
                     "location": format_location(filename, lineno),
                     "function": function,
                     "kind": kind,
-                    "per_step": count / sampled,
+                    "per_step": rate,
                 }
-                for (filename, lineno, function, kind), count in ranked
+                for (filename, lineno, function, kind), rate in ranked
             ],
             "unattributed_per_step": self.unattributed / sampled if sampled else None,
             "off_reason": self.off_reason,

@@ -22,7 +22,6 @@ exactly.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import weakref
 from collections import deque
@@ -32,8 +31,9 @@ import torch
 from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
-from ..._patching import PatchSet
+from ..._patching import PatchSet, measured, posing_as
 from ...measure.config import is_compiled
+from ...measure.model import tracing
 from ..action import FASTER, Action, Change, Job
 
 GUARD_STEPS = 300
@@ -43,6 +43,17 @@ SKIP_BURST = 5  # ... within SKIP_WINDOW steps
 CALIBRATION_STEPS = 20  # a GradScaler tuneup enabled searches its scale first: skips expected
 LOSS_LOOKBACK = 16
 _raw_tolist = torch._C.TensorBase.tolist
+# The forward of the trained models' classes under this change; it poses as the model's own
+# to TorchScript and fx (see posing_as), and a model being traced (jit.trace, fx, export: a
+# checkpoint exported mid-run) is traced as the job wrote it, without autocast.
+_AUTOCAST_FORWARD = """
+def forward(self, *args, **kwargs):
+    if _tuneup_id(self) not in _tuneup_targets or _tuneup_tracing():
+        return _tuneup_original(self, *args, **kwargs)
+    with _tuneup_autocast():
+        output = _tuneup_original(self, *args, **kwargs)
+    return _tuneup_to_float32(output)
+"""
 _CLOSURE_OPTIMIZERS = ("LBFGS",)
 
 
@@ -61,6 +72,10 @@ def to_float32(output: Any) -> Any:
             converted[key] = to_float32(value)
         return converted
     return output
+
+
+def _nothing_after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
+    return None
 
 
 def bf16_supported(device: str) -> bool:
@@ -106,18 +121,12 @@ class AmpChange(Change):
     def apply(self) -> None:
         self.applied_step = self.job.timeline.ring.count + 1
         self.guard_until = self.applied_step + self.guard_steps
-        targets, device, dtype = self.targets, self.device, self.dtype
+        device, dtype = self.device, self.dtype
 
         def wrap(original):
-            @functools.wraps(original)
-            def forward(module, *args, **kwargs):
-                if id(module) not in targets:
-                    return original(module, *args, **kwargs)
-                with torch.autocast(device, dtype=dtype):
-                    output = original(module, *args, **kwargs)
-                return to_float32(output)
-
-            return forward
+            return posing_as(original, _AUTOCAST_FORWARD, _tuneup_original=original, _tuneup_targets=self.targets,
+                             _tuneup_id=id, _tuneup_autocast=lambda: torch.autocast(device, dtype=dtype),
+                             _tuneup_to_float32=to_float32, _tuneup_tracing=tracing)
 
         for cls in self.classes:
             self.patches.replace(cls, "forward", wrap)
@@ -140,34 +149,34 @@ class AmpChange(Change):
     # update() would fail.
 
     def _switching_scale(self, original):
-        change = self
+        return measured(original, self._before_scale, _nothing_after)
 
-        @functools.wraps(original)
-        def scale(scaler, outputs):
-            if scaler is change.loop_scaler():
-                if change.restore_pending:  # a step that never reached update(): back off before this one
-                    change._restore_now(scaler)
-                elif not scaler._enabled and change.rollback_reason is None:
+    def _before_scale(self, args: tuple, kwargs: dict) -> None:
+        scaler = args[0]
+        try:
+            if scaler is self.loop_scaler():
+                if self.restore_pending:  # a step that never reached update(): back off before this one
+                    self._restore_now(scaler)
+                elif not scaler._enabled and self.rollback_reason is None:
                     vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
-                change.scaled_in_flight = scaler._enabled
-            return original(scaler, outputs)
-
-        return scale
+                self.scaled_in_flight = scaler._enabled
+        except Exception as exc:  # never into the job: the change is rolled back instead
+            self.rollback_reason = f"switching the GradScaler failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _tracking_update(self, original):
-        change = self
+        return measured(original, self._before_update_call, self._after_update_call)
 
-        @functools.wraps(original)
-        def update(scaler, new_scale=None):
-            try:
-                return original(scaler, new_scale)
-            finally:
-                if scaler is change.loop_scaler():
-                    change.scaled_in_flight = False
-                    if change.restore_pending:
-                        change._restore_now(scaler)
+    def _before_update_call(self, args: tuple, kwargs: dict) -> bool | None:
+        return True if args[0] is self.loop_scaler() else None
 
-        return update
+    def _after_update_call(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
+        self.scaled_in_flight = False
+        try:
+            if self.restore_pending:
+                self._restore_now(args[0])
+        except Exception as exc:  # never into the job: the change is rolled back instead
+            self.rollback_reason = f"restoring the GradScaler failed: {type(exc).__name__}: {exc}"
 
     def loop_scaler(self) -> GradScaler | None:
         """The loop's GradScaler this change uses, while it lives."""

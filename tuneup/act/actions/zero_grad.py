@@ -15,29 +15,31 @@ zero_grad() and backward() would see None: leave this action out (TUNEUP_ACTIONS
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..._patching import PatchSet
+from ..._patching import PatchSet, posing_as
 from ..action import NOT_SLOWER, Action, Change, Job
 
 GUARD_STEPS = 200
 
 
-def _forcing_set_to_none(original):
-    @functools.wraps(original)
-    def zero_grad(owner, *args, **kwargs):
-        if args:
-            args = (True,) + args[1:]
-        else:
-            kwargs["set_to_none"] = True
-        return original(owner, *args, **kwargs)
+# zero_grad with set_to_none=True, however the loop calls it; it poses as the original (see
+# posing_as: Optimizer.zero_grad is one dynamo skips, and a compiled step must still skip it).
+_SET_TO_NONE = """
+def zero_grad(self, *args, **kwargs):
+    if args:
+        return _tuneup_original(self, True, *args[1:], **kwargs)
+    kwargs["set_to_none"] = True
+    return _tuneup_original(self, **kwargs)
+"""
 
-    return zero_grad
+
+def _forcing_set_to_none(original):
+    return posing_as(original, _SET_TO_NONE, _tuneup_original=original)
 
 
 class ZeroGradChange(Change):

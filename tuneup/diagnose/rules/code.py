@@ -166,7 +166,7 @@ def no_lr_schedule(facts: Facts) -> Evidence | None:
     id="no-grad-clipping",
     title="Loss spikes without gradient clipping",
     severity="low",
-    inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls, GradScaler",
+    inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls on watched steps, GradScaler",
     threshold=f"no clip_grad_norm_/clip_grad_value_ call and a loss > {SPIKE_FACTOR:g}x the median of the "
               f"{SPIKE_HISTORY} read before it, or a non-finite loss without a GradScaler",
     why="A spike or a non-finite loss often comes from an exploding gradient; clipping bounds the "
@@ -179,6 +179,8 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
     habits = facts.habits
     if habits.get("clip_grad_calls"):
         return None
+    if not habits.get("watched_steps"):
+        raise Missing("a watched step (gradient clipping is seen on those)")
     loss = facts.need(facts.window.get("loss"), "losses")
     spikes = loss.get("spikes") or 0
     nonfinite = loss.get("nonfinite_steps") or 0 if not facts.scaler.get("enabled") else 0

@@ -96,7 +96,7 @@ NUMPY_COPIES_PER_STEP = 0.5
     id="numpy-copies",
     title="torch.tensor(ndarray) copies arrays in the loop",
     severity="low",
-    inputs="calls of torch.tensor with a NumPy array, their time and source lines",
+    inputs="calls of torch.tensor with a NumPy array on watched steps, their time and source lines",
     threshold=f">= {NUMPY_COPIES_PER_STEP} torch.tensor(ndarray) calls per step",
     why="torch.tensor always copies; torch.as_tensor / torch.from_numpy share the array's "
         "memory. Once per step or more means the copy is in the loop, not in setup.",
@@ -105,18 +105,21 @@ NUMPY_COPIES_PER_STEP = 0.5
 def numpy_copies(facts: Facts) -> Evidence | None:
     habits = facts.habits
     per_step = habits.get("numpy_copies_per_step")
-    if per_step is None or per_step < NUMPY_COPIES_PER_STEP:
+    if per_step is None:
+        raise Missing("a watched step")
+    if per_step < NUMPY_COPIES_PER_STEP:
         return None
     totals = facts.snapshot.get("totals") or {}
-    seconds = totals.get("seconds") or 0
-    share = habits["numpy_copy_seconds"] / seconds if seconds else None
+    step_seconds = totals["seconds"] / totals["steps"] if totals.get("steps") and totals.get("seconds") else None
+    copy_seconds = habits.get("numpy_copy_seconds_per_step") or 0.0
+    share = copy_seconds / step_seconds if step_seconds else None
     sources = ", ".join(source["location"] for source in habits.get("numpy_copy_sources") or [])
     return Evidence(
         observed=f"{per_step:.1f} torch.tensor(ndarray) copies per step"
-                 + (f" taking {percent(share)} of the run's time" if share is not None else "")
+                 + (f" taking {percent(share)} of a step" if share is not None else "")
                  + (f", at {sources}" if sources else ""),
-        numbers={"copies_per_step": per_step, "copy_seconds": habits["numpy_copy_seconds"],
-                 "sources": habits.get("numpy_copy_sources")},
+        numbers={"copies_per_step": per_step, "copy_seconds_per_step": copy_seconds,
+                 "watched_steps": habits.get("watched_steps"), "sources": habits.get("numpy_copy_sources")},
         fix="x = torch.from_numpy(array)      # shares memory; or torch.as_tensor(array, dtype=...)",
         gain=share,
     )

@@ -1,0 +1,378 @@
+"""torch's front-ends see the job as they would without tuneup.
+
+Every attribute tuneup replaces at attach is listed in AUDIT with the front-ends that look at
+it. Each front-end runs three times in this process on the same objects: before attach, while
+attached (after real training steps, so every probe is installed, the root model's class is
+patched, a watched step ran, and, in apply mode, AMP is on trial) and after detach; what it
+produces must be the same each time: TorchScript's code (functions and modules) or its error,
+jit.trace and fx code, torch.export's graph, torch.compile's graphs, graph breaks and
+recompiles, deep copies, pickles and torch.save round trips, and batches from DataLoader
+workers started with spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import pickle
+import re
+import warnings
+from math import sqrt  # fx autowraps math functions found in the forward's globals
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.optim import optimizer as optimizer_hooks
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+import tuneup
+from tuneup.measure.syncs import HOST_READS
+
+# (owner, attribute): the front-ends that look at it, as tested below.
+AUDIT = {
+    (DataLoader, "__iter__"): "DataLoader workers under spawn, pickle",
+    (DataLoader, "_get_iterator"): "DataLoader workers under spawn (apply mode)",
+    (_BaseDataLoaderIter, "__next__"): "DataLoader workers under spawn",
+    (torch.Tensor, "backward"): "jit.script of functions calling backward, compile",
+    (torch.optim.Optimizer, "zero_grad"): "deepcopy/pickle/save of optimizers, compile",
+    (nn.Module, "zero_grad"): "jit.script/trace, fx, export of modules, deepcopy, save",
+    (torch.amp.GradScaler, "scale"): "pickle and deepcopy of GradScaler",
+    (torch.amp.GradScaler, "step"): "pickle and deepcopy of GradScaler",
+    (torch.amp.GradScaler, "update"): "pickle and deepcopy of GradScaler",
+    **{(owner, name): "jit.script of tensor methods, compile" for owner, name in HOST_READS},
+    ("model class", "forward"): "jit.script/trace, fx, export, compile, deepcopy, save (advise and apply)",
+}
+if torch.distributed.is_available():
+    from torch.distributed import distributed_c10d
+
+    AUDIT[(torch.distributed, "destroy_process_group")] = "none: called, never inspected"
+    AUDIT[(distributed_c10d, "destroy_process_group")] = "none: called, never inspected"
+
+
+class Block(nn.Module):
+    """A model written the way public scripts write them: functional ops from the module's
+    own imports (F, sqrt), which TorchScript and fx resolve through the forward's globals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        return self.fc2(h) / sqrt(h.shape[-1])
+
+
+class Arrays(Dataset):
+    """Samples converted from NumPy arrays with torch.tensor (a copy), as many datasets do."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int):
+        row = numpy.full(8, index / 32, dtype=numpy.float32)
+        return torch.tensor(row), torch.tensor(numpy.float32(index % 2))
+
+
+X = torch.linspace(-1, 1, 16).reshape(2, 8)
+FORWARD = vars(Block)["forward"]  # the class as this file defines it
+
+
+def script_functions():
+    """Functions calling torch functions TorchScript resolves by identity."""
+
+    def uses_builtins(t: torch.Tensor) -> torch.Tensor:
+        return t + torch.tensor(1.0) + torch.nonzero(t).sum()
+
+    def uses_backward(t: torch.Tensor):
+        torch.autograd.backward([t.sum()])
+
+    def uses_methods(t: torch.Tensor) -> float:
+        values: list[float] = t.tolist()
+        return t.sum().item() + float(len(values)) + float(bool(t.sum() > 0)) + float(t.cpu().nonzero().numel())
+
+    scripted = [torch.jit.script(fn) for fn in (uses_builtins, uses_backward, uses_methods)]
+    return [s.code for s in scripted], scripted[0](X[0]).tolist(), scripted[2](X[0])
+
+
+def script_clipping():
+    """Scripting a function that clips gradients: compiled from clip_grad_norm_'s own source."""
+
+    def clips(parameters: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+
+    return torch.jit.script(clips).code
+
+
+def script_module(model):
+    scripted = torch.jit.script(model)
+    # Each compilation of a class gets a new mangled name, with or without tuneup.
+    graph = re.sub(r"___torch_mangle_\d+\.", "", str(scripted.graph))
+    return scripted.code, graph, scripted(X).tolist()
+
+
+def trace_module(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings: the same either way
+        traced = torch.jit.trace(model, X)
+    return traced.code, traced(X).tolist()
+
+
+def fx_trace(model):
+    graph = torch.fx.symbolic_trace(model)
+    return graph.code, graph(X).tolist()
+
+
+def export(model):
+    program = torch.export.export(model, (X,))
+    return str(program.graph), program.module()(X).tolist()
+
+
+def compiled(model):
+    """torch.compile (dynamo; the eager backend keeps it quick): graphs, breaks and recompiles,
+    on the model and on a train step (zero_grad, GradScaler, backward, a loss read); then the
+    outputs (apply mode's AMP, on trial, changes those on purpose: compared apart)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    log = logging.getLogger("torch._dynamo")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the graph break at .item() is logged as a warning every run
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the model stays as it is
+    scaler = torch.amp.GradScaler("cpu")
+
+    @torch.compile(backend="eager")
+    def step(x):
+        optimizer.zero_grad()
+        loss = model(x).sum()
+        scaler.scale(loss).backward()
+        return loss.item()
+
+    forward = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [forward(X).tolist() for _ in range(3)] + [step(X) for _ in range(3)]
+    seen = {section: dict(counters[section]) for section in ("stats", "graph_break", "recompiles") if counters[section]}
+    torch._dynamo.reset()
+    log.setLevel(level)
+    return seen, sorted({str(w.message) for w in caught}), outputs
+
+
+def copies(model, optimizer, scaler):
+    model_copy = copy.deepcopy(model)
+    optimizer_copy = copy.deepcopy(optimizer)
+    scaler_copy = copy.deepcopy(scaler)
+    return (model_copy(X).tolist(), sorted(map(str, optimizer_copy.state_dict()["state"].items())),
+            scaler_copy.state_dict())
+
+
+def saved(model, optimizer, scaler):
+    def round_trip(obj):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    return (round_trip(model)(X).tolist(), type(round_trip(optimizer)).__name__,
+            str(round_trip(optimizer.state_dict())["state"]), pickle.loads(pickle.dumps(scaler)).state_dict(),
+            type(pickle.loads(pickle.dumps(model))).__name__)
+
+
+def spawned_workers():
+    loader = DataLoader(Arrays(), batch_size=8, num_workers=2, multiprocessing_context="spawn")
+    return [[t.tolist() for t in batch] for batch in loader]
+
+
+FRONT_ENDS = {
+    "jit.script functions": lambda job: script_functions(),
+    "jit.script clip_grad_norm_": lambda job: script_clipping(),
+    "jit.script module": lambda job: script_module(job["model"]),
+    "jit.trace": lambda job: trace_module(job["model"]),
+    "fx.symbolic_trace": lambda job: fx_trace(job["model"]),
+    "torch.export": lambda job: export(job["model"]),
+    "torch.compile": lambda job: compiled(job["model"]),
+    "deepcopy": lambda job: copies(job["model"], job["optimizer"], job["scaler"]),
+    "torch.save and pickle": lambda job: saved(job["model"], job["optimizer"], job["scaler"]),
+    "DataLoader workers under spawn": lambda job: spawned_workers(),
+}
+
+
+def outcome(front_end, job):
+    """What a front-end produced, or the error it raised (type and message)."""
+    try:
+        return ("ok", FRONT_ENDS[front_end](job))
+    except Exception as exc:  # some front-ends refuse a case: they must refuse it the same way
+        return ("error", type(exc).__name__, str(exc))
+
+
+def train(job, steps):
+    model, optimizer, scaler = job["model"], job["optimizer"], job["scaler"]
+    loader = DataLoader(Arrays(), batch_size=4, shuffle=False)
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x).squeeze(1), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            done += 1
+            if done == steps:
+                break
+
+
+def new_job():
+    torch.manual_seed(0)
+    model = Block()
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+            "scaler": torch.amp.GradScaler("cpu")}
+
+
+@pytest.fixture(scope="module", params=["advise", "apply"])
+def phases(request, tmp_path_factory):
+    """Each front-end's outcome before attach, while attached and after detach. The job trains
+    between attach and the attached phase; its state is put back as it was before, so every
+    phase sees the same model."""
+    mode = request.param
+    job = new_job()
+    train(job, 4)
+    state = (copy.deepcopy(job["model"].state_dict()), copy.deepcopy(job["optimizer"].state_dict()),
+             job["scaler"].state_dict())
+    results = {"before": {name: outcome(name, job) for name in FRONT_ENDS}}
+    run_dir = tmp_path_factory.mktemp(f"frontends-{mode}")
+    options = dict(run_dir=run_dir, port=0, interval=0.1)
+    if mode == "apply":  # AMP on trial: the model class's forward is apply mode's too
+        options.update(mode="apply", actions=["amp"], cpu_bf16=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        agent = tuneup.attach(**options)
+    try:
+        steps = 0
+        while steps < 3000 and not (
+                agent.calls.watched_steps and (mode == "advise" or any(
+                    r["decision"] == "trying" for r in agent.actions()))):
+            train(job, 8)
+            steps += 8
+        trying = mode == "apply" and any(r["decision"] == "trying" for r in agent.actions())
+        replaced = {(owner, name) for owner, name, _ in agent._patches.replaced}
+        originals = [original for _, _, original in agent._patches.replaced]
+        job["model"].load_state_dict(state[0])
+        job["optimizer"].load_state_dict(state[1])
+        job["scaler"].load_state_dict(state[2])
+        results["attached"] = {name: outcome(name, job) for name in FRONT_ENDS}
+    finally:
+        agent.detach()
+    results["detached"] = {name: outcome(name, job) for name in FRONT_ENDS}
+    return {"results": results, "replaced": replaced, "originals": originals, "agent": agent,
+            "mode": mode, "trying": trying, "model_class": Block}
+
+
+@pytest.mark.parametrize("front_end", list(FRONT_ENDS))
+def test_front_ends_behave_as_without_tuneup_attached_and_after_detach(phases, front_end):
+    if phases["mode"] == "apply":
+        assert phases["trying"], "AMP must be on trial while the front-ends run"
+    before = phases["results"]["before"][front_end]
+    attached = phases["results"]["attached"][front_end]
+    if front_end == "torch.compile" and phases["mode"] == "apply" and before[0] == "ok":
+        # The compiled forward runs under AMP's autocast on purpose (its graph captures the
+        # casts too): the same number of graphs, the same breaks, recompiles and warnings;
+        # outputs as close as bf16 keeps them.
+        (seen, warned, _), (seen_before, warned_before, _) = attached[1], before[1]
+        assert seen["stats"]["unique_graphs"] == seen_before["stats"]["unique_graphs"]
+        assert {k: v for k, v in seen.items() if k != "stats"} == {k: v for k, v in seen_before.items() if k != "stats"}
+        assert warned == warned_before
+        assert numpy.allclose(numpy.array(attached[1][2][:3]), numpy.array(before[1][2][:3]), atol=0.05)
+    else:
+        assert attached == before
+    assert phases["results"]["detached"][front_end] == before
+
+
+def test_every_replaced_attribute_is_audited_and_none_is_resolved_by_identity(phases):
+    audited = {key for key in AUDIT if key[0] != "model class"}
+    replaced = {(owner, name) for owner, name in phases["replaced"] if owner is not Block}
+    assert replaced <= audited, replaced - audited
+    assert (Block, "forward") in phases["replaced"]  # the model class, audited as "model class"
+    from torch.jit._builtins import _find_builtin
+
+    # TorchScript resolves builtins by identity (torch/jit/_builtins.py): none may be replaced.
+    assert [original for original in phases["originals"] if _find_builtin(original) is not None] == []
+    for module in (torch, torch.nn.functional, torch.autograd, torch.nn.utils):
+        assert not any(original is value for original in phases["originals"] for value in vars(module).values()
+                       if callable(value) and not isinstance(value, type)), module.__name__
+
+
+def test_detach_leaves_no_hook_or_attribute_behind(phases):
+    assert vars(Block)["forward"] is FORWARD
+    assert "backward" not in vars(torch.Tensor) or not hasattr(torch.Tensor.backward, "__wrapped__")
+    assert not any(hasattr(getattr(owner, name, None), "__wrapped__") for owner, name in HOST_READS)
+    assert not module_hooks._global_forward_pre_hooks and not module_hooks._global_forward_hooks
+    assert not optimizer_hooks._global_optimizer_pre_hooks and not optimizer_hooks._global_optimizer_post_hooks
+
+
+SCRIPTS = {
+    "imports torch.distributed.optim": """
+        import torch.distributed.optim
+        print("imported", torch.distributed.optim.ZeroRedundancyOptimizer.__name__)
+    """,
+    "scripts a function calling torch.tensor": """
+        import torch
+
+        @torch.jit.script
+        def shifted(x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tensor(1.0) + torch.nonzero(x).sum()
+
+        print(shifted(torch.arange(4.0)).tolist())
+    """,
+}
+
+
+def write_script(folder, name: str, source: str, attach: bool):
+    import textwrap
+
+    path = folder / f"{name.replace(' ', '_')}.py"
+    path.write_text(("import tuneup; tuneup.attach()\n" if attach else "") + textwrap.dedent(source))
+    return path
+
+
+@pytest.mark.parametrize("attach", [False, True], ids=["tuneup run", "tuneup.attach()"])
+@pytest.mark.parametrize("name", [*SCRIPTS, "GPT-2 pretraining script"])
+def test_torchscript_jobs_run_as_under_plain_python(tmp_path, name, attach):
+    """The reproductions of the TorchScript crash: the same exit status and output as python."""
+    import subprocess
+    import sys
+
+    from tests.conftest import PROGRAMS, child_env
+
+    if name in SCRIPTS:
+        script = write_script(tmp_path, name, SCRIPTS[name], attach)
+    else:
+        source = (PROGRAMS / "train_gpt2_small.py").read_text()
+        script = write_script(tmp_path, "train_gpt2", source, attach)
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0")
+    plain = subprocess.run([sys.executable, str(script)], env={**env, "TUNEUP_DISABLE": "1"}, capture_output=True,
+                           text=True, timeout=300)
+    command = [str(script)] if attach else ["-m", "tuneup", "run", str(script)]
+    measured = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert measured.returncode == 0, measured.stderr
+    assert measured.stdout == plain.stdout and measured.stdout
+    assert "Traceback" not in measured.stderr and "TuneupWarning" not in measured.stderr, measured.stderr
+    if name == "GPT-2 pretraining script":
+        # The numpy-copies rule still sees the script's one torch.tensor(array) per step.
+        from tuneup.report.document import build
+        from tuneup.report.sources import load
+
+        histories, source = load(str(tmp_path / "run"))
+        document = build(histories, source=source)
+        habits = document["runs"][0]["snapshot"]["habits"]
+        assert habits["numpy_copies_per_step"] == 1.0 and habits["clip_grad_calls_per_step"] == 1.0
+        assert any(f["rule"] == "numpy-copies" for f in document["findings"])
