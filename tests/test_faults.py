@@ -175,3 +175,54 @@ def test_a_failing_close_listener_stops_sync_sampling_cleanly(run_dir, monkeypat
     assert probes["step_close"] == "off"
     assert probes["syncs"] == "stopped: the step_close listener failed"
     assert agent.snapshot()["totals"]["steps"] == 50
+
+
+def _scaled_job(steps: int) -> list[float]:
+    """A loop touching every replacement: the model's forward, Tensor.backward, zero_grad,
+    GradScaler's scale/step/update and host reads (the losses it returns)."""
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    losses = []
+    for x, y in loader_for(SlowDataset(size=512)):
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+        if len(losses) == steps:
+            return losses
+    return losses
+
+
+@pytest.mark.parametrize("module, name, probe", [
+    ("tuneup.measure.model", "tracing", "model"),  # the model class's forward
+    ("tuneup.measure.model", "perf_counter", "model"),  # forward and Tensor.backward
+    ("tuneup.measure.optimizer", "perf_counter", "optimizer"),  # zero_grad (and the step hooks)
+    ("tuneup.measure.scaler", "ScalerProbe._measured", "grad_scaler"),  # GradScaler.scale, step and update
+    ("tuneup.measure.syncs", "user_frame", "syncs"),  # Tensor host reads
+])
+def test_a_failing_replacement_turns_its_probe_off_and_never_reaches_the_job(run_dir, monkeypatch, module, name,
+                                                                             probe):
+    import importlib
+
+    plain = _scaled_job(24)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated probe bug")
+
+    owner = importlib.import_module(module)
+    *path, attribute = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, attribute, broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
+            losses = _scaled_job(24)
+    ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert losses == plain  # the job went on exactly as without tuneup
+    assert ours == [f"tuneup: {probe} probe turned off after an internal error: RuntimeError: simulated probe bug"]
+    assert agent.snapshot()["probes"][probe] == "off"

@@ -31,8 +31,12 @@ def measured(*args, **kwargs):
     _tuneup_prior = _tuneup_quiet(None)
     try:
         _tuneup_token = _tuneup_before(args, kwargs)
+    except Exception as _tuneup_error:
+        _tuneup_token = None
+        _tuneup_failed(_tuneup_error)
     finally:
-        _tuneup_quiet(_tuneup_prior)
+        if _tuneup_prior is not None:
+            _tuneup_quiet(_tuneup_prior)
     if _tuneup_token is None:
         return _tuneup_original(*args, **kwargs)
     _tuneup_result = None
@@ -43,16 +47,20 @@ def measured(*args, **kwargs):
         _tuneup_prior = _tuneup_quiet(None)
         try:
             _tuneup_after(_tuneup_token, _tuneup_result, args, kwargs)
+        except Exception as _tuneup_error:
+            _tuneup_failed(_tuneup_error)
         finally:
-            _tuneup_quiet(_tuneup_prior)
+            if _tuneup_prior is not None:
+                _tuneup_quiet(_tuneup_prior)
 """
 
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
-             *, home: type | None = None) -> types.FunctionType:
+             failed: Callable[[BaseException], None], *, home: type | None = None) -> types.FunctionType:
     """`original`, posing as itself (posing_as), with `before(args, kwargs)` run ahead of each
     call and, where it returned a token other than None, `after(token, result, args, kwargs)`
-    once the call returned (result None if it raised). Neither may raise.
+    once the call returned (result None if it raised). An exception either raises goes to
+    `failed` (the probe turns itself off), never into the job; `failed` may not raise.
 
     Neither runs while dynamo traces the call (is_compiling() comes first and folds to True:
     dynamo traces straight to `original` and guards on none of tuneup's state), and both run
@@ -63,7 +71,7 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     import torch
 
     return posing_as(original, _MEASURED, home=home, _tuneup_original=original, _tuneup_before=before,
-                     _tuneup_after=after, _tuneup_is_compiling=torch.compiler.is_compiling,
+                     _tuneup_after=after, _tuneup_failed=failed, _tuneup_is_compiling=torch.compiler.is_compiling,
                      _tuneup_quiet=quiet_dynamo)
 
 

@@ -415,8 +415,10 @@ class Agent:
     # --- failures ----------------------------------------------------------------------
 
     def _probe_failed(self, name: str, exc: BaseException) -> None:
-        if name in ("syncs", "step_close"):
-            # No sampled step may stay open without the listeners that end it.
+        if name == "syncs":
+            self.syncs.close()  # the sampled step under way ends here; "off" says why (see warnings)
+        elif name == "step_close":
+            # No sampled step may stay open without the listener that ends it.
             self.syncs.turn_off(f"stopped: the {name} listener failed")
         if self.runner is not None and name in ("step_close", "steps", "optimizer", "dataloader", "model"):
             # Apply mode judges and guards its changes through these: without them, none may stay.

@@ -152,7 +152,7 @@ class ModelProbe:
             self._patches.replace(cls, "forward", self._wrap_forward)
 
     def _wrap_forward(self, original):
-        return measured(original, self._forward_before, self._forward_after)
+        return measured(original, self._forward_before, self._forward_after, self.fail)
 
     def _forward_before(self, args: tuple, kwargs: dict) -> bool | None:
         """Starts timing a call of a root class's forward (True), or leaves it untimed (None):
@@ -162,11 +162,10 @@ class ModelProbe:
             module = args[0]
             if id(module) not in self.roots or not self.on:
                 return None
-            traced = tracing()
-            if not module.training and self.grad_enabled() and not traced:
+            if not module.training and self.grad_enabled() and not tracing():
                 self.eval_with_grad += 1
             tl = self.timeline
-            if not tl.detail or traced:
+            if not tl.detail or tracing():
                 return None
             if tl.forward_depth == 0 and self.read_config_next_forward:
                 self._read_config()
@@ -244,7 +243,7 @@ class ModelProbe:
         self.autocast = read_autocast()
 
     def _wrap_backward(self, original):
-        return measured(original, self._backward_before, self._backward_after)
+        return measured(original, self._backward_before, self._backward_after, self.fail)
 
     def _backward_before(self, args: tuple, kwargs: dict) -> float | None:
         """The start of a timed backward, or None: not a detail step, or a tensor subclass's

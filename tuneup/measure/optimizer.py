@@ -81,7 +81,7 @@ class OptimizerProbe:
         # Posing as the original (see posing_as): Optimizer.zero_grad is dynamo-disabled
         # (@torch._disable_dynamo, whose wrapper lives in torch/_compile.py, a file dynamo skips),
         # so a compiled train step must meet a function dynamo skips just the same.
-        return measured(original, self._zero_grad_before, self._zero_grad_after)
+        return measured(original, self._zero_grad_before, self._zero_grad_after, self.fail)
 
     def _zero_grad_before(self, args: tuple, kwargs: dict) -> float | None:
         return perf_counter() if self.on and self.timeline.detail else None

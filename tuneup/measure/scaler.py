@@ -61,7 +61,7 @@ class ScalerProbe:
     # --- wrappers (posing as GradScaler's own methods: see posing_as) --------------------
 
     def _wrap_scale(self, original):
-        return measured(original, self._before_scale, self._after_scale)
+        return measured(original, self._before_scale, self._after_scale, self.fail)
 
     def _before_scale(self, args: tuple, kwargs: dict) -> bool | None:
         try:
@@ -92,7 +92,7 @@ class ScalerProbe:
             self.fail(exc)
 
     def _wrap_step(self, original):
-        return measured(original, self._before_step, self._after_step_call)
+        return measured(original, self._before_step, self._after_step_call, self.fail)
 
     def _before_step(self, args: tuple, kwargs: dict) -> int | None:
         """The optimizer steps run so far, or None when this step() is not measured."""
@@ -146,7 +146,7 @@ class ScalerProbe:
             self.skip_run = 0
 
     def _wrap_update(self, original):
-        return measured(original, self._before_update, self._after_update)
+        return measured(original, self._before_update, self._after_update, self.fail)
 
     def _before_update(self, args: tuple, kwargs: dict) -> bool:
         self.calls["update"] += 1

@@ -52,17 +52,20 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
 )
 WATCHED_KINDS = frozenset({"torch.nonzero"})  # seen by the call watch only (calls.py)
 # A host-read method of Tensor, counted on sampled steps. Like _patching.measured, but it
-# checks counting_reads first: host reads may come many to a step, and off sampled steps
-# this test is all they pay for.
+# tests counting_reads before anything else: host reads may come many to a step, and off
+# sampled steps this one attribute is all they pay for (is_compiling() costs four times as
+# much). Dynamo never inlines it: it handles tensor methods by name (torch/_dynamo/variables/
+# tensor.py call_method), and skips this wrapper's frame as one of torch/_tensor.py's.
 _HOST_READ = """
 def host_read(*args, **kwargs):
-    if _tuneup_is_compiling() or not _tuneup_counter.counting_reads:
+    if not _tuneup_counter.counting_reads or _tuneup_is_compiling():
         return _tuneup_original(*args, **kwargs)
     _tuneup_prior = _tuneup_quiet(None)
     try:
         _tuneup_counted = _tuneup_counts()
     finally:
-        _tuneup_quiet(_tuneup_prior)
+        if _tuneup_prior is not None:
+            _tuneup_quiet(_tuneup_prior)
     if not _tuneup_counted:
         return _tuneup_original(*args, **kwargs)
     try:
@@ -230,7 +233,7 @@ class SyncCounter:
         try:
             self.record(kind, sys._getframe(2))  # _counts <- the wrapper <- the caller
         except Exception as exc:
-            self.turn_off(f"stopped after an internal error: {type(exc).__name__}: {exc}")
+            self.close()
             self.timeline.fail(self.name, exc)
             return False
         self._busy = True  # a read inside a counted read is the same sync

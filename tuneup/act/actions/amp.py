@@ -149,34 +149,32 @@ class AmpChange(Change):
     # update() would fail.
 
     def _switching_scale(self, original):
-        return measured(original, self._before_scale, _nothing_after)
+        return measured(original, self._before_scale, _nothing_after, self._failed)
 
     def _before_scale(self, args: tuple, kwargs: dict) -> None:
         scaler = args[0]
-        try:
-            if scaler is self.loop_scaler():
-                if self.restore_pending:  # a step that never reached update(): back off before this one
-                    self._restore_now(scaler)
-                elif not scaler._enabled and self.rollback_reason is None:
-                    vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
-                self.scaled_in_flight = scaler._enabled
-        except Exception as exc:  # never into the job: the change is rolled back instead
-            self.rollback_reason = f"switching the GradScaler failed: {type(exc).__name__}: {exc}"
+        if scaler is self.loop_scaler():
+            if self.restore_pending:  # a step that never reached update(): back off before this one
+                self._restore_now(scaler)
+            elif not scaler._enabled and self.rollback_reason is None:
+                vars(scaler).update(vars(GradScaler(scaler._device)))  # enabled, with GradScaler's defaults
+            self.scaled_in_flight = scaler._enabled
         return None
 
     def _tracking_update(self, original):
-        return measured(original, self._before_update_call, self._after_update_call)
+        return measured(original, self._before_update_call, self._after_update_call, self._failed)
 
     def _before_update_call(self, args: tuple, kwargs: dict) -> bool | None:
         return True if args[0] is self.loop_scaler() else None
 
     def _after_update_call(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
         self.scaled_in_flight = False
-        try:
-            if self.restore_pending:
-                self._restore_now(args[0])
-        except Exception as exc:  # never into the job: the change is rolled back instead
-            self.rollback_reason = f"restoring the GradScaler failed: {type(exc).__name__}: {exc}"
+        if self.restore_pending:
+            self._restore_now(args[0])
+
+    def _failed(self, exc: BaseException) -> None:
+        """Switching the loop's GradScaler failed: never into the job; the change is rolled back."""
+        self.rollback_reason = f"switching the GradScaler failed: {type(exc).__name__}: {exc}"
 
     def loop_scaler(self) -> GradScaler | None:
         """The loop's GradScaler this change uses, while it lives."""
