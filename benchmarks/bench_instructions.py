@@ -6,8 +6,9 @@ the cost being measured.
 
 The ~0.4 ms CPU step of bench_overhead.py (an MLP on pre-batched data, SGD, a loss.item()
 every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
-200 warm-up steps, then the counted ones, between two calls of getpid() at which callgrind
-dumps its counters (--dump-before=getpid), so start-up and exit are not counted. The agent's
+200 warm-up steps, then the counted ones, between two calls of getpgrp() (nothing else calls
+it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
+counted. The agent's
 background sampler is stopped: its cost is per second, not per step, and under valgrind's
 fifty-fold slowdown it would be counted fifty times over. So the counts are the training
 thread's hot path: hooks, sampled and detail steps, the call watch. With --against DIR, the
@@ -79,17 +80,17 @@ def train(steps):
 
 
 train(200)
-os.getpid()  # callgrind dumps what came before: start-up, warm-up
+os.getpgrp()  # callgrind dumps what came before: start-up, warm-up
 train(steps)
-os.getpid()  # ... and here the counted steps
+os.getpgrp()  # ... and here the counted steps
 '''
 
 
 def instructions(job: Path, mode: str, steps: int, checkout: Path, folder: Path, name: str) -> int:
-    """Instructions of the counted steps: the dump callgrind wrote at the last getpid()."""
+    """Instructions of the counted steps: the dump callgrind wrote at the last getpgrp()."""
     out = folder / name
     subprocess.run(
-        ["valgrind", "--tool=callgrind", "--dump-before=getpid", f"--callgrind-out-file={out}", sys.executable,
+        ["valgrind", "--tool=callgrind", "--dump-before=getpgrp", f"--callgrind-out-file={out}", sys.executable,
          str(job), mode, str(steps), str(checkout)],
         capture_output=True, text=True, check=True)
     # One part per dump (out.1, out.2, ...; the part after the last dump is `out` itself).
