@@ -8,12 +8,11 @@ The ~0.4 ms CPU step of bench_overhead.py (an MLP on pre-batched data, SGD, a lo
 every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
 200 warm-up steps, then the counted ones, between two calls of getpgrp() (nothing else calls
 it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
-counted. The agent's
-background sampler is stopped: its cost is per second, not per step, and under valgrind's
-fifty-fold slowdown it would be counted fifty times over. So the counts are the training
-thread's hot path: hooks, sampled and detail steps, the call watch. With --against DIR, the
-tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is counted in the same
-run, side by side. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
+counted. The agent's background sampler is stopped: its cost is per second, not per step,
+and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
+are the training thread's hot path: hooks, sampled and detail steps, the call watch. With
+--against DIR, the tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is
+counted in the same run, side by side. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
 """
 
 from __future__ import annotations

@@ -56,6 +56,10 @@ def no_agent_left(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("TUNEUP_PORT", "0")
     monkeypatch.setenv("TUNEUP_REGISTRY_DIR", str(tmp_path_factory.mktemp("registry")))
     yield
+    # Nothing of tuneup's may outlive its agent on this thread: a profile function or a
+    # torch function mode left behind would slow (and change) every test after this one.
+    assert sys.getprofile() is None, "a profile function was left behind"
+    assert not torch.overrides._get_current_function_mode_stack(), "a torch function mode was left behind"
     agent = tuneup.current()
     if agent is not None:
         with warnings.catch_warnings():

@@ -91,7 +91,9 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
     plain_batches, plain_losses, plain_rng, _, _ = io_bound_run(420)
     batches, losses, rng, agent, loader = io_bound_run(420, agent_options=apply_options(run_dir))
     kept = records(agent, "dataloader", "kept")
-    assert kept and kept[0]["after"]["num_workers"] > 0, agent.actions()
+    assert kept and kept[0]["after"]["num_workers"] > 0, [
+        (r["change"], r["decision"], r.get("reason"), r.get("speedup"), r.get("baseline"), r.get("trial"))
+        for r in agent.actions()]
     first = kept[0]
     assert first["speedup"] > 1.2 and first["trial"]["stall_ratio"] < first["baseline"]["stall_ratio"]
     # The same samples in the same order, the same losses, the same global RNG stream.
