@@ -4,20 +4,22 @@ the cost being measured.
 
     python benchmarks/bench_instructions.py [--against DIR] [--steps 1000] [--jobs 3]
 
-The ~0.4 ms CPU step of bench_overhead.py (an MLP on pre-batched data, SGD, a loss.item()
-every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
+The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
+SGD, a loss.item() every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
 200 warm-up steps, then the counted ones, between two calls of getpgrp() (nothing else calls
 it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
 counted. The agent's background sampler is stopped: its cost is per second, not per step,
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
 are the training thread's hot path: hooks, sampled and detail steps, the call watch. With
 --against DIR, the tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is
-counted in the same run, side by side. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
+counted in the same run, side by side. Repeated runs agree to about 2,000 instructions per
+step (the garbage collector, the loader's shuffle thread): differences below that are noise. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -29,58 +31,25 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = '''
 import os
 import sys
-sys.path.insert(0, sys.argv[3])
+
+mode, steps, checkout, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, checkout)
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+import tuneup  # the checkout's, before bench_overhead puts this repository first on the path
+
+sys.path.append(root)
+from benchmarks.bench_overhead import WORKLOADS, loop, make
 
 torch.set_num_threads(1)
-mode, steps = sys.argv[1], int(sys.argv[2])
-
-
-class Batches(Dataset):
-    def __init__(self):
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(64, 8, 16, generator=generator)
-        self.y = torch.randn(64, 8, 1, generator=generator)
-
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, index):
-        return self.x[index], self.y[index]
-
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-loader = DataLoader(Batches(), batch_size=None, shuffle=True)
-agent = None
+features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS["~0.4 ms step"]
+job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
 if mode == "tuneup":
-    import tuneup
     agent = tuneup.attach(log=False, serve=False, gpu=False)
     agent._stop.set()  # the background sampler: see the module docstring
     agent._thread.join()
-
-
-def train(steps):
-    step = 0
-    while step < steps:
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            if step % 10 == 0:
-                loss.item()
-            step += 1
-            if step == steps:
-                return
-
-
-train(200)
+loop(*job, 200)
 os.getpgrp()  # callgrind dumps what came before: start-up, warm-up
-train(steps)
+loop(*job, steps)
 os.getpgrp()  # ... and here the counted steps
 '''
 
@@ -90,8 +59,8 @@ def instructions(job: Path, mode: str, steps: int, checkout: Path, folder: Path,
     out = folder / name
     subprocess.run(
         ["valgrind", "--tool=callgrind", "--dump-before=getpgrp", f"--callgrind-out-file={out}", sys.executable,
-         str(job), mode, str(steps), str(checkout)],
-        capture_output=True, text=True, check=True)
+         str(job), mode, str(steps), str(checkout), str(ROOT)],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     # One part per dump (out.1, out.2, ...; the part after the last dump is `out` itself).
     parts = sorted(folder.glob(f"{name}.*"), key=lambda path: int(path.suffix[1:]))
     match = re.search(r"^summary: (\d+)", parts[-1].read_text(), re.MULTILINE)
