@@ -3,8 +3,8 @@
     python benchmarks/bench_accuracy.py
 
 The truth comes from the training loop itself (benchmarks/scenarios.py times its own next()
-calls and counts its own host reads and injected overflows). Targets (SPEC §13): stall
-ratio within ±2 points; syncs per step and skipped steps exact.
+calls and counts its own host reads and injected overflows). Targets: stall ratio within
+±2 points; syncs per step and skipped steps exact.
 """
 
 from __future__ import annotations

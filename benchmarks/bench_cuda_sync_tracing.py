@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cuda_sync_tracing.py   (needs a CUDA GPU)
 
-SPEC §4 asks to benchmark both and keep the cheaper. tuneup ships sync debug mode
+Both can count syncs; the cheaper is kept. tuneup ships sync debug mode
 (`torch.cuda.set_sync_debug_mode("warn")` with its warnings counted and swallowed on sampled
 steps) because it can be switched off between samples; `torch._C._activate_gpu_trace()`
 cannot be deactivated and then calls into Python on every allocation and event for the rest

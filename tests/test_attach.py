@@ -381,3 +381,15 @@ def test_compiled_models_get_no_graph_breaks_from_the_agent(run_dir):
     assert snapshot["window"]["forward_seconds"] is None
     assert snapshot["window"]["backward_seconds"]["median"] > 0
     torch._dynamo.reset()
+
+
+def test_every_option_is_documented_in_attach_and_the_readme():
+    import re
+
+    from tests.conftest import ROOT
+
+    documented = set(re.findall(r"[a-z_0-9]+", tuneup.attach.__doc__.split("Options", 1)[1]))
+    readme = (ROOT / "README.md").read_text()
+    for name, variable in tuneup.ENVIRONMENT_VARIABLES.items():
+        assert name in documented, f"attach()'s docstring does not name the option {name!r}"
+        assert f"| `{name}` | `{variable}` |" in readme, f"the README's option table has no row for {name!r}"

@@ -36,8 +36,10 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     ones created later. Objects given narrow their kind to those objects (a kind you name
     none of is still found automatically). Attaching again returns the same agent.
 
-    Options (keyword or TUNEUP_* variable): mode, run_dir, log, log_max_bytes, interval,
-    sync_sample_every, window_steps, gpu, nvml_module, disable.
+    Options (keyword, or the TUNEUP_* variable `ENVIRONMENT_VARIABLES` names; the README's
+    table says what each does): mode, actions, run_dir, log, log_max_bytes, interval,
+    sync_sample_every, detail_every, window_steps, gpu, nvml_module, disable, serve, host, port,
+    push_gateway, push_interval, push_job, silence, cpu_bf16.
     """
     global _current
     from .agent import Agent

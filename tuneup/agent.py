@@ -57,7 +57,7 @@ from .measure.scaler import ScalerProbe
 from .measure.steps import StepTimeline
 from .measure.syncs import SyncCounter
 from .measure.windows import SPIKE_HISTORY, Totals, summarize
-from .options import DEFAULT_PORT, Options, TuneupWarning, default_run_dir
+from .options import Options, TuneupWarning, agent_port, default_run_dir
 
 RANKS_WAIT = 2.0  # seconds detach waits for one store operation
 RANKS_FINAL_WAIT = 5.0  # seconds rank 0 waits for every rank's final summary
@@ -252,9 +252,7 @@ class Agent:
         """Start the loopback endpoint (a failure is one warning: the job goes on)."""
         if not self.options.serve:
             return
-        port = self.options.port
-        if port is None:
-            port = DEFAULT_PORT + (self.local_rank or 0)
+        port = agent_port(self.options, self.local_rank)
         # Scrapes closer together than the sampling interval would read the same totals: they
         # get the same rendering (at most 1 s old, so the process metrics stay current).
         server = AgentServer(self._run_payload, self.metrics, fresh_for=min(self.options.interval, 1.0))

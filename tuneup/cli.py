@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import __version__
+from .options import DEFAULT_DAEMON_PORT
 
 # torch warns at import when NumPy is absent (tuneup needs none): not the user's concern here.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -211,7 +212,7 @@ def run(
 def daemon(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface, for Prometheus "
                              "on another machine)."),
-    port: int = typer.Option(9476, min=1, max=65535, help="Port to listen on."),
+    port: int = typer.Option(DEFAULT_DAEMON_PORT, min=1, max=65535, help="Port to listen on."),
     registry_dir: Optional[Path] = typer.Option(None, help="Where agents announce themselves (default: "
                                                 "TUNEUP_REGISTRY_DIR, else this user's runtime directory)."),
     gpu: bool = typer.Option(True, "--gpu/--no-gpu", help="Export the node's GPUs (NVML) too."),

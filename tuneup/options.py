@@ -180,7 +180,14 @@ class Options:
     cpu_bf16: bool | None = None  # None: as the CPU reports (AVX512-BF16/AMX); True/False: treat it as so
 
 
-DEFAULT_PORT = 9477
+DEFAULT_PORT = 9477  # an agent's endpoint: + its local rank
+DEFAULT_DAEMON_PORT = 9476  # the node daemon's
+
+
+def agent_port(options: "Options", local_rank: int | None) -> int:
+    """The port an agent listens on: the `port` option, else DEFAULT_PORT + its local rank
+    (the ranks of a node side by side); 0 means any free port."""
+    return options.port if options.port is not None else DEFAULT_PORT + (local_rank or 0)
 
 
 # option name -> (environment variable, parser); the assert keeps it in step with Options.

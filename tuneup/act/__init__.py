@@ -1,4 +1,4 @@
-"""Act: safe changes to a running job, made as measured experiments (SPEC §6, `mode="apply"`).
+"""Act: safe changes to a running job, made as measured experiments (`mode="apply"`).
 
     findings (diagnose) → Action.propose() → Change → Experimenter: baseline window → apply →
     trial window → keep or revert → records (run log, report, metrics)

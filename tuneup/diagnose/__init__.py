@@ -1,4 +1,4 @@
-"""Diagnose: turn a run's measurements into ranked findings (SPEC §5).
+"""Diagnose: turn a run's measurements into ranked findings (the catalog: docs/rules.md).
 
     findings = evaluate(snapshot)        # snapshot: Agent.snapshot() or RunHistory.snapshot()
 

@@ -37,7 +37,6 @@ from . import registry
 from .metrics import Families, gpu_families, gpu_info
 from .server import HttpEndpoint, json_response, text_response
 
-DEFAULT_DAEMON_PORT = 9476
 READ_TIMEOUT = 2.0  # per agent; a hung agent costs one scrape this long, never more
 MAX_PARALLEL = 16
 

@@ -136,18 +136,14 @@ class LoaderProbe:
                 if rng is not None:
                     probe.rng_after(rng)
                 try:
-                    # Inline, as this runs on every step: a batch fetched after an optimizer
-                    # stepped closes the step (StepTimeline.waited has the same rule).
-                    if tl.group:
-                        tl.close(began)
-                    elif tl.step_start is None:
-                        tl.step_start = began
+                    tl.moved_on(began)  # a batch fetched after an optimizer stepped closes the step
                     tl.in_optimizer = False
                     tl.fetches += 1
                     if tl.fetches >= probe.habits.next_inspect:
                         probe.habits.inspect(batch)
                     first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
-                    tl.samples += len(first) if type(first) is torch.Tensor and first.dim() else batch_size(batch)
+                    # shape[0], not len(): Tensor.__len__ is a Python function (torch/_tensor.py).
+                    tl.samples += first.shape[0] if type(first) is torch.Tensor and first.dim() else batch_size(batch)
                     # Timed after the bookkeeping: data wait is what a timer around the loop's
                     # next() shows (the few µs of closing the step count as waiting for it).
                     tl.data_wait += perf_counter() - began

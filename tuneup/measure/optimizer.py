@@ -55,14 +55,11 @@ class OptimizerProbe:
                 weakref.finalize(optimizer, self._seen.discard, id(optimizer))
                 self.optimizers.add(optimizer)
                 self.on_new_optimizer(optimizer)
-            # Inline, as this runs on every step: an optimizer that already stepped in the
-            # open step closes it (a new iteration began without a DataLoader fetch).
+            # An optimizer that already stepped in the open step closes it (a new iteration
+            # began without a DataLoader fetch).
             tl = self.timeline
             now = perf_counter()
-            if tl.group and id(optimizer) in tl.group:
-                tl.close(now)
-            elif tl.step_start is None:
-                tl.step_start = now
+            tl.moved_on(now, id(optimizer))
             tl.optimizer_start = now
             tl.in_optimizer = True
         except Exception as exc:

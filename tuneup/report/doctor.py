@@ -19,7 +19,7 @@ from rich.text import Text
 from .. import __version__
 from ..measure.config import hardware
 from ..measure.host import usable_cores
-from ..options import DEFAULT_PORT, resolve
+from ..options import Options, agent_port, resolve
 
 Check = tuple[str, str, str]  # (what, status: ok | warn | fail | info, detail)
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "info": "cyan"}
@@ -74,12 +74,23 @@ def _nvml() -> list[Check]:
         pynvml.nvmlShutdown()
 
 
-def _cpu() -> list[Check]:
+def _options() -> tuple[Options, list[str]]:
+    """The agent's options as TUNEUP_* variables set them here, and the warnings a bad one
+    gives (doctor shows them as rows instead of printing them)."""
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:  # a bad TUNEUP_CPU_BF16 is shown below
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        override = resolve({}).cpu_bf16
+        options = resolve({})
+    return options, [str(w.message).removeprefix("tuneup: ") for w in caught]
+
+
+def _settings() -> list[Check]:
+    return [(message.split("=", 1)[0].removeprefix("ignoring "), "warn", message) for message in _options()[1]]
+
+
+def _cpu() -> list[Check]:
+    override = _options()[0].cpu_bf16
     info = hardware(override)
     detected = "AVX512-BF16/AMX present" if info["cpu_bf16_detected"] else "no AVX512-BF16/AMX"
     if info["cpu_bf16"]:
@@ -92,10 +103,7 @@ def _cpu() -> list[Check]:
     else:
         bf16 = ("CPU bf16", "info", f"treated as {'present' if override else 'absent'} by TUNEUP_CPU_BF16 "
                                 f"(detected: {detected}): {effect}")
-    checks = [("CPU", "ok", f"{usable_cores()} usable cores, {info['cpu_capability']}"), bf16]
-    checks += [("TUNEUP_CPU_BF16", "warn", str(w.message).removeprefix("tuneup: "))
-               for w in caught if "TUNEUP_CPU_BF16" in str(w.message)]
-    return checks
+    return [("CPU", "ok", f"{usable_cores()} usable cores, {info['cpu_capability']}"), bf16]
 
 
 def _run_dir() -> list[Check]:
@@ -110,7 +118,10 @@ def _run_dir() -> list[Check]:
 
 
 def _port() -> list[Check]:
-    port = int(os.environ.get("TUNEUP_PORT") or DEFAULT_PORT)
+    local_rank = os.environ.get("LOCAL_RANK")
+    port = agent_port(_options()[0], int(local_rank) if local_rank and local_rank.isdigit() else None)
+    if port == 0:
+        return [("HTTP port", "ok", "TUNEUP_PORT=0: agents listen on any free port")]
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -124,7 +135,7 @@ def _packages() -> list[Check]:
     return [("packages", "ok", ", ".join(f"{name} {_version(name)}" for name in names))]
 
 
-SECTIONS: tuple[Callable[[], list[Check]], ...] = (_torch, _nvml, _cpu, _packages, _run_dir, _port)
+SECTIONS: tuple[Callable[[], list[Check]], ...] = (_torch, _nvml, _cpu, _packages, _run_dir, _port, _settings)
 
 
 def run_checks(console: Console) -> int:
