@@ -105,7 +105,7 @@ def test_a_failing_rule_is_reported_and_the_others_still_run(tmp_path):
 def test_rules_without_their_inputs_stay_silent():
     evaluation = evaluate({"enabled": True, "run": {}, "window": None, "config": None})
     assert evaluation.findings == [] and evaluation.errors == {}
-    assert set(evaluation.silent) | set(evaluation.passed) == set(RULES)
+    assert set(evaluation.unmeasured) | set(evaluation.passed) == set(RULES)
 
 
 def test_a_running_job_has_current_findings(tmp_path):

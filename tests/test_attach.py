@@ -83,7 +83,7 @@ def test_detach_restores_every_patched_object_exactly(run_dir):
     agent = tuneup.attach(run_dir=run_dir, sync_sample_every=1)
     # Stop inside a sampled step: the host-read wrappers are counting at this moment.
     train(loader, model, optimizer, steps=7, scaler=scaler, host_reads=1)
-    assert agent.syncs.sampling
+    assert agent.recorder.syncs.sampling
     assert "item" in vars(torch.Tensor), "host reads are wrapped while attached"
     assert vars(nn.Sequential)["forward"] is not before[(nn.Sequential, "forward")], "the root is timed"
     assert not model._forward_pre_hooks and "forward" not in vars(model), "nothing lands on the instance"
@@ -101,7 +101,7 @@ def test_options_come_from_environment(monkeypatch, tmp_path):
     with tuneup.attach() as agent:
         assert agent.options.sync_sample_every == 7
         assert agent.options.window_steps == 50
-        assert agent.run_log.path.parent == tmp_path / "from-env"
+        assert agent.outputs.run_log.path.parent == tmp_path / "from-env"
     assert (tmp_path / "from-env" / "events.jsonl").exists()
 
 
@@ -317,7 +317,7 @@ def test_a_step_function_does_not_switch_off_automatic_boundaries(run_dir):
     window = agent.snapshot()["window"]
     assert window["steps"] == 2 * 16 + 2
     assert window["optimizer_steps"] == 32
-    assert agent.timeline.group == []
+    assert agent.recorder.timeline.group == []
 
 
 def test_forked_child_does_not_hang_when_the_sampler_held_its_lock(run_dir):

@@ -140,7 +140,7 @@ def test_the_watch_leaves_no_mode_on_the_stack_and_profiles_only_watched_steps(r
     # With no DataLoader a step closes when the next optimizer step begins: watched steps 3-5
     # run from the optimizer step of iteration 3 to that of iteration 6, over forwards 4-6.
     assert seen == [(iteration in (4, 5, 6), 0) for iteration in range(1, 11)], seen
-    assert agent.calls.watching is False and habits(agent)["numpy_copies_per_step"] == 1.0
+    assert agent.recorder.calls.watching is False and habits(agent)["numpy_copies_per_step"] == 1.0
 
 
 def test_a_jobs_own_profiler_keeps_its_place(run_dir):
@@ -154,7 +154,7 @@ def test_a_jobs_own_profiler_keeps_its_place(run_dir):
             profiler.disable()
     assert still_profiling
     seen = habits(agent)
-    assert seen["watched_steps"] == 0 and agent.calls.busy_steps >= 1
+    assert seen["watched_steps"] == 0 and agent.recorder.calls.busy_steps >= 1
     assert seen["numpy_copies_per_step"] is None  # nothing watched: unknown, not zero
     assert profiler.getstats()  # the job's profile holds its calls
 
@@ -179,7 +179,7 @@ def test_workers_forked_during_a_watched_step_are_not_watched(run_dir):
                 model(x).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-    assert agent.calls.watched_steps >= 3 and len(profiled) == 48
+    assert agent.recorder.calls.watched_steps >= 3 and len(profiled) == 48
     assert set(profiled) == {0.0}
 
 

@@ -121,9 +121,9 @@ def test_a_short_job_leaves_its_configuration_after_its_objects_are_gone(run_dir
     import gc
     import time
 
-    from tuneup import agent as agent_module
+    from tuneup.measure import recorder as recorder_module
 
-    monkeypatch.setattr(agent_module, "CONFIG_EVERY_TICKS", 10**9)  # no periodic re-read
+    monkeypatch.setattr(recorder_module, "CONFIG_EVERY_TICKS", 10**9)  # no periodic re-read
 
     def short_job():
         model = mlp(hidden=16)

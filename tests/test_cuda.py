@@ -30,7 +30,7 @@ def cuda_job(hidden: int = 256):
 def settle(agent) -> None:
     """Let in-flight async reads land (the test may sync; the agent never does)."""
     torch.cuda.synchronize()
-    agent.values.poll()
+    agent.recorder.values.poll()
 
 
 def test_device_values_are_read_without_a_sync():

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import PROGRAMS, child_env
-from tuneup.export import registry
+from tuneup.export import discovery
 from tuneup.export.daemon import NodeDaemon
 
 
@@ -217,10 +217,10 @@ def test_entries_from_another_pid_namespace_live_by_their_heartbeat(tmp_path):
 def test_a_shared_registry_directory_is_created_open_to_every_user(tmp_path, monkeypatch):
     shared = tmp_path / "run" / "tuneup" / "agents"
     monkeypatch.setenv("TUNEUP_REGISTRY_DIR", str(shared))
-    path = registry.announce({"pid": os.getpid(), "run_id": "abc", "url": "http://127.0.0.1:1"})
+    path = discovery.announce({"pid": os.getpid(), "run_id": "abc", "url": "http://127.0.0.1:1"})
     assert path == shared / f"{os.getpid()}-abc.json"
     assert (shared.stat().st_mode & 0o7777) == 0o1777
-    registry.withdraw(path)
+    discovery.withdraw(path)
 
 
 def test_the_daemon_exports_every_gpu_whatever_its_own_cuda_visible_devices(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, child_env
-from tuneup.export import registry
+from tuneup.export import discovery
 
 JOB = str(ROOT / "examples" / "torchrun_ddp.py")
 
@@ -49,7 +49,7 @@ def wait_for(predicate, timeout=60.0):
 
 
 def both_ranks(folder):
-    found = registry.live_agents(folder)
+    found = discovery.live_agents(folder)
     return found if len(found) == 2 else None
 
 

@@ -7,7 +7,7 @@ import torch
 
 import tuneup
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
-from tuneup import agent as agent_module
+from tuneup.measure import recorder as recorder_module
 
 
 class EventNotYetDone:
@@ -29,26 +29,26 @@ def test_steps_with_device_values_in_flight_wait_for_them(run_dir):
     with tuneup.attach(run_dir=run_dir, interval=60) as agent:
         train(loader, model, optimizer, steps=5)
         # A device read for step 5, still in flight: exactly what DeviceValues queues on CUDA.
-        values = agent.values
+        values = agent.recorder.values
         values._host = torch.zeros(values.capacity)
         event = EventNotYetDone()
-        values._pending.append((0, event, lambda found: agent.scaler._resolved(found > 0, 5), 5))
+        values._pending.append((0, event, lambda found: agent.recorder.scaler._resolved(found > 0, 5), 5))
         values.pending = 1
         values._host[0] = 1.0  # the flag: inf found
         train(loader, model, optimizer, steps=10)
         agent._tick()
-        assert agent._drained == 4  # steps from 5 on wait for the value
+        assert agent.recorder._drained == 4  # steps from 5 on wait for the value
         event.done = True
-        agent.values.poll()
+        agent.recorder.values.poll()
         agent._tick()
-        assert agent._drained >= 14
+        assert agent.recorder._drained >= 14
     totals = agent.snapshot()["totals"]
     assert totals["skipped_steps"] == 1
     assert totals["steps"] == 15
 
 
 def test_steps_lost_to_a_full_ring_are_counted(run_dir, monkeypatch):
-    monkeypatch.setattr(agent_module, "RING_CAPACITY", 64)
+    monkeypatch.setattr(recorder_module, "RING_CAPACITY", 64)
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tuneup.attach(run_dir=run_dir, interval=60) as agent:  # no background read meanwhile
@@ -72,5 +72,5 @@ def test_a_loss_spike_counts_wherever_the_intervals_are_cut(run_dir):
             loss.backward()
             optimizer.step()
             agent._tick()  # an interval of (about) one step each
-    spikes = sum((interval.get("loss") or {}).get("spikes", 0) for interval in agent.history.intervals)
+    spikes = sum((interval.get("loss") or {}).get("spikes", 0) for interval in agent.state.history.intervals)
     assert spikes == 1

@@ -73,9 +73,9 @@ def value(found, sample_name, **labels):
 def drained(agent, steps):
     """Wait until the background thread has summed every step (it does so every interval)."""
     deadline = time.monotonic() + 10
-    while agent._totals.sums["steps"] < steps and time.monotonic() < deadline:
+    while agent.state.totals.sums["steps"] < steps and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert agent._totals.sums["steps"] == steps
+    assert agent.state.totals.sums["steps"] == steps
 
 
 @pytest.fixture
@@ -89,9 +89,9 @@ def exposition(run_dir):
             time.sleep(0.3)  # one more tick: the last steps' device values
             # A step closes when the next one begins: the 96th is still open while attached.
             drained(agent, 95)
-            agent._diagnose()
+            agent.diagnosis.run()
             text = scrape(agent.server.url)
-            sums = dict(agent._totals.sums)  # what the scrape read: no step closed since
+            sums = dict(agent.state.totals.sums)  # what the scrape read: no step closed since
     return agent, text, sums
 
 
@@ -251,7 +251,7 @@ def test_a_short_job_pushes_its_final_counters_to_a_real_pushgateway(run_dir, pu
                            push_interval=60, push_job="nightly") as agent:
             train(30)
     assert not [w for w in caught if issubclass(w.category, TuneupWarning)]
-    assert agent.server is None and agent.pusher.pushes == 1  # the one at detach: shorter than an interval
+    assert agent.server is None and agent.outputs.pusher.pushes == 1  # the one at detach: shorter than an interval
     found = families(urllib.request.urlopen(pushgateway + "/metrics", timeout=5).read().decode())
     assert value(found, "tuneup_step_seconds_count", job="nightly", rank="0") == 30
     assert value(found, "tuneup_samples_total", job="nightly", rank="0") == 240
@@ -267,7 +267,7 @@ def test_an_unreachable_pushgateway_is_one_warning_and_the_job_goes_on(run_dir):
             time.sleep(2.5)  # a few periodic pushes fail too
     ours = [str(w.message) for w in caught if issubclass(w.category, TuneupWarning)]
     assert len(ours) == 1 and "Pushgateway" in ours[0] and "training goes on" in ours[0]
-    assert agent.pusher.failures >= 3 and agent.pusher.pushes == 0
+    assert agent.outputs.pusher.failures >= 3 and agent.outputs.pusher.pushes == 0
     assert time.monotonic() - began < 10
     assert agent.snapshot()["totals"]["steps"] == 30
 

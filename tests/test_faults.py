@@ -156,19 +156,19 @@ def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch)
 def test_a_failing_close_listener_stops_sync_sampling_cleanly(run_dir, monkeypatch):
     """A bug in the work done at a step close: one warning, and no sampled step stays open
     (host reads would otherwise be counted, and on CUDA sync debug mode left on, forever)."""
-    from tuneup.agent import Agent
+    from tuneup.measure.recorder import Recorder
 
     def broken(self, step):
         raise RuntimeError("simulated listener bug")
 
-    monkeypatch.setattr(Agent, "_lifecycle", broken)
+    monkeypatch.setattr(Recorder, "_lifecycle", broken)
     loader, model, optimizer = (loader_for(SlowDataset(size=4096)), mlp(hidden=16), None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
             train(loader, model, optimizer, steps=50, host_reads=1)
-            assert not agent.syncs.sampling and not agent.syncs.counting_reads
+            assert not agent.recorder.syncs.sampling and not agent.recorder.syncs.counting_reads
     ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
     assert ours == ["tuneup: step_close probe turned off after an internal error: RuntimeError: simulated listener bug"]
     probes = agent.snapshot()["probes"]

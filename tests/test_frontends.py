@@ -258,7 +258,7 @@ def phases(request, tmp_path_factory):
     try:
         steps = 0
         while steps < 3000 and not (
-                agent.calls.watched_steps and (mode == "advise" or any(
+                agent.recorder.calls.watched_steps and (mode == "advise" or any(
                     r["decision"] == "trying" for r in agent.actions()))):
             train(job, 8)
             steps += 8

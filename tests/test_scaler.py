@@ -134,7 +134,7 @@ def test_each_loss_is_recorded_against_its_own_step(run_dir):
             loss = weight.sum() + float(step)  # the loss is the step number
             loss.backward()
             optimizer.step()
-    columns = agent.timeline.ring.columns(1, 40)
+    columns = agent.recorder.timeline.ring.columns(1, 40)
     recorded = {step: loss for step, loss, known in zip(columns["step"], columns["loss"], columns["loss_known"])
                 if known}
     assert len(recorded) >= 10

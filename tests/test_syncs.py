@@ -115,7 +115,7 @@ def test_only_sampled_steps_are_counted(run_dir):
     loader, model, optimizer = job()
     with tuneup.attach(run_dir=run_dir, sync_sample_every=10) as agent:
         train(loader, model, optimizer, steps=25, host_reads=1)
-    columns = agent.timeline.ring.columns(1, 25)
+    columns = agent.recorder.timeline.ring.columns(1, 25)
     sampled = {step for step, syncs in zip(columns["step"], columns["syncs"]) if syncs >= 0}
     assert sampled == {3, 4, 5, 10, 20}
     assert agent.snapshot()["syncs"]["sampled_steps"] == 5

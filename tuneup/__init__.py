@@ -11,7 +11,7 @@ Options come from keyword arguments or TUNEUP_* environment variables (see
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 import functools
 import os
@@ -60,7 +60,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
         reason = _inert_reason(settings)
         if reason is None:
             try:
-                agent = Agent(settings, objects).start()
+                agent = Agent(settings, objects, on_detach=_forget).start()
             except Exception as exc:  # tuneup's own failure must not stop the job
                 warnings.warn(
                     f"tuneup: agent could not start ({type(exc).__name__}: {exc}); training continues unmeasured",

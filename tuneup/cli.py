@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import __version__
+from ._version import __version__
 from .options import DEFAULT_DAEMON_PORT
 
 # torch warns at import when NumPy is absent (tuneup needs none): not the user's concern here.
@@ -225,11 +225,11 @@ def daemon(
     import signal
     import threading
 
-    from .export import registry
+    from .export import discovery
     from .export.daemon import NodeDaemon
 
     logging.basicConfig(level=logging.INFO, format="tuneup daemon: %(message)s")
-    folder = registry_dir or registry.directory()
+    folder = registry_dir or discovery.directory()
     node = NodeDaemon(folder, nvml_module=os.environ.get("TUNEUP_NVML_MODULE", "pynvml"), gpu=gpu)
     try:
         url = node.start(host, port)

@@ -45,9 +45,9 @@ if args.fake_allocator:
             "reserved_peak_bytes": 7 * gib, "alloc_retries": 2, "ooms": 0, "total_bytes": 80 * gib}]}
 
     memory.allocator_stats = allocator_stats
-    import tuneup.agent
+    import tuneup.measure.recorder
 
-    tuneup.agent.allocator_stats = allocator_stats
+    tuneup.measure.recorder.allocator_stats = allocator_stats
 
 
 class Images(Dataset):

@@ -5,7 +5,7 @@ fires and the action's safety conditions hold, `propose()` returns a `Change`: o
 edit of the job's live objects (`num_workers 0 -> 2`) that can `apply()` and `revert()`
 itself exactly, and whose `check()` says, while it is in effect, whether it must be rolled
 back at once (a non-finite loss under AMP); guards that must run before an optimizer
-update go through `Job.add_guard`. The Experimenter (runner.py) decides whether a
+update go through `LiveJob.add_guard`. The Experimenter (experimenter.py) decides whether a
 change stays; the action hears the verdict through `decided()` and proposes its next change
 (the DataLoader action climbs one knob at a time) or is done.
 
@@ -32,7 +32,7 @@ NOT_SLOWER = "not slower"  # kept unless measurably slower: what it buys is not 
 
 
 @dataclass
-class Job:
+class LiveJob:
     """What actions read and change: the job's objects as the probes found them, and the
     latest findings, host sample and configuration (published by the background thread)."""
 
@@ -44,7 +44,7 @@ class Job:
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
     system: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
-    # Changes' guards around each optimizer step, fn(optimizer). The runner's own step hooks
+    # Changes' guards around each optimizer step, fn(optimizer). The Experimenter's own step hooks
     # call them: torch cannot take a hook added or removed while it runs the hooks, and a
     # change may be applied or rolled back in the middle of an optimizer step.
     before_update: tuple[Callable[[Any], None], ...] = ()
@@ -88,7 +88,7 @@ class Change:
     action: str = ""
     description: str = ""  # what changes, in the user's words: "num_workers 0 -> 2"
     settle_steps: int = 5  # steps after apply() left out of the trial (warm-up of the new setting)
-    window_steps: int | None = None  # trial length; None: the runner's (about a second of steps)
+    window_steps: int | None = None  # trial length; None: the Experimenter's (about a second of steps)
     guard_steps: int = 0  # steps after apply() on which check() runs every step, then on detail steps
     keep: str = FASTER
     # Whether it can change the loss: a DataLoader change serves the same batches in the same
@@ -98,7 +98,7 @@ class Change:
     def __init__(self) -> None:
         self.before: dict[str, Any] = {}
         self.after: dict[str, Any] = {}
-        self.rollback_reason: str | None = None  # set by a guard inside a step; the runner rolls back
+        self.rollback_reason: str | None = None  # set by a guard inside a step; the Experimenter rolls back
 
     def apply(self) -> None:
         raise NotImplementedError
@@ -124,7 +124,7 @@ class Action:
         self.busy = False  # in the middle of a sequence of changes: go on before other actions
         self.not_applicable: str | None = None  # why the finding cannot be acted on (reported once)
 
-    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+    def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         """The next change to try now, or None. `recent`: a summary of the latest steps in
         the current configuration (windows.summarize), None when there are too few."""
         raise NotImplementedError

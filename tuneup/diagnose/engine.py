@@ -19,13 +19,13 @@ _SEVERITY_ORDER = {name: index for index, name in enumerate(SEVERITIES)}
 @dataclass
 class Evaluation:
     findings: list[Finding]
-    silent: list[str] = field(default_factory=list)  # rules whose inputs were not measured
+    unmeasured: list[str] = field(default_factory=list)  # rules whose inputs were not measured
     passed: list[str] = field(default_factory=list)  # rules whose thresholds were not crossed
-    silenced: list[str] = field(default_factory=list)
+    silenced: list[str] = field(default_factory=list)  # rules the user turned off (silence=)
     errors: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"findings": [f.to_dict() for f in self.findings], "silent": self.silent,
+        return {"findings": [f.to_dict() for f in self.findings], "unmeasured": self.unmeasured,
                 "passed": self.passed, "silenced": self.silenced, "errors": self.errors}
 
 
@@ -53,7 +53,7 @@ def evaluate(snapshot: dict[str, Any], *, ranks: Iterable[dict[str, Any]] = (),
         try:
             evidence = rule.check(facts)
         except Missing:
-            result.silent.append(rule_id)
+            result.unmeasured.append(rule_id)
             continue
         except Exception as exc:  # a rule must never take the others down
             result.errors[rule_id] = f"{type(exc).__name__}: {exc}"

@@ -7,7 +7,7 @@
     /jobs/<run_id>/api/run one job's (what `tuneup report URL/jobs/<run_id>` reads)
     /api/health            liveness
 
-Agents are found through their registry entries (export/registry.py) at every request, so
+Agents are found through their registry entries (export/discovery.py) at every request, so
 agents that start or die between scrapes are simply there or not: a dead or hung agent is an
 `tuneup_daemon_agent_up 0` for as long as its entry lasts, never an error for the others.
 Agents are read over their own loopback HTTP endpoints, in parallel, with a timeout; their
@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from ..measure.gpu import NoGpus, open_gpus
-from . import registry
+from . import discovery
 from .metrics import Families, gpu_families, gpu_info
 from .server import HttpEndpoint, json_response, text_response
 
@@ -96,7 +96,7 @@ class NodeDaemon:
     # --- the agents -----------------------------------------------------------------
 
     def agents(self) -> list[dict[str, Any]]:
-        return [entry for entry in registry.live_agents(self.registry_dir) if entry.get("url")]
+        return [entry for entry in discovery.live_agents(self.registry_dir) if entry.get("url")]
 
     def _get(self, url: str) -> bytes:
         with urllib.request.urlopen(url, timeout=self.timeout) as response:

@@ -112,12 +112,13 @@ def gpu_info(prefix: str, devices: list[dict[str, Any]], families: Families) -> 
 
 
 class AgentCollector(Collector):
-    """The agent's whole catalog except apply mode (ApplyCollector)."""
+    """The agent's whole catalog except apply mode (ApplyCollector), read from the run's read
+    model (measure/state.py RunState)."""
 
-    def __init__(self, agent: Any, warn: Callable[[str, str], None]) -> None:
-        self.agent = agent
+    def __init__(self, state: Any, warn: Callable[[str, str], None]) -> None:
+        self.state = state
         self.warn = warn
-        self.families = Families(BASE_LABELS, [_label(agent.rank), _label(agent.local_rank)])
+        self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank)])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
             self.run, self.steps, self.syncs, self.scaler, self.loss, self.gpu, self.allocator, self.host,
             self.findings, self.health)
@@ -133,8 +134,8 @@ class AgentCollector(Collector):
             yield from families
 
     def run(self) -> Iterator[Metric]:
-        agent, f = self.agent, self.families
-        info = agent.run_info
+        state, f = self.state, self.families
+        info = state.run_info
         argv = info.get("argv") or [""]
         family = InfoMetricFamily("tuneup_run", "The training job: its run id, script and settings",
                                   labels=f.names)
@@ -145,14 +146,14 @@ class AgentCollector(Collector):
         yield family
         yield f.single("gauge", "tuneup_run_start_time_seconds", "When the agent attached (unix time)",
                        info["started_at"])
-        last = agent._totals.last_step_time
+        last = state.totals.last_step_time
         if last is not None:
             yield f.single("gauge", "tuneup_last_step_time_seconds", "When the last measured step ended (unix time)",
                            last)
 
     def steps(self) -> Iterator[Metric]:
         f = self.families
-        totals = self.agent._totals
+        totals = self.state.totals
         sums = dict(totals.sums)
         counts = list(totals.step_buckets)
         histogram = HistogramMetricFamily("tuneup_step_seconds", "Wall time of each training step (optimizer step "
@@ -173,14 +174,14 @@ class AgentCollector(Collector):
                        sums["detailed_steps"])
         phases = f.counter("tuneup_step_phase_seconds", "Time of the detail steps, by phase", ["phase"])
         for phase, key in PHASES:
-            if phase == "forward" and not self.agent.model.timed:
+            if phase == "forward" and not self.state.recorder.model.timed:
                 continue  # no model timed: the forward is part of "other"
             f.add(phases, sums[key], phase)
         yield phases
 
     def syncs(self) -> Iterator[Metric]:
         f = self.families
-        counter = self.agent.syncs
+        counter = self.state.recorder.syncs
         yield f.single("counter", "tuneup_sync_sampled_steps", "Steps the host-device syncs were counted on",
                        counter.sampled_steps)
         kinds = f.counter("tuneup_syncs", "Host-device syncs on the sampled steps (on CPU: host reads that would "
@@ -191,7 +192,7 @@ class AgentCollector(Collector):
 
     def scaler(self) -> Iterator[Metric]:
         f = self.families
-        summary = self.agent.scaler.summary()
+        summary = self.state.recorder.scaler.summary()
         if not summary["present"]:
             return
         yield f.single("gauge", "tuneup_grad_scaler_enabled", "1 while the GradScaler is enabled",
@@ -208,7 +209,7 @@ class AgentCollector(Collector):
 
     def loss(self) -> Iterator[Metric]:
         f = self.families
-        totals = self.agent._totals
+        totals = self.state.totals
         if totals.last_loss is not None:
             yield f.single("gauge", "tuneup_loss", "The last loss read (before scaling; NaN when not finite)",
                            totals.last_loss)
@@ -218,7 +219,7 @@ class AgentCollector(Collector):
                        totals.sums["nonfinite_losses"])
 
     def gpu(self) -> Iterator[Metric]:
-        system = self.agent._system or {}
+        system = self.state.system or {}
         gpu = system.get("gpu") or {}
         if not gpu.get("available"):
             return
@@ -233,7 +234,7 @@ class AgentCollector(Collector):
         yield own
 
     def allocator(self) -> Iterator[Metric]:
-        memory = (self.agent._system or {}).get("memory") or {}
+        memory = (self.state.system or {}).get("memory") or {}
         if not memory.get("available"):
             return
         f = self.families
@@ -250,7 +251,7 @@ class AgentCollector(Collector):
             yield family
 
     def host(self) -> Iterator[Metric]:
-        host = (self.agent._system or {}).get("host")
+        host = (self.state.system or {}).get("host")
         if not host:
             return
         f = self.families
@@ -264,7 +265,7 @@ class AgentCollector(Collector):
 
     def findings(self) -> Iterator[Metric]:
         f = self.families
-        current = list(self.agent._evaluation.findings)
+        current = self.state.findings_now
         active = f.gauge("tuneup_finding_active", "1 for each current finding (see `tuneup rules`)",
                          ["rule", "severity"])
         gain = f.gauge("tuneup_finding_gain_ratio", "A finding's estimated gain: the share of step time its fix "
@@ -280,27 +281,27 @@ class AgentCollector(Collector):
         f = self.families
         up = f.gauge("tuneup_probe_up", "1 while the probe works, 0 after it turned itself off (see its warning)",
                      ["probe"])
-        for probe, state in sorted(self.agent.probe_states().items()):
+        for probe, state in sorted(self.state.probe_states().items()):
             if state == "on":
                 f.add(up, 1.0, probe)
             elif state == "off" or state.startswith("stopped"):
                 f.add(up, 0.0, probe)
             # anything else was turned off on purpose or has nothing to measure: no series
         yield up
-        yield f.single("counter", "tuneup_warnings", "Warnings the agent emitted", len(self.agent.warnings))
+        yield f.single("counter", "tuneup_warnings", "Warnings the agent emitted", len(self.state.warnings))
 
 
 class ApplyCollector(Collector):
     """Apply mode's decisions and the changes in effect, by action id (a handful of values)."""
 
-    def __init__(self, runner: Any, families: Families) -> None:
-        self.runner = runner
+    def __init__(self, experimenter: Any, families: Families) -> None:
+        self.experimenter = experimenter
         self.families = families
 
     def collect(self) -> Iterator[Metric]:
         f = self.families
-        records = [dict(record) for record in list(self.runner.records)]
-        state = self.runner.state()
+        records = [dict(record) for record in list(self.experimenter.records)]
+        state = self.experimenter.state()
         decided = f.counter("tuneup_apply_decisions", "Changes apply mode tried and decided on, by action and decision",
                             ["action", "decision"])
         for (action, decision), count in sorted(Counter(
@@ -328,14 +329,15 @@ class ApplyCollector(Collector):
         yield speedup
 
 
-def agent_registry(agent: Any, warn: Callable[[str, str], None]) -> CollectorRegistry:
-    """Everything the agent exports: its catalog plus prometheus-client's process, platform
-    and garbage-collector collectors."""
+def agent_registry(state: Any, experimenter: Any, warn: Callable[[str, str], None]) -> CollectorRegistry:
+    """Everything the agent exports: its catalog (read from `state`, the read model), apply
+    mode's decisions (`experimenter`, or None) and prometheus-client's process, platform and
+    garbage-collector collectors."""
     registry = CollectorRegistry(auto_describe=True)
-    collector = AgentCollector(agent, warn)
+    collector = AgentCollector(state, warn)
     registry.register(collector)
-    if agent.runner is not None:
-        registry.register(ApplyCollector(agent.runner, collector.families))
+    if experimenter is not None:
+        registry.register(ApplyCollector(experimenter, collector.families))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)

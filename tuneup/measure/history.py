@@ -260,10 +260,13 @@ class RunHistory:
             totals.add(interval)
         return totals.summary()
 
-    def snapshot(self, window_steps: int = 1000) -> dict[str, Any]:
-        """The shape of Agent.snapshot(), from the events alone."""
+    def snapshot(self, window_steps: int = 1000, window: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The snapshot (the shape of Agent.snapshot()) from the events alone: what rules and
+        reports read. `window`: the window's summary when the caller has an exact one (a
+        live agent's ring), else the last `window_steps` steps of the history."""
         run = self.run or {}
-        window = self.window(window_steps)
+        if window is None:
+            window = self.window(window_steps)
         return {
             "enabled": True,
             "attached": self.end is None,

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .. import __version__
+from .._version import __version__
 from ..measure.config import hardware
 from ..measure.host import usable_cores
 from ..options import Options, agent_port, resolve

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..diagnose import evaluate
 from ..measure.history import RunHistory
 

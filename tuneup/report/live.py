@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..export import registry
+from ..export import discovery
 from ..format import percent, seconds
 from ..measure.history import RunHistory
 from . import summary
@@ -22,7 +22,7 @@ from .text import findings_group
 
 def choose_agent() -> str:
     """The URL of the one live agent on this machine; a clear error otherwise."""
-    agents = [entry for entry in registry.live_agents() if entry.get("url")]
+    agents = [entry for entry in discovery.live_agents() if entry.get("url")]
     if not agents:
         raise ReportSourceError(
             "no tuneup agent is running on this machine: start a job with tuneup (e.g. `tuneup demo`) "

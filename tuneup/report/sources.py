@@ -25,10 +25,10 @@ def is_url(target: str) -> bool:
     return urlparse(target).scheme in ("http", "https")
 
 
-Job = tuple[list[RunHistory], str]  # a job's runs (one per rank) and where they came from
+JobRuns = tuple[list[RunHistory], str]  # a job's runs (one per rank) and where they came from
 
 
-def load_jobs(target: str) -> list[Job]:
+def load_jobs(target: str) -> list[JobRuns]:
     """The jobs at `target`: one for a run directory, a log or an agent's URL; every running
     job of the node for a node daemon's URL (the ranks of a torchrun job together)."""
     if not is_url(target):

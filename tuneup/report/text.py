@@ -24,8 +24,8 @@ def ranks_label(finding: dict[str, Any]) -> str:
 
 def checked_summary(document: dict[str, Any]) -> str:
     evaluation = document["runs"][0]["evaluation"] if document["runs"] else {}
-    passed, silent = len(evaluation.get("passed", [])), len(evaluation.get("silent", []))
-    return f"{passed} rules checked and passed, {silent} had nothing to measure on this run"
+    passed, unmeasured = len(evaluation.get("passed", [])), len(evaluation.get("unmeasured", []))
+    return f"{passed} rules checked and passed, {unmeasured} had nothing to measure on this run"
 
 
 def findings_group(document: dict[str, Any]) -> Group:

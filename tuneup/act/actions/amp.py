@@ -34,7 +34,7 @@ from torch.amp.grad_scaler import GradScaler
 from ..._patching import PatchSet, measured, posing_as
 from ...measure.config import is_compiled
 from ...measure.model import tracing
-from ..action import FASTER, Action, Change, Job
+from ..action import FASTER, Action, Change, LiveJob
 
 GUARD_STEPS = 300
 SETTLE_STEPS = 5
@@ -89,7 +89,7 @@ class AmpChange(Change):
     settle_steps = SETTLE_STEPS
     keep = FASTER
 
-    def __init__(self, job: Job, models: list[nn.Module], device: str, dtype: torch.dtype,
+    def __init__(self, job: LiveJob, models: list[nn.Module], device: str, dtype: torch.dtype,
                  scaler: GradScaler | None) -> None:
         super().__init__()
         self.job = job
@@ -287,7 +287,7 @@ class Amp(Action):
                "owns), outputs cast to fp32; kept only when faster; rolled back at once on non-finite "
                "gradients (that update skipped) or loss, or a burst of GradScaler skips.")
 
-    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+    def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         finding = job.finding(*self.fixes)
         if finding is None:
             return None
@@ -322,7 +322,7 @@ class Amp(Action):
             return AmpChange(job, models, device, torch.bfloat16, enabled[0] if enabled else None)
         return self._fp16(job, models, device, scalers)
 
-    def _fp16(self, job: Job, models: list[nn.Module], device: str, scalers: list[GradScaler]) -> Change | None:
+    def _fp16(self, job: LiveJob, models: list[nn.Module], device: str, scalers: list[GradScaler]) -> Change | None:
         if not scalers:
             return self.refuse("this GPU has no bf16, and fp16 needs a GradScaler the loop owns "
                                "(GradScaler(enabled=False) is enough for tuneup to switch it on)")

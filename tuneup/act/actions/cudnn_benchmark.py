@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..action import FASTER, Action, Change, Job
+from ..action import FASTER, Action, Change, LiveJob
 
 SETTLE_STEPS = 10  # the first steps with benchmark on time every candidate algorithm
 
@@ -41,7 +41,7 @@ class CudnnBenchmark(Action):
     fixes = ("cudnn-benchmark-off",)
     summary = "torch.backends.cudnn.benchmark = True (never with deterministic algorithms); kept only when faster."
 
-    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+    def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None:
             return None
         if torch.backends.cudnn.benchmark:

@@ -17,8 +17,8 @@ process when they would not fork (spawn re-imports the script) or when its datas
 from torch's global RNG while the same RNG orders its samples (later epochs would come in
 another order). Bounds: no more workers than usable cores (affinity and
 cgroup quota), and no more than half the free RAM at the measured size of a worker (the
-main process's until a worker was measured). Changes land mid-epoch through a relay (see
-`act/handover.py`): the sequence of samples the model sees does not change, and the global
+main process's until a worker was measured). Changes land mid-epoch through a LoaderSwitch (see
+`act/loader_switch.py`): the sequence of samples the model sees does not change, and the global
 RNG is not drawn from. While tuneup's settings are in effect, each epoch's iterator is
 built by tuneup too, so a worker that fails in a later epoch is recovered the same way; each
 epoch start draws from the job's random streams what the job's own settings would have
@@ -44,8 +44,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 from ..._patching import PatchSet
 from ...measure.host import usable_cores
 from ...measure.loader import loader_of
-from ..action import FASTER, NOT_SLOWER, Action, Change, Job
-from ..handover import (KNOBS, Settings, TapedSampler, build_iterator, effective, epoch_iterator, live_iterators,
+from ..action import FASTER, NOT_SLOWER, Action, Change, LiveJob
+from ..loader_switch import (KNOBS, Settings, TapedSampler, build_iterator, effective, epoch_iterator, live_iterators,
                         persistent, settings_of, shut_down, switch_loader, why_not_switchable)
 
 STALL_TARGET = 0.05  # below this share of step time, more loading capacity is not worth a trial
@@ -102,7 +102,7 @@ class _EpochStarts:
     `DataLoader._get_iterator`: while tuneup's settings are in effect, a new epoch's iterator
     is built by tuneup (`epoch_iterator`), so a failure of its workers is recovered with the
     job's own settings, and it draws from the job's random streams what the job's own
-    iterator would have (see handover.TapedSampler). When every change was reverted but the
+    iterator would have (see loader_switch.TapedSampler). When every change was reverted but the
     job's persistent iterator had to go, the next one is rebuilt once drawing nothing, as
     the job's reset would have. `DataLoader.__iter__`: where tuneup made the loader
     persistent and the dataset's attributes were reassigned between epochs
@@ -179,7 +179,7 @@ class LoaderChange(Change):
     keep = FASTER
     affects_numerics = False
 
-    def __init__(self, tuning: "DataLoaderTuning", job: Job, loader: DataLoader, knob: str,
+    def __init__(self, tuning: "DataLoaderTuning", job: LiveJob, loader: DataLoader, knob: str,
                  before: Settings, after: Settings) -> None:
         super().__init__()
         self.tuning = tuning
@@ -256,7 +256,7 @@ class DataLoaderTuning(Action):
         self.epoch_starts.close()
 
     def source_failed(self, exc: BaseException) -> None:
-        """A source with tuneup's settings failed (the relay already fetches with the job's
+        """A source with tuneup's settings failed (the switch already fetches with the job's
         own): every change in effect goes, and the climb ends."""
         self.failed = True
         reason = (f"the loader failed with tuneup's settings ({_one_line(exc)}); the batches it had not "
@@ -268,7 +268,7 @@ class DataLoaderTuning(Action):
     # --- which loader -------------------------------------------------------------------
 
     @staticmethod
-    def _reading(job: Job) -> DataLoader | None:
+    def _reading(job: LiveJob) -> DataLoader | None:
         """The loader whose live iterator has served the most batches: the training loop's."""
         best, served = None, -1
         for iterator in list(job.loaders.iterators):
@@ -278,7 +278,7 @@ class DataLoaderTuning(Action):
                 best, served = loader, iterator._num_yielded
         return best
 
-    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+    def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None and not self.busy:
             return None
         if recent is None or recent.get("stall_ratio") is None:
@@ -306,7 +306,7 @@ class DataLoaderTuning(Action):
         self.done, self.busy = True, False
         return None
 
-    def _next(self, job: Job, loader: DataLoader, recent: dict[str, Any]) -> Any:
+    def _next(self, job: LiveJob, loader: DataLoader, recent: dict[str, Any]) -> Any:
         """The next move, None when the climb is over, or _LATER."""
         settings = self.settings
         workers = settings["num_workers"]
@@ -332,7 +332,7 @@ class DataLoaderTuning(Action):
         return None
 
     @staticmethod
-    def _why_no_workers(job: Job, loader: DataLoader) -> Any:
+    def _why_no_workers(job: LiveJob, loader: DataLoader) -> Any:
         """Why the loader's work must stay in the main process (None: it may move), or _LATER."""
         method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
         if method != "fork":
@@ -348,11 +348,11 @@ class DataLoaderTuning(Action):
                     "(generator=torch.Generator().manual_seed(seed)) and tuneup can add workers")
         return None
 
-    def _change(self, job: Job, loader: DataLoader, knob: str, **values: Any) -> LoaderChange:
+    def _change(self, job: LiveJob, loader: DataLoader, knob: str, **values: Any) -> LoaderChange:
         after = effective(dict(self.settings, **values))
         return LoaderChange(self, job, loader, knob, self.settings, after)
 
-    def _persistent(self, job: Job, loader: DataLoader) -> Any:
+    def _persistent(self, job: LiveJob, loader: DataLoader) -> Any:
         """Measured across epoch starts: the baseline's last epoch start paid the workers'
         start-up, the trial's (the second after the change) reuses them."""
         try:
@@ -385,7 +385,7 @@ class DataLoaderTuning(Action):
         needed = math.ceil(WORKER_MARGIN * load / compute)
         return min(most, max(workers + 1, needed))
 
-    def max_workers(self, job: Job) -> int:
+    def max_workers(self, job: LiveJob) -> int:
         host = job.system.get("host") or {}
         cores = int(host.get("usable_cores") or usable_cores())
         bound = min(cores, MAX_WORKERS)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..._patching import PatchSet, posing_as
-from ..action import NOT_SLOWER, Action, Change, Job
+from ..action import NOT_SLOWER, Action, Change, LiveJob
 
 GUARD_STEPS = 200
 
@@ -48,7 +48,7 @@ class ZeroGradChange(Change):
     keep = NOT_SLOWER
     affects_numerics = False  # the same update for every parameter that gets a gradient (guarded)
 
-    def __init__(self, job: Job, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, job: LiveJob, optimizers: list[torch.optim.Optimizer]) -> None:
         super().__init__()
         self.before = {"set_to_none": False}
         self.after = {"set_to_none": True}
@@ -101,7 +101,7 @@ class ZeroGradSetToNone(Action):
     summary = ("zero_grad(set_to_none=True); kept unless slower (it frees gradient memory between steps); "
                "rolled back, with the zeros put back, when a parameter gets no gradient.")
 
-    def propose(self, job: Job, recent: dict[str, Any] | None) -> Change | None:
+    def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None:
             return None
         if job.optimizers.set_to_none:

@@ -30,8 +30,8 @@ from torch.optim import optimizer as optimizer_hooks
 from .._patching import PatchSet
 from ..measure.history import WARMUP_STEPS
 from ..measure.windows import summarize
-from .action import Action, Change, Job
-from .experiment import BLOCKS, judge
+from .action import Action, Change, LiveJob
+from .judge import BLOCKS, judge
 
 NEVER = 1 << 62
 TRIAL_SECONDS = 1.0
@@ -71,7 +71,7 @@ class _Trial:
 
 
 class Experimenter:
-    def __init__(self, job: Job, actions: list[Action], warn: Callable[[str, str], None]) -> None:
+    def __init__(self, job: LiveJob, actions: list[Action], warn: Callable[[str, str], None]) -> None:
         self.job = job
         self.actions = actions
         self.warn = warn
@@ -90,7 +90,7 @@ class Experimenter:
         self._revert_request: tuple[str, threading.Event] | None = None
 
     def install(self, patches: PatchSet) -> None:
-        """The step hooks that run the changes' guards (see Job.add_guard)."""
+        """The step hooks that run the changes' guards (see LiveJob.add_guard)."""
         job = self.job
 
         def before(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from tuneup.act.handover import settings_of, switch_loader, why_not_switchable
+from tuneup.act.loader_switch import settings_of, switch_loader, why_not_switchable
 from tuneup.measure.loader import remember_loader
 
 

@@ -3,7 +3,7 @@ changing which samples come next or in what order.
 
 A DataLoader's settings (num_workers, prefetch_factor, pin_memory) are fixed when its
 iterator is made, once per epoch. To tune within a few hundred steps rather than a few
-epochs, a `Relay` takes over the live iterator's `_next_data` and serves its batches from a
+epochs, a `LoaderSwitch` takes over the live iterator's `_next_data` and serves its batches from a
 chain of iterators ("sources"): the iterator itself first, then one built with the new
 settings. The index sampler's iterator, the one that decides the epoch's order, is handed
 from source to source: the old source stops taking indices and serves what it was already
@@ -189,17 +189,17 @@ def shut_down(iterator: Any) -> None:
 
 @dataclass
 class _Source:
-    iterator: Any  # None: the live iterator itself (the relay's owner)
+    iterator: Any  # None: the live iterator itself (the switch's owner)
     settings: Settings
     own: bool  # the job's own settings: its errors are the job's
 
 
-class Relay:
+class LoaderSwitch:
     """Serves a live iterator's batches from a chain of sources (see the module docstring)."""
 
     def __init__(self, owner: Any, owner_settings: Settings, loader: DataLoader, job_settings: Settings,
                  on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> None:
-        self.owner = weakref.ref(owner)  # the owner holds the relay: no cycle back to it
+        self.owner = weakref.ref(owner)  # the owner holds the switch: no cycle back to it
         self.loader = weakref.ref(loader)
         self.job_settings = dict(job_settings)
         self.on_failure = on_failure
@@ -266,7 +266,7 @@ class Relay:
 
     def _end_of_epoch(self, source: _Source) -> None:
         """A persistent source with the loader's settings stays, as the loader's persistent
-        iterator (with a relay of its own): the next epoch resets it instead of starting
+        iterator (with a switch of its own): the next epoch resets it instead of starting
         workers (and drawing a seed)."""
         loader = self.loader()
         iterator = source.iterator
@@ -275,7 +275,7 @@ class Relay:
                 and source.settings["persistent_workers"] and source.settings == settings_of(loader)):
             del iterator._tuneup_built  # the job's iterator from now on
             loader._iterator = iterator
-            relay_of(iterator, source.settings, loader, self.job_settings, self.on_failure, self.on_source)
+            switch_of(iterator, source.settings, loader, self.job_settings, self.on_failure, self.on_source)
             return
         self._retire(source)
 
@@ -311,12 +311,12 @@ class Relay:
 
 def epoch_iterator(loader: DataLoader, job_settings: Settings, on_failure: Callable[[BaseException], None],
                    on_source: Callable[[Any], None]) -> Any:
-    """A new epoch's iterator for a loader running with tuneup's settings: taped and relayed,
+    """A new epoch's iterator for a loader running with tuneup's settings: taped and switched,
     so that a failure of its workers is recovered like a switched source's. It draws from
     the job's random streams what the job's own iterator would have (see TapedSampler)."""
     settings = settings_of(loader)
     iterator = build_iterator(loader, settings, TapedSampler(loader, job_settings))
-    relay_of(iterator, settings, loader, job_settings, on_failure, on_source)
+    switch_of(iterator, settings, loader, job_settings, on_failure, on_source)
     return iterator
 
 
@@ -337,15 +337,15 @@ def live_iterators(loader: DataLoader, iterators: Any) -> list[Any]:
     return live
 
 
-def relay_of(iterator: Any, settings: Settings, loader: DataLoader, job_settings: Settings,
-             on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> Relay:
-    """The iterator's relay, installed on first use; `settings`: what the iterator was built with."""
-    relay = vars(iterator).get("_tuneup_relay")
-    if relay is None:
-        relay = Relay(iterator, settings, loader, job_settings, on_failure, on_source)
-        iterator._tuneup_relay = relay
-        iterator._next_data = relay.next_data  # the instance attribute wins over the class's method
-    return relay
+def switch_of(iterator: Any, settings: Settings, loader: DataLoader, job_settings: Settings,
+             on_failure: Callable[[BaseException], None], on_source: Callable[[Any], None]) -> LoaderSwitch:
+    """The iterator's switch, installed on first use; `settings`: what the iterator was built with."""
+    switch = vars(iterator).get("_tuneup_switch")
+    if switch is None:
+        switch = LoaderSwitch(iterator, settings, loader, job_settings, on_failure, on_source)
+        iterator._tuneup_switch = switch
+        iterator._next_data = switch.next_data  # the instance attribute wins over the class's method
+    return switch
 
 
 def switch_loader(loader: DataLoader, settings: Settings, iterators: Any, job_settings: Settings,
@@ -356,14 +356,14 @@ def switch_loader(loader: DataLoader, settings: Settings, iterators: Any, job_se
     set_settings(loader, settings)
     switching = needs_switch(old, settings)
     live = live_iterators(loader, iterators)
-    relays = {id(iterator): relay_of(iterator, old, loader, job_settings, on_failure, on_source)
+    switches = {id(iterator): switch_of(iterator, old, loader, job_settings, on_failure, on_source)
               for iterator in live} if switching else {}
-    for relay in relays.values():
-        relay.switch(settings)
+    for switch in switches.values():
+        switch.switch(settings)
     persistent = loader._iterator
     if persistent is not None and (switching or old["persistent_workers"] != settings["persistent_workers"]):
         loader._iterator = None  # built again with the new settings at the next epoch
-        if id(persistent) in relays:
-            relays[id(persistent)].detached_owner = True  # stopped once it has served what it holds
+        if id(persistent) in switches:
+            switches[id(persistent)].detached_owner = True  # stopped once it has served what it holds
         elif persistent not in live:
             shut_down(persistent)

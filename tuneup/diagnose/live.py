@@ -1,0 +1,83 @@
+"""Diagnosis while the job runs: the rules over the run's history every few background ticks,
+and, in a distributed job, the exchange of each rank's summary through the job's store so
+that rank 0's rules see every rank (the straggler rule) and it can print the rank table at
+the end.
+
+Runs on the agent's background thread (and once at detach). What it needs of the rest is
+handed in: the read model (`state`, where the evaluation goes), `emit` for events, `warn`,
+`print_ranks` for the table.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ..measure.ranks import RankExchange, compact
+from .engine import evaluate
+
+FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
+RANKS_WAIT = 2.0  # seconds detach waits for one store operation
+RANKS_FINAL_WAIT = 5.0  # seconds rank 0 waits for every rank's final summary
+
+
+class LiveDiagnosis:
+    def __init__(self, state: Any, silence: tuple[str, ...], emit: Callable[[dict[str, Any]], None],
+                 warn: Callable[[str, str], None],
+                 print_ranks: Callable[[list[dict[str, Any]], int, list[dict[str, Any]], str | None], None]) -> None:
+        self.state = state
+        self.silence = silence
+        self.emit, self.warn, self.print_ranks = emit, warn, print_ranks
+        self.ranks = RankExchange(warn)  # the other ranks' summaries, through the job's store
+        self._logged: tuple = ()
+        self._finished = False
+
+    @staticmethod
+    def due(tick: int, final: bool, eager: bool) -> bool:
+        """Whether this tick runs the rules; `eager`: apply mode may still act, so it wants
+        them fresh every tick (they cost well under a millisecond)."""
+        return final or eager or tick % FINDINGS_EVERY_TICKS == 1
+
+    def run(self, snapshot: dict[str, Any] | None = None, final: bool = False) -> None:
+        """Run the rules over the history; log what changed. In a distributed job, publish this
+        rank's summary for the others; rank 0 reads theirs."""
+        ranks, state = self.ranks, self.state
+        try:
+            if snapshot is None:
+                snapshot = state.history.snapshot(state.window_steps)
+            peers = ranks.peer_snapshots() if ranks.rank == 0 else []
+            state.evaluation = evaluate(snapshot, ranks=peers, silence=self.silence)
+        except Exception as exc:
+            self.warn("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
+            return
+        found = state.findings()
+        if not final and ranks.connect():
+            ranks.publish(compact(snapshot, found, final=False))
+            ranks.gather()  # rank 0 only; read at the next evaluation
+        current = tuple((f["rule"], f["severity"]) for f in found)
+        if current != self._logged:
+            self._logged = current
+            self.emit({"event": "findings", "time": time.time(), "findings": found})
+
+    def finish(self) -> None:
+        """The end of a distributed run: publish this rank's final summary; rank 0 waits a few
+        seconds for the others' (no collective: the store), evaluates the rules across every
+        rank once more, logs the ranks and prints the table."""
+        ranks, state = self.ranks, self.state
+        if self._finished or not ranks.active:
+            return
+        self._finished = True
+        snapshot = state.history.snapshot(state.window_steps)
+        store_up = ranks.group_alive()  # the job may have destroyed its process group already
+        if store_up:
+            ranks.publish(compact(snapshot, state.findings(), final=True), wait=RANKS_WAIT)
+        if ranks.rank != 0:
+            return
+        if store_up:
+            ranks.gather(wait=RANKS_WAIT + RANKS_FINAL_WAIT, final_within=RANKS_FINAL_WAIT)
+        self.run(snapshot, final=True)  # across every rank's final summary
+        found = state.findings()
+        everyone = [compact(snapshot, found, final=True)] + ranks.peer_snapshots()
+        self.emit({"event": "ranks", "time": time.time(), "world_size": ranks.world_size, "ranks": everyone,
+                   "findings": [f for f in found if f["rule"] == "rank-straggler"]})
+        self.print_ranks(everyone, ranks.world_size, found, state.run_dir if state.run_log else None)

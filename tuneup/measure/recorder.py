@@ -1,0 +1,395 @@
+"""The recorder: every probe of one job, from the training thread's hooks to the numbers the
+rest of tuneup reads.
+
+    hooks (training thread) → StepTimeline → StepRing ─┐
+    the step-close listener (loss reads, device values, wake-ups, apply mode's turn)   │
+    background thread: drain → Totals + an interval summary ◄──────────────────────────┘
+                       slow samplers (host, NVML, allocator) → the system sample
+                       configuration, read again when what it is read from changes
+                       → events, handed to `emit` (the run log and the in-memory history)
+
+It imports nothing above measure/: what it needs of the rest (a warning, a probe failure,
+apply mode's step-close turn) is handed in.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .calls import CallWatch
+from .config import read_config
+from .device_values import DeviceValues, raw_item
+from .gpu import open_gpus
+from .gpu_time import CudaStepTimer
+from .habits import HabitsProbe
+from .host import HostProbe
+from .loader import LoaderProbe
+from .memory import allocator_stats
+from .model import ModelProbe
+from .objects import Tracked
+from .optimizer import OptimizerProbe
+from .scaler import ScalerProbe
+from .steps import StepTimeline
+from .syncs import SyncCounter
+from .windows import SPIKE_HISTORY, Totals, summarize
+
+RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
+CONFIG_EVERY_TICKS = 10
+LIFECYCLE_EVERY_STEPS = 64
+
+Warn = Callable[[str, str], None]
+Fail = Callable[[str, BaseException], None]
+Emit = Callable[[dict[str, Any]], None]
+
+
+class Recorder:
+    """The probes, their step-close listener, the drain into running totals, the slow
+    samplers and the configuration. `fail(name, exc)` is told of a probe that failed (the
+    caller decides what else stops); `emit(event)` receives every event."""
+
+    def __init__(self, options: Any, kinds: dict[str, list[Any]], warn: Warn, fail: Fail, emit: Emit) -> None:
+        self.options = options
+        self.warn, self.fail, self.emit = warn, fail, emit
+        # The objects themselves are not kept: the job owns them (weak sets only).
+        tracked = self.tracked = Tracked(kinds)
+        self.timeline = StepTimeline(RING_CAPACITY, fail, options.detail_every)
+        self.values = DeviceValues()
+        self.habits = HabitsProbe(self.timeline)
+        self.loader = LoaderProbe(self.timeline, tracked.loaders, self.habits)
+        self.model = ModelProbe(self.timeline, kinds["models"] or None)
+        self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
+        self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
+        self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())
+        self.calls = CallWatch(self.timeline, self.syncs)
+        self.host: HostProbe | None = None
+        self.gpus = open_gpus(options.nvml_module, options.gpu)
+        self.gpu_timer: CudaStepTimer | None = None
+        self.hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits, self.calls)
+        self.slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
+        # Apply mode's turn at step closes: an object with on_close(step) and wake_at.
+        self.experimenter: Any = None
+        self.totals = Totals()
+        self.system: dict[str, Any] | None = None
+        self.config: dict[str, Any] | None = None
+        self.framework: dict[str, Any] | None = None
+        self._drained = 0
+        self._recent_losses: list[float] = []  # the last losses drained: spikes across intervals
+        self._config_seen: tuple = ()
+        self._next_lifecycle = 1
+
+    # --- installing ---------------------------------------------------------------------
+
+    def install(self, patches: Any) -> None:
+        timeline = self.timeline
+        timeline.attached_at = time.perf_counter()
+        timeline.add_listener("syncs", self.syncs.on_close)
+        timeline.add_listener("calls", self.calls.on_close)  # after syncs: see SyncCounter.step_watched
+        timeline.add_listener("step_close", self.on_close)
+        for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
+            probe.install(patches)
+        self.calls.install()
+        try:
+            self.host = HostProbe()
+        except Exception as exc:
+            self.slow_probe_failed("host", exc)
+
+    def quiet(self) -> None:
+        """Every hot probe off (detach, a start that failed, a forked child)."""
+        for probe in self.hot_probes:
+            probe.on = False
+        self.syncs.close()
+        self.calls.close()
+        self.model.uninstall_discovery()
+
+    def forked(self) -> None:
+        for probe in self.hot_probes:
+            probe.on = False
+        self.syncs.sampling = False
+        self.syncs.counting_reads = False
+        self.calls.close()  # a worker forked during a watched step inherited the profile function
+
+    def close(self) -> None:
+        self.gpus.close()
+
+    def focus(self, kinds: dict[str, Iterable[Any]]) -> None:
+        """Measure exactly these objects, kind by kind; a kind given nothing stays as it was."""
+        for kind, probe in (("loaders", self.loader), ("optimizers", self.optimizer), ("scalers", self.scaler)):
+            objects = [obj for obj in kinds.get(kind, ()) if obj is not None]
+            if objects:
+                chosen = weakref.WeakSet(objects)
+                setattr(self.tracked, kind, chosen)
+                if probe is self.loader:
+                    self.loader.focus(chosen)
+                else:
+                    probe.tracked = chosen
+        if self.tracked.models:
+            for model in kinds.get("models", ()):
+                self.model._hook_root(model)
+
+    def add(self, kinds: dict[str, list[Any]]) -> None:
+        """More objects named by the job (attach() again)."""
+        for kind in ("loaders", "optimizers", "scalers"):
+            current = getattr(self.tracked, kind)
+            if current is not None:
+                for obj in kinds[kind]:
+                    current.add(obj)
+        if self.tracked.models:
+            for model in kinds["models"]:
+                self.model._hook_root(model)
+
+    # --- the training thread --------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        try:
+            self.timeline.step_begins(time.perf_counter())
+        except Exception as exc:
+            self.fail("steps", exc)
+
+    def end_step(self) -> None:
+        try:
+            self.timeline.manual_step()
+        except Exception as exc:
+            self.fail("steps", exc)
+
+    def _new_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self.optimizer.optimizers) > 1:
+            self.model.discover()  # a new optimizer usually means a new model
+
+    def on_close(self, step: int) -> None:
+        """At the close of detail steps and of the steps asked for through `wake_at`, on the
+        training thread: read the loss, collect device values, plan the next wake-up."""
+        syncs = self.syncs
+        tl = self.timeline
+        loss = tl.step_loss
+        if loss is not None:
+            ring = tl.ring
+            if loss.is_cpu:  # the common case, inline: a CPU read never syncs
+                try:
+                    value = raw_item(loss)
+                except RuntimeError:
+                    pass  # not a single value: nothing to read
+                else:
+                    slot = (step - 1) % ring.capacity
+                    ring.loss[slot] = value
+                    ring.loss_step[slot] = step
+            elif loss.numel() == 1:
+                self.values.read(loss, lambda value: ring.put("loss", step, value), step)
+        if self.values.pending:
+            self.values.poll()
+        if step >= self._next_lifecycle:
+            self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
+            self._lifecycle(step)
+        experimenter = self.experimenter
+        if experimenter is not None:
+            experimenter.on_close(step)
+        # Wake at the next close that needs us between detail steps.
+        if syncs.sampling or self.values.pending or self.gpu_timer is not None:
+            wake = step + 1
+        elif syncs.on and syncs.next_sample > step:
+            wake = syncs.next_sample - 1  # the close that starts the sampled step
+        else:
+            wake = 1 << 62
+        wake = min(wake, self.calls.wake_after(step))
+        tl.wake_at = min(wake, experimenter.wake_at) if experimenter is not None else wake
+
+    def _lifecycle(self, step: int) -> None:
+        """Rare checks that must run on the training thread."""
+        if step == 1:
+            self.syncs.thread_id = threading.get_ident()  # the thread that really trains
+        # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
+        if self.gpu_timer is None and torch.cuda.is_initialized():
+            self.gpu_timer = CudaStepTimer(self.timeline, self.model.cuda_device())
+            self.timeline.gpu_timer = self.gpu_timer
+            self.timeline.add_listener("gpu_time", self.gpu_timer.on_close)
+        self.model.read_config_next_forward = True
+
+    def flush(self) -> None:
+        """The open step closes, the device values in flight are collected (detach)."""
+        try:
+            self.timeline.flush()
+        except Exception as exc:
+            self.fail("steps", exc)
+        self.values.poll()
+
+    # --- the background thread ------------------------------------------------------------
+
+    def sample(self, tick: int, final: bool = False) -> None:
+        """One background tick: the closed steps drained, the slow probes sampled, the
+        configuration read when it may have changed; each as an event."""
+        interval = self.drain(final)
+        self.system = self.sample_system()
+        seen = self._config_inputs()
+        if final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1:
+            self._config_seen = seen
+            self.refresh_config()
+        self.emit({"event": "system", **self.system})
+        if interval is not None:
+            self.emit(self._steps_event(interval))
+
+    def catch_up(self, refresh_config: bool = False) -> None:
+        """Before a read (snapshot()): the closed steps into the history, a first system
+        sample, the configuration if none was read yet."""
+        interval = self.drain()
+        if interval is not None:
+            self.emit(self._steps_event(interval))
+        if self.system is None:
+            self.system = self.sample_system()
+            self.emit({"event": "system", **self.system})
+        if self.config is None or refresh_config:
+            self.refresh_config()
+
+    def drain(self, final: bool = False) -> dict[str, Any] | None:
+        """Move closed steps into the totals; return their interval summary. Steps whose
+        device values (loss, skips, GPU time) are still in flight wait for the next drain."""
+        ring = self.timeline.ring
+        last = ring.count
+        if not final:
+            pending = [self.values.oldest_pending_step()]
+            if self.gpu_timer is not None:
+                pending.append(self.gpu_timer.oldest_pending_step())
+            waiting = [step for step in pending if step is not None]
+            if waiting:
+                last = min(last, min(waiting) - 1)
+        if last <= self._drained:
+            return None
+        first = self._drained + 1
+        oldest_held = ring.count - ring.capacity + 2  # its predecessor's record is needed too
+        if first < oldest_held:
+            self.totals.dropped_steps += oldest_held - first
+            first = oldest_held
+        columns = ring.columns(first, last)
+        self._drained = last
+        interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses)
+        if interval is not None:
+            # The wall-clock end of the last step: its perf_counter close, moved to time.time().
+            ended = ring.records[(last - 1) % ring.capacity][0]
+            self.totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))
+            finite = [value for value, read in zip(columns["loss"], columns["loss_known"])
+                      if read and math.isfinite(value)]
+            self._recent_losses = (self._recent_losses + finite)[-SPIKE_HISTORY:]
+        return interval
+
+    def window(self, steps: int) -> dict[str, Any] | None:
+        """The last `steps` closed steps, summarized exactly (from the ring)."""
+        ring = self.timeline.ring
+        return summarize(ring.columns(ring.count - steps + 1, ring.count), forward_measured=self.model.timed)
+
+    def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
+        event = {"event": "steps", "time": time.time(), **interval}
+        if self.scaler.seen:
+            event["scaler"] = self.scaler.summary()
+        if self.syncs.sampled_steps:
+            event["syncs"] = self.syncs.summary(top=5)
+        event["habits"] = self.habits_summary()
+        return event
+
+    def habits_summary(self) -> dict[str, Any]:
+        return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad)
+
+    def totals_summary(self) -> dict[str, Any]:
+        return dict(self.totals.summary(), device_reads_dropped=self.values.dropped)
+
+    def sample_system(self) -> dict[str, Any]:
+        system: dict[str, Any] = {"time": time.time()}
+        on = self.slow_probes_on
+        if on["host"] and self.host is not None:
+            try:
+                system["host"] = self.host.sample(self.loader.worker_pids())
+            except Exception as exc:
+                self.slow_probe_failed("host", exc)
+        if on["gpu"]:
+            try:
+                system["gpu"] = {"available": True, "devices": self.gpus.devices, "samples": self.gpus.sample()}
+            except Exception as exc:
+                self.slow_probe_failed("gpu", exc)
+        if "gpu" not in system:
+            reason = self.gpus.reason if not self.gpus.available else "GPU probe turned off after an NVML error"
+            system["gpu"] = {"available": False, "reason": reason}
+        if on["memory"]:
+            try:
+                system["memory"] = allocator_stats()
+            except Exception as exc:
+                self.slow_probe_failed("memory", exc)
+        return system
+
+    def probe_failed(self, name: str) -> None:
+        """What stops with a failed probe inside the recorder (`fail` hears of it first)."""
+        if name == "syncs":
+            self.syncs.close()  # the sampled step under way ends here; "off" says why (see warnings)
+        elif name == "step_close":
+            # No sampled step may stay open without the listener that ends it.
+            self.syncs.turn_off(f"stopped: the {name} listener failed")
+
+    def slow_probe_failed(self, name: str, exc: BaseException) -> None:
+        self.slow_probes_on[name] = False
+        self.fail(name, exc)
+
+    def _config_inputs(self) -> tuple:
+        """What the probes have seen that the configuration is read from: when it changes
+        (a new loader, optimizer or model, autocast first seen), the configuration is read."""
+        return (
+            len(self.loader.loaders), len(self.optimizer.optimizers), len(self.model.roots),
+            self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
+        )
+
+    def note_framework(self, info: dict[str, Any]) -> None:
+        """The training framework's own settings (Lightning, Transformers)."""
+        self.framework = dict(info)
+        self.emit({"event": "framework", "time": time.time(), **self.framework})
+        self.refresh_config()
+
+    def refresh_config(self) -> None:
+        if not self.slow_probes_on["config"]:
+            return
+        try:
+            config = read_config(
+                loaders=list(self.loader.loaders),
+                optimizers=list(self.optimizer.optimizers),
+                models=self.model.root_models(),
+                leaf_order=self.model.leaf_order,
+                autocast=self.model.autocast,
+                set_to_none=self.optimizer.set_to_none,
+                grad_scaler=self.scaler.summary(),
+                cpu_bf16=self.options.cpu_bf16,
+            )
+        except RuntimeError:
+            return  # a dict changed size while the job mutated it: read again next time
+        except Exception as exc:
+            self.slow_probe_failed("config", exc)
+            return
+        if self.config is not None:
+            # The job may have dropped its objects (the loop ended): keep what they were.
+            for kind in ("loaders", "optimizers", "models"):
+                if not config[kind]:
+                    config[kind] = self.config[kind]
+        if self.framework is not None:
+            config["framework"] = self.framework
+        if config != self.config:
+            self.config = config
+            self.emit({"event": "config", "time": time.time(), **config})
+
+    def probe_states(self, failed: Iterable[str]) -> dict[str, str]:
+        """Each probe: "on", "off" (turned off after an error: `failed` names those; see the
+        warnings) or why it is idle."""
+        failed = set(failed)
+        names = [probe.name for probe in self.hot_probes] + list(self.slow_probes_on)
+        states = {name: "off" if name in failed else "on" for name in names}
+        for name in failed:  # listeners and the background sampler
+            states.setdefault(name, "off")
+        if not self.gpus.available:
+            states["gpu"] = "no GPU"
+        if not self.options.log:
+            states["run_log"] = "turned off (log=False)"
+        else:
+            states["run_log"] = "off" if "run_log" in failed else "on"
+        if self.syncs.off_reason:
+            states["syncs"] = self.syncs.off_reason
+        elif self.options.sync_sample_every == 0:
+            states["syncs"] = "turned off (sync_sample_every=0)"
+        return states
