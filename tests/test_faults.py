@@ -132,12 +132,12 @@ def _as_lists(batch):
 
 def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch):
     """A bug inside a probe: one warning, the probe goes quiet, training and the rest go on."""
-    from tuneup.measure import loader as loader_module
+    from tuneup.measure.loader import LoaderProbe
 
-    def broken(batch):
+    def broken(*args):
         raise RuntimeError("simulated probe bug")
 
-    monkeypatch.setattr(loader_module, "batch_size", broken)
+    monkeypatch.setattr(LoaderProbe, "batch_size", broken)
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings(record=True) as caught:
@@ -198,9 +198,9 @@ def _scaled_job(steps: int) -> list[float]:
 
 
 @pytest.mark.parametrize("module, name, probe", [
-    ("tuneup.measure.model", "tracing", "model"),  # the model class's forward
-    ("tuneup.measure.model", "perf_counter", "model"),  # forward and Tensor.backward
-    ("tuneup.measure.optimizer", "perf_counter", "optimizer"),  # zero_grad (and the step hooks)
+    ("tuneup.measure.model", "ModelProbe.tracing", "model"),  # the model class's forward
+    ("tuneup.measure.model", "ModelProbe.clock", "model"),  # forward and Tensor.backward
+    ("tuneup.measure.optimizer", "OptimizerProbe.clock", "optimizer"),  # zero_grad and the step hooks
     ("tuneup.measure.scaler", "ScalerProbe._measured", "grad_scaler"),  # GradScaler.scale, step and update
     ("tuneup.measure.syncs", "user_frame", "syncs"),  # Tensor host reads
 ])

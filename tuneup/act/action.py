@@ -25,7 +25,7 @@ from ..measure.loader import LoaderProbe
 from ..measure.model import ModelProbe
 from ..measure.optimizer import OptimizerProbe
 from ..measure.scaler import ScalerProbe
-from ..measure.steps import StepTimeline
+from ..measure.hotpath import StepTimeline
 
 FASTER = "faster"  # kept only when the trial is measurably faster than the baseline
 NOT_SLOWER = "not slower"  # kept unless measurably slower: what it buys is not step time (memory)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from .steps import StepTimeline
+from .hotpath import StepTimeline
 from .syncs import MAX_SOURCES, SyncCounter, format_location, user_frame
 
 EARLY_WATCHES = (3, 4, 5)  # steps 1-2 carry one-off start-up work

@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from .steps import StepTimeline
+from .hotpath import StepTimeline
 
 
 class CudaStepTimer:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .device_values import raw_item
-from .steps import StepTimeline
+from .hotpath import StepTimeline
 
 MAX_SHAPES = 64
 SAMPLE_ROWS = 8  # rows of a batch read for its statistics

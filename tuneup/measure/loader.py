@@ -1,4 +1,5 @@
-"""DataLoader probe: time blocked in `next(iterator)` and in `iter(loader)`, batch sizes.
+"""DataLoader probe: time blocked in `next(iterator)` (hotpath.py: loader_next) and in
+`iter(loader)`, batch sizes.
 
 Patched at class level (DataLoader.__iter__ and the base iterator's __next__) so loaders
 created after attach() are measured too. With explicit objects, only the iterators of the
@@ -19,9 +20,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .._patching import PatchSet
 from .habits import HabitsProbe
-from .steps import StepTimeline
+from .hotpath import TAG, StepTimeline, loader_next
 
-_TAG = "_tuneup_measured"
 RNG_CHECKS = (12, 40, 120, 400)  # fetches on which the global RNG is compared around the fetch
 
 
@@ -62,6 +62,8 @@ def loader_of(iterator: Any) -> DataLoader | None:
 
 class LoaderProbe:
     name = "dataloader"
+    clock = staticmethod(perf_counter)
+    batch_size = staticmethod(batch_size)  # batches the hot path's fast case does not cover
 
     def __init__(self, timeline: StepTimeline, tracked: weakref.WeakSet | None, habits: HabitsProbe) -> None:
         self.on = True
@@ -82,7 +84,7 @@ class LoaderProbe:
         for iterator in list(self.iterators):
             if loader_of(iterator) in loaders:
                 try:
-                    setattr(iterator, _TAG, True)
+                    setattr(iterator, TAG, True)
                 except Exception:
                     pass
         self.tracked = loaders
@@ -111,50 +113,15 @@ class LoaderProbe:
                     probe.iterators.add(iterator)
                     remember_loader(iterator, loader)
                     if probe.tracked is not None:
-                        setattr(iterator, _TAG, True)
+                        setattr(iterator, TAG, True)
                 except Exception:
                     pass  # an iterator type we cannot tag: measured in auto mode only
                 return iterator
 
             return __iter__
 
-        def wrap_next(original):
-            @functools.wraps(original)
-            def __next__(iterator):
-                if not probe.on or (probe.tracked is not None and not getattr(iterator, _TAG, False)):
-                    return original(iterator)
-                began = perf_counter()
-                tl.in_loader = True
-                rng = probe.rng_before(iterator) if tl.fetches >= probe.rng_check_at else None
-                try:
-                    batch = original(iterator)
-                except BaseException:
-                    tl.in_loader = False
-                    tl.waited(began, perf_counter())
-                    raise
-                tl.in_loader = False
-                if rng is not None:
-                    probe.rng_after(rng)
-                try:
-                    tl.moved_on(began)  # a batch fetched after an optimizer stepped closes the step
-                    tl.in_optimizer = False
-                    tl.fetches += 1
-                    if tl.fetches >= probe.habits.next_inspect:
-                        probe.habits.inspect(batch)
-                    first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
-                    # shape[0], not len(): Tensor.__len__ is a Python function (torch/_tensor.py).
-                    tl.samples += first.shape[0] if type(first) is torch.Tensor and first.dim() else batch_size(batch)
-                    # Timed after the bookkeeping: data wait is what a timer around the loop's
-                    # next() shows (the few µs of closing the step count as waiting for it).
-                    tl.data_wait += perf_counter() - began
-                except Exception as exc:
-                    probe.fail(exc)
-                return batch
-
-            return __next__
-
         patches.replace(DataLoader, "__iter__", wrap_iter)
-        patches.replace(_BaseDataLoaderIter, "__next__", wrap_next)
+        patches.replace(_BaseDataLoaderIter, "__next__", lambda original: loader_next(self, original))  # hotpath.py
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:
         """On a checked fetch: the global RNG state, when this fetch runs the dataset in the

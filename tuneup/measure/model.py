@@ -30,7 +30,7 @@ from torch.fx import _symbolic_trace as _fx_tracing
 from torch.nn.modules import module as module_hooks
 
 from .._patching import PatchSet, measured
-from .steps import StepTimeline
+from .hotpath import StepTimeline, backward_hooks, forward_hooks
 
 # Autocast is thread-local, so it can only be read on the training thread, inside forward.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -57,6 +57,8 @@ def tracing() -> bool:
 
 class ModelProbe:
     name = "model"
+    clock = staticmethod(perf_counter)
+    tracing = staticmethod(tracing)
 
     def __init__(self, timeline: StepTimeline, explicit: list[nn.Module] | None) -> None:
         self.on = True
@@ -72,12 +74,12 @@ class ModelProbe:
         self.autocast: dict[str, str | None] | None = None
         self.read_config_next_forward = True
         self._patches: PatchSet | None = None
-        self._discovery: list[Any] = []
+        self.discovery_hooks: list[Any] = []
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
         self.grad_enabled = torch.is_grad_enabled
-        self._backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
+        self.backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
 
     # --- install --------------------------------------------------------------------
 
@@ -93,17 +95,17 @@ class ModelProbe:
 
     def discover(self) -> None:
         """Watch the next step with global hooks to find root modules (auto mode)."""
-        if self.explicit or self._discovery or not self.on:
+        if self.explicit or self.discovery_hooks or not self.on:
             return
         self._depth = 0
         self._candidates = {}
-        self._discovery = [
+        self.discovery_hooks = [
             module_hooks.register_module_forward_pre_hook(self._discovery_pre),
             module_hooks.register_module_forward_hook(self._discovery_post, always_call=True),
         ]
-        self.timeline.add_listener("model-discovery", self._end_discovery)
+        self.timeline.add_listener("model-discovery", self.end_discovery)
 
-    def _end_discovery(self, step: int = 0) -> None:
+    def end_discovery(self, step: int = 0) -> None:
         """End discovery once a forward was seen (or the probe is off): at a step close or at
         the first backward. Never from inside a module hook, where torch iterates the
         global hook dicts and removing an entry would break its loop."""
@@ -118,9 +120,9 @@ class ModelProbe:
         self._candidates = {}
 
     def _stop_discovery(self) -> None:
-        for handle in self._discovery:
+        for handle in self.discovery_hooks:
             handle.remove()
-        self._discovery = []
+        self.discovery_hooks = []
         self.timeline.remove_listener("model-discovery")
 
     def root_models(self) -> list[nn.Module]:
@@ -152,37 +154,11 @@ class ModelProbe:
             self._patches.replace(cls, "forward", self._wrap_forward)
 
     def _wrap_forward(self, original):
-        return measured(original, self._forward_before, self._forward_after, self.fail)
-
-    def _forward_before(self, args: tuple, kwargs: dict) -> bool | None:
-        """Starts timing a call of a root class's forward (True), or leaves it untimed (None):
-        not a root, not a detail step, or the model being traced (jit.trace, fx) rather than
-        trained. Counts evaluation forwards that build autograd graphs on the way."""
-        try:
-            module = args[0]
-            if id(module) not in self.roots or not self.on:
-                return None
-            if not module.training and self.grad_enabled() and not tracing():
-                self.eval_with_grad += 1
-            tl = self.timeline
-            if not tl.detail or tracing():
-                return None
-            if tl.forward_depth == 0 and self.read_config_next_forward:
-                self._read_config()
-            tl.forward_begin(perf_counter())
-            return True
-        except Exception as exc:
-            self.fail(exc)
-            return None
-
-    def _forward_after(self, token: bool, result: Any, args: tuple, kwargs: dict) -> None:
-        try:
-            self.timeline.forward_end(perf_counter())
-        except Exception as exc:
-            self.fail(exc)
+        before, after = forward_hooks(self)  # hotpath.py
+        return measured(original, before, after, self.fail)
 
     def uninstall_discovery(self) -> None:
-        if self._discovery:
+        if self.discovery_hooks:
             self._stop_discovery()
 
     # --- hooks ----------------------------------------------------------------------
@@ -199,7 +175,7 @@ class ModelProbe:
                 self.timeline.forward_begin(perf_counter())
                 if id(module) not in self._candidates and id(module) not in self.roots:
                     self._candidates[id(module)] = module
-                    self._read_config()
+                    self.read_config()
             self._depth += 1
             if len(self.leaf_order) < 10_000 and next(module.children(), None) is None:
                 if not self.roots:
@@ -226,7 +202,7 @@ class ModelProbe:
                 self.eval_with_grad += 1
             self.timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
-                self._read_config()
+                self.read_config()
         except Exception as exc:
             self.fail(exc)
 
@@ -238,43 +214,13 @@ class ModelProbe:
         except Exception as exc:
             self.fail(exc)
 
-    def _read_config(self) -> None:
+    def read_config(self) -> None:
         self.read_config_next_forward = False
         self.autocast = read_autocast()
 
     def _wrap_backward(self, original):
-        return measured(original, self._backward_before, self._backward_after, self.fail)
-
-    def _backward_before(self, args: tuple, kwargs: dict) -> float | None:
-        """The start of a timed backward, or None: not a detail step, or a tensor subclass's
-        __torch_function__ calling Tensor.backward again inside one."""
-        try:
-            if not self.on or self._backward_depth:
-                return None
-            if self._discovery:
-                self._end_discovery()
-            tl = self.timeline
-            if not tl.detail:
-                return None
-            tensor = args[0]
-            if type(tensor) is torch.Tensor and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
-                tl.loss = tensor.detach()  # read when the step closes
-            self._backward_depth += 1
-            return perf_counter()
-        except Exception as exc:
-            self.fail(exc)
-            return None
-
-    def _backward_after(self, began: float, result: Any, args: tuple, kwargs: dict) -> None:
-        self._backward_depth -= 1
-        try:
-            tl = self.timeline
-            if tl.step_start is None:
-                tl.step_start = began
-            tl.backward += perf_counter() - began
-            tl.backward_passes += 1
-        except Exception as exc:
-            self.fail(exc)
+        before, after = backward_hooks(self)  # hotpath.py
+        return measured(original, before, after, self.fail)
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

@@ -35,7 +35,7 @@ from .model import ModelProbe
 from .objects import Tracked
 from .optimizer import OptimizerProbe
 from .scaler import ScalerProbe
-from .steps import StepTimeline
+from .hotpath import StepTimeline
 from .syncs import SyncCounter
 from .windows import SPIKE_HISTORY, Totals, summarize
 

@@ -19,7 +19,7 @@ from torch.amp.grad_scaler import GradScaler
 from .._patching import PatchSet, measured
 from .device_values import DeviceValues
 from .optimizer import OptimizerProbe
-from .steps import StepTimeline
+from .hotpath import StepTimeline
 
 
 class ScalerProbe:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .._patching import PatchSet, posing_as, quiet_dynamo
-from .steps import StepTimeline
+from .hotpath import HOST_READ, StepTimeline
 
 HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "item"),
@@ -51,28 +51,6 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "nonzero"),
 )
 WATCHED_KINDS = frozenset({"torch.nonzero"})  # seen by the call watch only (calls.py)
-# A host-read method of Tensor, counted on sampled steps. Like _patching.measured, but it
-# tests counting_reads before anything else: host reads may come many to a step, and off
-# sampled steps this one attribute is all they pay for (is_compiling() costs four times as
-# much). Dynamo never inlines it: it handles tensor methods by name (torch/_dynamo/variables/
-# tensor.py call_method), and skips this wrapper's frame as one of torch/_tensor.py's.
-_HOST_READ = """
-def host_read(*args, **kwargs):
-    if not _tuneup_counter.counting_reads or _tuneup_is_compiling():
-        return _tuneup_original(*args, **kwargs)
-    _tuneup_prior = _tuneup_quiet(None)
-    try:
-        _tuneup_counted = _tuneup_counts()
-    finally:
-        if _tuneup_prior is not None:
-            _tuneup_quiet(_tuneup_prior)
-    if not _tuneup_counted:
-        return _tuneup_original(*args, **kwargs)
-    try:
-        return _tuneup_original(*args, **kwargs)
-    finally:
-        _tuneup_counter._busy = False
-"""
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
@@ -219,7 +197,7 @@ class SyncCounter:
     def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         # Posing as the Tensor method it wraps (see posing_as): after a graph break, dynamo
         # skips its frame as it skips torch's own instead of compiling it.
-        return posing_as(original, _HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
+        return posing_as(original, HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
                          _tuneup_counts=functools.partial(self._counts, kind), _tuneup_is_compiling=torch.compiler.is_compiling,
                          _tuneup_quiet=quiet_dynamo)
 

@@ -1,0 +1,1122 @@
+"""Direct unit tests of tuneup's pure computational cores, on small hand-made inputs.
+
+No training loop, no threads, no agent: each test feeds a function numbers worked out by
+hand (the arithmetic is in the comments) and asserts exact results.
+
+- act/judge.py: block_means, the exact one-sided Mann-Whitney p_smaller (against a
+  brute-force enumeration), window_numbers, and judge()'s decisions (FASTER, NOT_SLOWER,
+  MIN_SPEEDUP, the loss checks).
+- measure/windows.py: summarize (step time distribution, time-weighted ratios,
+  detail-step-only phases, loss statistics, spikes, trend) and Totals.
+- measure/history.py: weighted_median, combine, RunHistory (coarsening, window, totals,
+  snapshot).
+- measure/steps.py: StepRing (put, holds, columns) driven directly and through
+  StepTimeline events with explicit times (hotpath.py; steps.py before it moved), and the
+  step-boundary rule StepTimeline.moved_on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from tuneup.act.action import FASTER, NOT_SLOWER
+from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_smaller, window_numbers
+from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
+from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
+
+from tuneup.measure.hotpath import StepTimeline
+from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, spikes, summarize
+
+NAN, INF = math.nan, math.inf
+
+
+# --- builders -------------------------------------------------------------------------------
+
+
+def make_columns(step_seconds, first=1, losses=None, **given):
+    """Columns in StepRing.columns' shape: `n` steps from `first`, quiet defaults (no data
+    wait, 8 samples / 1 fetch / 1 optimizer step a step, no detail steps, no side values)
+    overridden by `given`. `losses`: one entry a step, None where no loss was read."""
+    n = len(step_seconds)
+    out = {
+        "step": range(first, first + n),
+        "step_seconds": list(step_seconds),
+        "data_wait_seconds": [0.0] * n,
+        "forward_seconds": [0.0] * n,
+        "backward_seconds": [0.0] * n,
+        "optimizer_seconds": [0.0] * n,
+        "samples": [8] * n,
+        "fetches": [1] * n,
+        "backward_passes": [1] * n,
+        "optimizer_steps": [1] * n,
+        "skipped_steps": [0] * n,
+        "detailed": [False] * n,
+        "loss": [NAN] * n,
+        "syncs": [-1.0] * n,
+        "gpu_seconds": [-1.0] * n,
+        "loss_known": [False] * n,
+    }
+    if losses is not None:
+        assert len(losses) == n
+        out["loss"] = [NAN if value is None else value for value in losses]
+        out["loss_known"] = [value is not None for value in losses]
+    for name, values in given.items():
+        assert name in out, name
+        assert len(values) == n, name
+        out[name] = list(values)
+    return out
+
+
+def concat(*parts):
+    """Consecutive column sets as one."""
+    out = {name: [v for part in parts for v in part[name]] for name in parts[0] if name != "step"}
+    out["step"] = range(parts[0]["step"][0], parts[-1]["step"][-1] + 1)
+    return out
+
+
+def steps_event(first, n, seconds, **given):
+    """A run log "steps" event of `n` steps of `seconds` each, summarized by windows.summarize."""
+    return {"event": "steps", "time": 1000.0 + first, **summarize(make_columns([seconds] * n, first, **given))}
+
+
+def without_event(event):
+    return {k: v for k, v in event.items() if k != "event"}
+
+
+def mann_whitney_u(xs, ys):
+    """U = pairs with x above y, ties half (the statistic p_smaller uses)."""
+    return sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
+
+
+def brute_force_p(m, n, observed_u):
+    """P(U <= observed_u) over all C(m+n, m) equally likely rank arrangements (no ties):
+    each choice of the x ranks among 0..m+n-1 gives U = the y ranks below each x, summed."""
+    count = total = 0
+    for x_ranks in itertools.combinations(range(m + n), m):
+        u = sum(rank - index for index, rank in enumerate(x_ranks))  # y's below the index-th x
+        total += 1
+        count += u <= observed_u
+    assert total == math.comb(m + n, m)
+    return count / total
+
+
+# ============================================================================================
+# act/judge.py
+# ============================================================================================
+
+
+def test_hand_made_columns_have_the_rings_shape():
+    # Every builder below relies on this: the same column names StepRing.columns gives.
+    assert set(make_columns([1.0])) == set(StepRing(4).columns(1, 0))
+
+
+def test_block_means_equal_runs_of_consecutive_values():
+    # 12 values, 6 blocks of 2: (1+2)/2, (3+4)/2, ...
+    assert block_means([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) == [1.5, 3.5, 5.5, 7.5, 9.5, 11.5]
+    assert BLOCKS == 6
+
+
+def test_block_means_drop_the_first_values_left_over():
+    # 14 values, size 14 // 6 = 2, 14 - 12 = 2 left over: 1 and 2 dropped (not 13 and 14).
+    assert block_means(list(range(1, 15))) == [3.5, 5.5, 7.5, 9.5, 11.5, 13.5]
+    # 17 values, size 2, 5 left over: blocks start at the 6th value.
+    assert block_means(list(range(1, 18))) == [6.5, 8.5, 10.5, 12.5, 14.5, 16.5]
+    # Other block counts: 7 values in 3 blocks of 2, the first value dropped.
+    assert block_means([100, 1, 3, 5, 7, 9, 11], blocks=3) == [2.0, 6.0, 10.0]
+
+
+def test_block_means_fewer_values_than_blocks_are_returned_as_is():
+    assert block_means([3.0, 1.0, 2.0]) == [3.0, 1.0, 2.0]
+    assert block_means([]) == []
+    # Exactly as many values as blocks: blocks of one.
+    assert block_means([6, 5, 4, 3, 2, 1]) == [6, 5, 4, 3, 2, 1]
+
+
+def test_p_smaller_all_below():
+    # U = 0; of the C(6, 3) = 20 arrangements only one has U <= 0.
+    assert p_smaller([1, 2, 3], [4, 5, 6]) == 1 / 20
+    # m=n=6: 1 / C(12, 6) = 1/924.
+    assert p_smaller([1] * 6, [2] * 6) == 1 / 924
+
+
+def test_p_smaller_all_above_is_one():
+    assert p_smaller([4, 5, 6], [1, 2, 3]) == 1.0
+
+
+def test_p_smaller_identical_samples():
+    # m=n=3, U over 0..9 has counts 1,1,2,3,3,3,3,2,1,1 (partitions of u in a 3x3 box).
+    # [1,2,3] vs [1,2,3]: pairs above 2>1, 3>1, 3>2 = 3, plus 3 ties x 0.5 = 4.5, rounded
+    # up (against the claim) to 5: P(U <= 5) = (1+1+2+3+3+3)/20 = 13/20.
+    assert p_smaller([1, 2, 3], [1, 2, 3]) == 13 / 20
+    # All nine pairs tied: U = 4.5, same answer.
+    assert p_smaller([7, 7, 7], [7, 7, 7]) == 13 / 20
+
+
+def test_p_smaller_ties_count_half_and_round_against_the_claim():
+    # [1,2] vs [2,3]: only the tie 2=2 counts, 0.5, rounded up to 1. For m=n=2 the counts
+    # of U=0..4 are 1,1,2,1,1 of 6: P(U <= 1) = 2/6 (rounding down would give 1/6).
+    assert p_smaller([1, 2], [2, 3]) == 2 / 6
+    # [1,3] vs [2,3]: 3>2 counts 1, 3=3 counts 0.5: U = 1.5 -> 2: P(U <= 2) = 4/6.
+    assert p_smaller([1, 3], [2, 3]) == 4 / 6
+
+
+def test_p_smaller_empty_input_is_one():
+    assert p_smaller([], [1.0, 2.0]) == 1.0
+    assert p_smaller([1.0, 2.0], []) == 1.0
+    assert p_smaller([], []) == 1.0
+
+
+@pytest.mark.parametrize("m,n", [(3, 4), (4, 2), (1, 5), (5, 5)])
+def test_p_smaller_matches_brute_force_enumeration(m, n):
+    # Every arrangement of distinct values: xs at the chosen ranks, ys at the others.
+    for x_ranks in itertools.combinations(range(m + n), m):
+        xs = [float(r) for r in x_ranks]
+        ys = [float(r) for r in range(m + n) if r not in x_ranks]
+        u = mann_whitney_u(xs, ys)
+        assert p_smaller(xs, ys) == brute_force_p(m, n, u), (xs, ys)
+
+
+def test_p_smaller_with_ties_matches_brute_force_with_u_rounded_up():
+    # U = 0.5 + 4 = 4.5; 0.5 + 1 + 1 + 1 = 3.5; three ties = 1.5.
+    cases = [([1, 2, 6], [2, 3, 4, 5]), ([5, 1, 2], [5, 0]), ([0, 0, 0], [0, 1, 1])]
+    for xs, ys in cases:
+        u = mann_whitney_u(xs, ys)
+        assert u != int(u)  # each case has a half
+        assert p_smaller(xs, ys) == brute_force_p(len(xs), len(ys), math.ceil(u))
+
+
+def test_window_numbers_of_hand_made_columns():
+    # 4 steps of 1, 1, 2, 4 s (sum 8): median 1.5, mean 2; data wait 0, 1, 0, 1 (sum 2):
+    # stall 2/8, mean wait 0.5; 8 samples a step: 32/8 = 4 samples/s; 4/8 steps/s.
+    # Losses read on 3 steps, one of them non-finite; one step skipped.
+    columns = make_columns([1, 1, 2, 4], first=5, losses=[3.0, None, NAN, 1.0],
+                           data_wait_seconds=[0, 1, 0, 1], skipped_steps=[0, 1, 0, 0])
+    assert window_numbers(columns) == {
+        "first_step": 5,
+        "last_step": 8,
+        "steps": 4,
+        "step_seconds": 1.5,
+        "mean_step_seconds": 2.0,
+        "stall_ratio": 0.25,
+        "data_wait_seconds": 0.5,
+        "samples_per_second": 4.0,
+        "steps_per_second": 0.5,
+        "loss": 2.0,  # median of the finite 3 and 1
+        "nonfinite_losses": 1,
+        "skipped_steps": 1,
+    }
+
+
+def test_window_numbers_of_no_steps():
+    numbers = window_numbers(make_columns([]))
+    assert numbers["steps"] == 0 and numbers["skipped_steps"] == 0 and numbers["nonfinite_losses"] == 0
+    assert numbers["first_step"] is None and numbers["step_seconds"] is None and numbers["loss"] is None
+
+
+# A loader with workers alternates slow and fast steps: block means of two steps even it out.
+BASE = [0.09, 0.11] * 6  # mean 0.1
+FAST = [0.07, 0.09] * 6  # mean 0.08: 1.25x
+
+
+def test_judge_keeps_a_clearly_faster_trial():
+    verdict = judge(make_columns(BASE), make_columns(FAST, first=13), FASTER)
+    # Every trial block (0.08) is below every baseline block (0.1): p = 1/C(12,6) = 1/924.
+    assert verdict["p_faster"] == 1 / 924
+    assert verdict["p_slower"] == 1.0
+    assert verdict["speedup"] == pytest.approx(1.25, rel=1e-12)
+    assert verdict["keep"] is True
+    assert verdict["reason"] == "1.25x: faster (p=0.001)"
+    assert verdict["criterion"] == FASTER
+    assert verdict["baseline"] == window_numbers(make_columns(BASE))
+    assert verdict["trial"]["first_step"] == 13 and verdict["trial"]["steps"] == 12
+
+
+def test_judge_does_not_keep_a_trial_within_the_noise():
+    verdict = judge(make_columns([0.1] * 12), make_columns([0.1] * 12), FASTER)
+    # All 36 block pairs tied: U = 18, P(U <= 18) = 491/924 (the middle of a symmetric law).
+    assert verdict["speedup"] == 1.0
+    assert verdict["p_faster"] == verdict["p_slower"] == 491 / 924
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "1.00x: within the noise (p=0.53; kept from p<0.05 and 1.02x)"
+
+
+def test_judge_one_outlier_block_cannot_decide():
+    # Six steps a window: blocks of one. The baseline's mean (10*5+40)/6 = 15 is swung by one
+    # slow block; the trial (11 each) has 1.36x its throughput but is above 5 of its 6
+    # blocks: U = 6*5 = 30 of 36, so p_faster is large and the trial is not kept.
+    verdict = judge(make_columns([10, 10, 10, 10, 10, 40]), make_columns([11] * 6), FASTER)
+    assert verdict["speedup"] == 15 / 11
+    assert verdict["p_faster"] > ALPHA
+    assert verdict["keep"] is False
+    assert "within the noise" in verdict["reason"]
+
+
+def test_judge_does_not_keep_a_faster_trial_below_min_speedup():
+    # Every block faster (p = 1/924) but only 101/100 = 1.01x.
+    verdict = judge(make_columns([101.0] * 12), make_columns([100.0] * 12), FASTER)
+    assert verdict["p_faster"] == 1 / 924
+    assert verdict["speedup"] == 1.01
+    assert verdict["keep"] is False
+    assert "within the noise" in verdict["reason"]
+
+
+def test_judge_min_speedup_is_inclusive():
+    # 51/50 == 1.02 exactly as floats: reaching MIN_SPEEDUP is enough.
+    verdict = judge(make_columns([51.0] * 12), make_columns([50.0] * 12), FASTER)
+    assert verdict["speedup"] == MIN_SPEEDUP
+    assert verdict["keep"] is True
+
+
+def test_judge_p_at_alpha_is_not_enough():
+    # Three steps a window: fewer than BLOCKS, so the steps are the blocks; every trial step
+    # below every baseline step gives p = 1/C(6,3) = 1/20 = ALPHA, which is not below it.
+    verdict = judge(make_columns([2.0] * 3), make_columns([1.0] * 3), FASTER)
+    assert verdict["p_faster"] == ALPHA == 0.05
+    assert verdict["speedup"] == 2.0
+    assert verdict["keep"] is False
+    # Four steps a window: 1/C(8,4) = 1/70 < ALPHA: kept.
+    assert judge(make_columns([2.0] * 4), make_columns([1.0] * 4), FASTER)["keep"] is True
+
+
+def test_judge_faster_criterion_rejects_a_slower_trial_as_slower():
+    verdict = judge(make_columns(FAST), make_columns(BASE), FASTER)
+    assert verdict["p_slower"] == 1 / 924
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "0.80x: slower (p=0.001)"
+
+
+def test_judge_not_slower_keeps_a_trial_within_the_noise():
+    verdict = judge(make_columns([0.1] * 12), make_columns([0.1] * 12), NOT_SLOWER)
+    assert verdict["keep"] is True
+    assert verdict["reason"] == "1.00x: not slower (p=0.53 that it is)"
+    assert verdict["criterion"] == NOT_SLOWER
+
+
+def test_judge_not_slower_keeps_a_measurably_but_slightly_slower_trial():
+    # Every block slower (p_slower = 1/924) but only by 1%: 100/101 = 0.990 > 1/1.02.
+    verdict = judge(make_columns([100.0] * 12), make_columns([101.0] * 12), NOT_SLOWER)
+    assert verdict["p_slower"] == 1 / 924
+    assert verdict["keep"] is True
+
+
+def test_judge_not_slower_rejects_a_clearly_slower_trial():
+    verdict = judge(make_columns(FAST), make_columns(BASE), NOT_SLOWER)
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "0.80x: slower (p=0.001)"
+    # 50/51 is 1/1.02: the slower bound is inclusive too.
+    assert judge(make_columns([50.0] * 12), make_columns([51.0] * 12), NOT_SLOWER)["keep"] is False
+
+
+def test_judge_not_slower_keeps_a_faster_trial():
+    assert judge(make_columns(BASE), make_columns(FAST), NOT_SLOWER)["keep"] is True
+
+
+def test_judge_rejects_a_faster_trial_with_a_non_finite_loss():
+    base = make_columns(BASE, losses=[1.0] * 12)
+    trial = make_columns(FAST, losses=[1.0] * 11 + [NAN])
+    verdict = judge(base, trial, FASTER)
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "the loss was non-finite on 1 of 12 steps read (before: 0 of 12)"
+    assert verdict["trial"]["nonfinite_losses"] == 1
+    # Inf counts as non-finite too, under either criterion.
+    trial = make_columns(FAST, losses=[INF] + [1.0] * 11)
+    assert judge(base, trial, NOT_SLOWER)["keep"] is False
+
+
+def test_judge_non_finite_losses_no_more_often_than_before_are_tolerated():
+    # 1 of 12 before, 1 of 12 now: not more often, so not a problem.
+    base = make_columns(BASE, losses=[NAN] + [1.0] * 11)
+    trial = make_columns(FAST, losses=[1.0] * 11 + [NAN])
+    assert judge(base, trial, FASTER)["keep"] is True
+    # 2 of 12 now: more often.
+    trial = make_columns(FAST, losses=[1.0] * 10 + [NAN, NAN])
+    verdict = judge(base, trial, FASTER)
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "the loss was non-finite on 2 of 12 steps read (before: 1 of 12)"
+
+
+def test_judge_rejects_a_loss_above_its_band():
+    # Baseline losses all 1: no spread, band = 1 + 10% = 1.1.
+    base = make_columns(BASE, losses=[1.0] * 12)
+    verdict = judge(base, make_columns(FAST, losses=[1.2] * 12), FASTER)
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "the loss left its band: median 1.2 against 1 before (limit 1.1)"
+    # At the limit (1.0 + 0.1 == 1.1 as floats) and below it, the loss is fine.
+    assert judge(base, make_columns(FAST, losses=[1.1] * 12), FASTER)["keep"] is True
+    assert judge(base, make_columns(FAST, losses=[0.2] * 12), FASTER)["keep"] is True
+
+
+def test_judge_loss_band_widens_to_three_mads():
+    # Baseline losses 1..5 on five steps: median 3, deviations 2,1,0,1,2 -> MAD 1;
+    # band = 3 + max(0.3, 3 * 1) = 6.
+    base = make_columns(BASE, losses=[1, 2, 3, 4, 5] + [None] * 7)
+    assert judge(base, make_columns(FAST, losses=[6.0] * 3 + [None] * 9), FASTER)["keep"] is True
+    verdict = judge(base, make_columns(FAST, losses=[6.5] * 3 + [None] * 9), FASTER)
+    assert verdict["keep"] is False
+    assert verdict["reason"] == "the loss left its band: median 6.5 against 3 before (limit 6)"
+
+
+def test_judge_loss_band_needs_min_losses_on_both_sides():
+    # Two finite baseline losses (< MIN_LOSSES = 3): the band is not judged.
+    base = make_columns(BASE, losses=[1.0, 1.0] + [None] * 10)
+    assert judge(base, make_columns(FAST, losses=[100.0] * 12), FASTER)["keep"] is True
+    base = make_columns(BASE, losses=[1.0] * 12)
+    assert judge(base, make_columns(FAST, losses=[100.0] * 2 + [None] * 10), FASTER)["keep"] is True
+    assert judge(base, make_columns(FAST, losses=[100.0] * 3 + [None] * 9), FASTER)["keep"] is False
+
+
+def test_judge_without_numerics_does_not_judge_the_loss():
+    base = make_columns(BASE, losses=[1.0] * 12)
+    for losses in ([100.0] * 12, [NAN] * 12):
+        verdict = judge(base, make_columns(FAST, losses=losses), FASTER, numerics=False)
+        assert verdict["keep"] is True
+        assert verdict["reason"].startswith("1.25x: faster")
+
+
+# ============================================================================================
+# measure/windows.py
+# ============================================================================================
+
+# Six steps, 11..16. Steps 11, 13 and 16 are detail steps (split measured); the values on
+# the other steps are junk that must not count.
+SIX = make_columns(
+    [1, 3, 2, 8, 4, 6],  # sum 24; sorted 1 2 3 4 6 8
+    first=11,
+    data_wait_seconds=[0.5, 1, 0, 2, 0.5, 2],  # sum 6; sorted 0 .5 .5 1 2 2
+    samples=[16, 16, 32, 16, 16, 0],  # 96
+    fetches=[1, 1, 2, 1, 1, 1],  # 7
+    detailed=[True, False, True, False, False, True],
+    forward_seconds=[0.25, 9, 0.5, 9, 9, 2.5],
+    backward_seconds=[0.25, 9, 0.5, 9, 9, 1],
+    optimizer_seconds=[0.25, 9, 0.25, 9, 9, 1],
+    backward_passes=[1, 5, 2, 5, 5, 3],
+    optimizer_steps=[1, 1, 1, 1, 1, 0],
+    skipped_steps=[0, 0, 1, 0, 0, 1],
+    syncs=[-1, 2, -1, 4, -1, -1],
+    gpu_seconds=[0.5, -1, 1.5, -1, -1, -1],
+    losses=[2.0, None, 1.0, None, None, INF],
+)
+
+
+def test_summarize_step_time_and_ratios():
+    s = summarize(SIX)
+    assert (s["steps"], s["first_step"], s["last_step"], s["seconds"]) == (6, 11, 16, 24)
+    # median: position 5*0.5 = 2.5 -> 3 + (4-3)*0.5; p90: position 4.5 -> 6 + (8-6)*0.5.
+    assert s["step_seconds"] == {"median": 3.5, "mean": 4.0, "p90": 7.0, "min": 1, "max": 8}
+    assert s["stall_ratio"] == 6 / 24  # time-weighted, not a mean of per-step ratios
+    assert s["steps_per_second"] == 6 / 24
+    assert s["samples_per_second"] == 96 / 24
+    assert s["batch_size"] == 96 / 7
+    assert s["fetches_per_step"] == 7 / 6
+    assert s["data_wait_seconds"] == {"median": 0.75, "mean": 1.0}
+    assert s["optimizer_steps"] == 5
+    assert s["skipped_steps"] == 2
+    assert s["syncs_per_step"] == 3.0  # (2 + 4) / 2 sampled steps; -1 is "not sampled"
+    assert s["sync_sampled_steps"] == 2
+    # GPU time on two steps: 0.5, 1.5; p90 at position 0.9.
+    assert s["gpu_seconds"] == {"median": 1.0, "mean": 1.0, "p90": pytest.approx(1.4, rel=1e-12),
+                                "min": 0.5, "max": 1.5}
+
+
+def test_summarize_phases_come_from_detail_steps_only():
+    s = summarize(SIX)
+    assert s["detailed_steps"] == 3
+    assert s["backward_passes_per_step"] == (1 + 2 + 3) / 3
+    # Detail steps 11, 13, 16: step seconds 1 + 2 + 6 = 9.
+    assert s["forward_seconds"] == {"median": 0.5, "mean": 3.25 / 3}  # 0.25, 0.5, 2.5
+    assert s["backward_seconds"] == {"median": 0.5, "mean": 1.75 / 3}  # 0.25, 0.5, 1
+    assert s["optimizer_seconds"] == {"median": 0.25, "mean": 1.5 / 3}  # 0.25, 0.25, 1
+    assert s["forward_ratio"] == 3.25 / 9
+    assert s["backward_ratio"] == 1.75 / 9
+    assert s["optimizer_ratio"] == 1.5 / 9
+    # Other = step - wait - split, clipped at 0: 1-(.5+.25+.25+.25) = -.25 -> 0;
+    # 2-(0+.5+.5+.25) = .75; 6-(2+2.5+1+1) = -.5 -> 0 (unclipped, the median would be -.25).
+    assert s["other_seconds"] == {"median": 0.0, "mean": 0.25}
+    assert s["other_ratio"] == 0.75 / 9
+    sums = s["sums"]
+    assert sums["detailed_seconds"] == 9
+    assert sums["detailed_data_wait_seconds"] == 2.5  # 0.5 + 0 + 2
+    assert sums["detailed_other_seconds"] == 0.75
+    assert (sums["forward_seconds"], sums["backward_seconds"], sums["optimizer_seconds"]) == (3.25, 1.75, 1.5)
+
+
+def test_summarize_sums():
+    sums = summarize(SIX)["sums"]
+    assert sums["steps"] == 6 and sums["seconds"] == 24 and sums["data_wait_seconds"] == 6
+    assert sums["samples"] == 96 and sums["fetches"] == 7
+    assert sums["optimizer_steps"] == 5 and sums["skipped_steps"] == 2
+    assert sums["sync_sampled_steps"] == 2 and sums["syncs"] == 6
+    assert sums["detailed_steps"] == 3
+    assert sums["losses_read"] == 3 and sums["nonfinite_losses"] == 1
+    assert sums["last_loss"] == INF  # the last loss read, finite or not
+
+
+def test_summarize_loss_statistics():
+    # Known losses 2, 1, inf: finite 2 and 1.
+    assert summarize(SIX)["loss"] == {
+        "last": INF, "median": 1.5, "max": 2.0, "spikes": 0, "read_steps": 3, "nonfinite_steps": 1, "trend": None,
+    }
+    assert summarize(make_columns([1.0, 1.0]))["loss"] is None  # no loss read
+
+
+def test_summarize_all_losses_non_finite():
+    loss = summarize(make_columns([1.0, 1.0], losses=[NAN, INF]))["loss"]
+    assert loss["median"] is None and loss["max"] is None
+    assert loss["read_steps"] == 2 and loss["nonfinite_steps"] == 2
+
+
+def test_summarize_without_a_timed_model_reports_forward_and_other_as_unknown():
+    s = summarize(SIX, forward_measured=False)
+    for name in ("forward_seconds", "forward_ratio", "other_seconds", "other_ratio"):
+        assert s[name] is None, name
+    assert s["backward_seconds"] == {"median": 0.5, "mean": 1.75 / 3}
+    assert s["optimizer_ratio"] == 1.5 / 9
+
+
+def test_summarize_without_detail_steps():
+    s = summarize(make_columns([1.0, 2.0], forward_seconds=[5, 5]))
+    for part in SPLIT + ("other_seconds",):
+        assert s[part] is None and s[part.replace("_seconds", "_ratio")] is None
+    assert s["detailed_steps"] == 0 and s["backward_passes_per_step"] is None
+    assert s["sums"]["forward_seconds"] == 0  # junk on non-detail steps is not summed
+    assert s["gpu_seconds"] is None and s["syncs_per_step"] is None
+
+
+def test_summarize_without_samples_or_time():
+    s = summarize(make_columns([0.0, 0.0], samples=[0, 0]))
+    assert s["samples_per_second"] is None
+    assert s["stall_ratio"] is None and s["steps_per_second"] is None  # no time: no ratio
+
+
+def test_summarize_of_no_steps_is_none():
+    assert summarize(make_columns([])) is None
+
+
+def test_summarize_counts_loss_spikes():
+    # Step 5: 20 > 10 x median(1,1,1,1). Step 10: 10.5 > 10 x median of the 8 before it
+    # (1,1,1,20,1,1,1,1 -> 1). Step 11: 10 is not over 10 x median(1,1,20,1,1,1,1,10.5) = 1.
+    losses = [1, 1, 1, 1, 20, 1, 1, 1, 1, 10.5, 10]
+    assert summarize(make_columns([1.0] * 11, losses=losses))["loss"]["spikes"] == 2
+
+
+def test_spikes_rules():
+    assert spikes([1, 1, 1, 1, 11]) == 1
+    assert spikes([1, 1, 1, 1, 10]) == 0  # exactly 10x is not over
+    assert spikes([0.1, 5, 5, 5]) == 0  # the first four are never judged (at least 4 before)
+    assert spikes([100, 100, 100, 100, 1]) == 0  # a falling loss never counts
+    assert spikes([0, 0, 0, 0, 5]) == 0  # a zero median: no spike
+    # Only the last 8 count: a spike 9 losses later compares against the 8 before it.
+    assert spikes([100] * 4 + [1] * 8 + [11]) == 1
+    # 100 x 4 still within the last 8: median(100,100,100,100,1,1,1,1) = 50.5, 11 is no spike.
+    assert spikes([100] * 4 + [1] * 4 + [11]) == 0
+
+
+def test_spikes_context_is_compared_against_but_not_counted():
+    assert spikes([20], context=[1, 1, 1, 1]) == 1
+    assert spikes([20], context=[1, 1, 1]) == 0  # still fewer than 4 before it
+    assert spikes([1], context=[1, 1, 1, 1, 50]) == 0  # the context's own spike
+
+
+def test_spikes_count_the_same_wherever_the_intervals_are_cut():
+    losses = [1, 1, 1, 1, 1, 1, 20, 1, 1, 1, 30, 1, 1]
+    assert spikes(losses) == 2
+    for cut in range(len(losses) + 1):
+        assert spikes(losses[:cut]) + spikes(losses[cut:], context=losses[:cut]) == 2, cut
+
+
+def test_summarize_loss_trend():
+    # 20 finite losses: earlier half median 2, later 1: (1 - 2) / 2.
+    loss = summarize(make_columns([1.0] * 20, losses=[2.0] * 10 + [1.0] * 10))["loss"]
+    assert loss["trend"] == -0.5
+    # 19 finite (one non-finite of 20): too few for a trend.
+    loss = summarize(make_columns([1.0] * 20, losses=[2.0] * 10 + [1.0] * 9 + [NAN]))["loss"]
+    assert loss["trend"] is None
+
+
+def test_totals_add_and_summary():
+    a_steps = [0.001, 0.002, 0.0025]
+    a = summarize(make_columns(a_steps, losses=[3.0, None, 2.0], data_wait_seconds=[0.0005, 0, 0],
+                               syncs=[2, -1, -1], detailed=[True, True, False],
+                               forward_seconds=[0.0005, 0.0005, 0]))
+    b_steps = [0.5, 100.0]
+    b = summarize(make_columns(b_steps, skipped_steps=[1, 0], samples=[4, 4], syncs=[-1, 4]))
+    totals = Totals()
+    totals.add(a, a_steps, last_step_time=5.0)
+    totals.add(b, b_steps)
+    for name in Totals.ADDED:
+        assert totals.sums[name] == a["sums"][name] + b["sums"][name], name
+    assert totals.last_loss == 2.0  # b read no loss: a's last stays
+    assert totals.last_step_time == 5.0  # None leaves it
+    out = totals.summary()
+    seconds = a["sums"]["seconds"] + b["sums"]["seconds"]
+    assert out["steps"] == 5 and isinstance(out["steps"], int)
+    assert out["seconds"] == seconds
+    assert out["samples"] == 3 * 8 + 8
+    assert out["optimizer_steps"] == 5 and out["skipped_steps"] == 1
+    assert out["stall_ratio"] == 0.0005 / seconds
+    assert out["steps_per_second"] == 5 / seconds
+    assert out["samples_per_second"] == 32 / seconds
+    assert out["syncs_per_step"] == 3.0  # (2 + 4) / 2
+    assert out["detailed_steps"] == 2
+    assert out["forward_ratio"] == 0.001 / (0.001 + 0.002)
+    assert out["backward_ratio"] == 0.0
+    assert (out["losses_read"], out["nonfinite_losses"], out["last_loss"]) == (2, 0, 2.0)
+    assert out["dropped_steps"] == 0
+    totals.dropped_steps = 3
+    assert totals.summary()["dropped_steps"] == 3
+
+
+def test_totals_step_histogram_buckets():
+    totals = Totals()
+    values = [0.001, 0.002, 0.0025, 0.0026, 0.5, 60.0, 100.0]
+    totals.add(summarize(make_columns(values)), values)
+    expected = [0] * (len(STEP_BUCKETS) + 1)
+    expected[0] = 1  # 0.001: an upper bound is inclusive (Prometheus "le")
+    expected[1] = 2  # 0.002, 0.0025
+    expected[2] = 1  # 0.0026 <= 0.005
+    expected[STEP_BUCKETS.index(0.5)] = 1
+    expected[STEP_BUCKETS.index(60.0)] = 1
+    expected[-1] = 1  # 100 s: +Inf
+    assert totals.step_buckets == expected
+    assert sum(totals.step_buckets) == len(values)  # per bucket, not cumulative
+
+
+def test_totals_add_tolerates_older_sums():
+    # A run log from an older version lacks the newer sums: they count as 0.
+    interval = summarize(make_columns([1.0, 1.0]))
+    del interval["sums"]["detailed_other_seconds"], interval["sums"]["detailed_data_wait_seconds"]
+    totals = Totals()
+    totals.add(interval)
+    assert totals.sums["detailed_other_seconds"] == 0 and totals.sums["steps"] == 2
+
+
+def test_totals_of_nothing():
+    out = Totals().summary()
+    assert out["steps"] == 0 and out["stall_ratio"] is None and out["samples_per_second"] is None
+    assert out["last_loss"] is None and out["forward_ratio"] is None
+
+
+# ============================================================================================
+# measure/history.py
+# ============================================================================================
+
+
+def test_weighted_median_plain():
+    assert weighted_median([(3, 1), (1, 1), (2, 1)]) == 2
+    assert weighted_median([(1, 1), (2, 1)]) == 1  # running weight 1 reaches half of 2: the lower
+
+
+def test_weighted_median_weights():
+    # Total 7, half 3.5: the value 1 alone carries 5.
+    assert weighted_median([(100, 1), (1, 5), (10, 1)]) == 1
+    # Total 7, half 3.5: 1 (1), 10 (2), 100 (6): reached at 100.
+    assert weighted_median([(1, 1), (10, 1), (100, 5)]) == 100
+
+
+def test_weighted_median_q():
+    # Ten values of weight 1: 0.9 of 10 = 9 is reached at the 9th.
+    assert weighted_median([(v, 1) for v in range(1, 11)], q=0.9) == 9
+    # Weight 9 on 1, 1 on 50: 0.9 of 10 is reached by 1's own weight.
+    assert weighted_median([(1, 9), (50, 1)], q=0.9) == 1
+    assert weighted_median([(1, 8), (50, 2)], q=0.9) == 50
+
+
+def test_weighted_median_ignores_zero_weights_and_none_values():
+    # With q=0 the first value carrying weight is the answer: a zero-weight 1 is not.
+    assert weighted_median([(1, 0), (2, 1)], q=0.0) == 2
+    assert weighted_median([(0, 0), (5, 1), (9, 1)]) == 5
+    assert weighted_median([(-1, -3), (5, 1)]) == 5  # negative weights too
+    assert weighted_median([(None, 5), (2, 1), (3, 1)]) == 2
+    assert weighted_median([(None, 5)]) is None
+
+
+def test_weighted_median_of_nothing():
+    assert weighted_median([]) is None
+    assert weighted_median([(1, 0), (2, 0)]) is None
+
+
+# Interval A: steps 1-2, both detail steps; interval B: steps 3-6, one detail step (3).
+A_COLUMNS = make_columns(
+    [1, 1], first=1,
+    data_wait_seconds=[0.25, 0.25],
+    detailed=[True, True],
+    forward_seconds=[0.25, 0.25], backward_seconds=[0.25, 0.25], optimizer_seconds=[0.125, 0.125],
+    backward_passes=[1, 1],
+    syncs=[2, -1],
+    losses=[1.0, 2.0],  # median 1.5, 2 read
+)
+B_COLUMNS = make_columns(
+    [3, 3, 3, 4], first=3,
+    data_wait_seconds=[1, 0.5, 0.5, 1],
+    fetches=[1, 2, 1, 1],
+    detailed=[True, False, False, False],
+    forward_seconds=[0.5, 0, 0, 0], backward_seconds=[1, 0, 0, 0], optimizer_seconds=[0.25, 0, 0, 0],
+    backward_passes=[2, 0, 0, 0],
+    optimizer_steps=[1, 0, 1, 1], skipped_steps=[0, 1, 0, 0],
+    syncs=[-1, -1, 4, -1],
+    gpu_seconds=[2.0, -1, -1, 2.5],
+    losses=[4.0, None, NAN, 3.0],  # finite 4, 3: median 3.5; 3 read, one non-finite
+)
+
+
+def test_combine_sums_add_exactly():
+    a, b = summarize(A_COLUMNS), summarize(B_COLUMNS)
+    both = combine([a, b])
+    for name in Totals.ADDED + ("fetches",):
+        assert both["sums"][name] == a["sums"][name] + b["sums"][name], name
+    assert both["sums"]["last_loss"] == 3.0
+    assert (both["steps"], both["first_step"], both["last_step"]) == (6, 1, 6)
+
+
+def test_combine_means_and_ratios_equal_those_of_the_steps_together():
+    both = combine([summarize(A_COLUMNS), summarize(B_COLUMNS)])
+    whole = summarize(concat(A_COLUMNS, B_COLUMNS))
+    exact = pytest.approx
+    for name in ("seconds", "stall_ratio", "steps_per_second", "samples_per_second", "batch_size",
+                 "fetches_per_step", "optimizer_steps", "skipped_steps", "syncs_per_step",
+                 "sync_sampled_steps", "detailed_steps", "forward_ratio", "backward_ratio",
+                 "optimizer_ratio", "other_ratio"):
+        assert both[name] == exact(whole[name], rel=1e-12), name
+    for part in SPLIT + ("other_seconds", "data_wait_seconds"):
+        assert both[part]["mean"] == exact(whole[part]["mean"], rel=1e-12), part
+    for key in ("mean", "min", "max"):
+        assert both["step_seconds"][key] == exact(whole["step_seconds"][key], rel=1e-12), key
+    assert both["gpu_seconds"]["mean"] == whole["gpu_seconds"]["mean"] == 2.25
+    for key in ("last", "max", "read_steps", "nonfinite_steps"):
+        assert both["loss"][key] == whole["loss"][key], key
+    # Spot values: 2 + 13 = 15 s over 6 steps; 0.5 + 3 = 3.5 s of data wait; 6 syncs on 2 sampled steps.
+    assert both["step_seconds"]["mean"] == 15 / 6
+    assert both["stall_ratio"] == 3.5 / 15
+    assert both["syncs_per_step"] == 3.0
+
+
+def test_combine_medians_are_weighted_medians_of_medians():
+    a, b = summarize(A_COLUMNS), summarize(B_COLUMNS)
+    both = combine([a, b])
+    # Step time: A's median 1 (2 steps), B's 3 (4 steps): half of 6 is reached at B.
+    # (Unweighted, the lower of the two would win.)
+    assert both["step_seconds"]["median"] == 3
+    # p90: 0.9 of 6 = 5.4 reached at B's p90 (3 + (4-3) * 0.7).
+    assert both["step_seconds"]["p90"] == b["step_seconds"]["p90"]
+    # Data wait: A 0.25 (2 steps), B 0.75 (4 steps).
+    assert both["data_wait_seconds"]["median"] == 0.75
+    # Phases weigh by detail steps: forward A 0.25 (2 detail steps), B 0.5 (1): 0.25.
+    # (Weighted by steps, B's 4 would win.)
+    assert both["forward_seconds"]["median"] == 0.25
+    assert both["backward_passes_per_step"] == 1.0  # A 1.0 (2 detail steps), B 2.0 (1)
+    # Loss weighs by losses read: A 1.5 (2 read), B 3.5 (3 read): half of 5 reached at B.
+    assert both["loss"]["median"] == 3.5
+    assert both["gpu_seconds"]["median"] == 2.25  # B alone measured GPU time
+
+
+def test_combine_p90_is_the_step_weighted_90th_percentile_of_the_p90s():
+    fast = summarize(make_columns([1.0] * 5))  # p90 1
+    slow = summarize(make_columns([2.0] * 4, first=6))  # p90 2
+    both = combine([fast, slow])
+    # 9 steps: half (4.5) is reached within the 5 fast steps, 0.9 of 9 (8.1) only at the slow ones.
+    assert both["step_seconds"]["median"] == 1.0
+    assert both["step_seconds"]["p90"] == 2.0
+    assert (both["step_seconds"]["min"], both["step_seconds"]["max"]) == (1.0, 2.0)
+
+
+def test_combine_of_one_interval_is_that_interval():
+    a = summarize(A_COLUMNS)
+    assert combine([a]) is a
+    assert combine([None, a, {"steps": 0}]) is a  # empty entries are left out
+    assert combine([]) is None
+    assert combine([None]) is None
+
+
+def test_combine_forward_unknown_in_one_interval_is_unknown():
+    a = summarize(A_COLUMNS, forward_measured=False)
+    both = combine([a, summarize(B_COLUMNS)])
+    assert both["forward_seconds"] is None and both["other_seconds"] is None
+    assert both["backward_seconds"] is not None
+
+
+def test_run_history_coarsens_the_older_half_pair_by_pair():
+    history = RunHistory(max_intervals=8)
+    events = [steps_event(10 * i + 1, 10, float(i + 1)) for i in range(9)]  # steps 1-90
+    for event in events[:8]:
+        history.add(event)
+    assert history.intervals == [without_event(e) for e in events[:8]]  # at the limit: untouched
+    history.add(events[8])
+    # 9 > 8: the older half (4) merged pair by pair into 2; the newer 5 untouched.
+    intervals = history.intervals
+    assert len(intervals) == 7
+    assert intervals[0] == combine([without_event(events[0]), without_event(events[1])])
+    assert intervals[1] == combine([without_event(events[2]), without_event(events[3])])
+    assert (intervals[0]["first_step"], intervals[0]["last_step"], intervals[0]["steps"]) == (1, 20, 20)
+    assert (intervals[1]["first_step"], intervals[1]["last_step"], intervals[1]["steps"]) == (21, 40, 20)
+    assert intervals[0]["sums"]["seconds"] == 10 * 1 + 10 * 2
+    assert intervals[2:] == [without_event(e) for e in events[4:]]
+
+
+def test_run_history_coarsening_an_odd_older_half_keeps_its_last_one():
+    history = RunHistory(max_intervals=6)
+    events = [steps_event(10 * i + 1, 10, 1.0) for i in range(7)]
+    for event in events:
+        history.add(event)
+    # 7 > 6: older half 3 -> (1,2) merged, 3 as is; then 4..7.
+    assert [(e["first_step"], e["last_step"]) for e in history.intervals] == [
+        (1, 20), (21, 30), (31, 40), (41, 50), (51, 60), (61, 70)]
+    assert history.intervals[1] == without_event(events[2])
+
+
+def test_run_history_coarsening_preserves_steps_and_sums():
+    coarse, fine = RunHistory(max_intervals=8), RunHistory(max_intervals=1000)
+    events = [steps_event(5 * i + 1, 5, float(i % 7 + 1), samples=[i % 3 + 1] * 5) for i in range(40)]
+    for event in events:
+        coarse.add(event)
+        fine.add(event)
+    assert len(coarse.intervals) <= 8 and len(fine.intervals) == 40
+    # The intervals still tile steps 1..200 in order.
+    assert coarse.intervals[0]["first_step"] == 1 and coarse.steps == 200
+    for before, after in zip(coarse.intervals, coarse.intervals[1:]):
+        assert after["first_step"] == before["last_step"] + 1
+    assert sum(e["steps"] for e in coarse.intervals) == 200
+    # Whole-number sums, so they add up exactly in any order.
+    assert coarse.totals() == fine.totals()
+    assert coarse.totals()["seconds"] == sum(5 * (i % 7 + 1) for i in range(40))
+    assert coarse.intervals[-1] == without_event(events[-1])
+    assert MAX_INTERVALS == RunHistory().max_intervals
+
+
+def history_of_10_step_intervals(count):
+    history = RunHistory()
+    for i in range(count):
+        history.add(steps_event(10 * i + 1, 10, 1.0))
+    return history
+
+
+def test_run_history_window_takes_whole_intervals():
+    history = history_of_10_step_intervals(8)  # steps 1-80
+    window = history.window(25)  # 71-80, 61-70, 51-60: 30 >= 25
+    assert (window["first_step"], window["last_step"], window["steps"]) == (51, 80, 30)
+    assert history.window(30)["first_step"] == 51
+    assert history.window(31)["first_step"] == 41
+    assert history.window(5)["first_step"] == 71  # one interval: itself
+    assert history.window(5) == history.intervals[-1]
+
+
+def test_run_history_window_leaves_out_the_warm_up_when_enough_later_steps_exist():
+    # Steps 1-80: back to 21-30 the window has 60 >= 50 steps, so 11-20 (last step 20 <=
+    # WARMUP_STEPS) is left out.
+    window = history_of_10_step_intervals(8).window(1000)
+    assert (window["first_step"], window["steps"]) == (21, 60)
+    # Steps 1-60: at 11-20 only 40 later steps: it is taken (50), then 1-10 is left out.
+    window = history_of_10_step_intervals(6).window(1000)
+    assert (window["first_step"], window["steps"]) == (11, 50)
+    # Steps 1-30: too few steps past the warm-up, so everything.
+    window = history_of_10_step_intervals(3).window(1000)
+    assert (window["first_step"], window["steps"]) == (1, 30)
+
+
+def test_run_history_window_of_nothing():
+    assert RunHistory().window(100) is None
+
+
+def test_run_history_totals():
+    history = RunHistory()
+    history.add(steps_event(1, 3, 2.0, losses=[5.0, None, 4.0]))
+    history.add(steps_event(4, 2, 1.0, data_wait_seconds=[0.5, 0.5]))
+    totals = history.totals()
+    assert totals["steps"] == 5 and totals["seconds"] == 8.0
+    assert totals["stall_ratio"] == 1.0 / 8.0
+    assert totals["samples"] == 40 and totals["last_loss"] == 4.0 and totals["losses_read"] == 2
+    # The end event's totals (the agent's exact counters) win.
+    history.add({"event": "end", "totals": {"steps": 99}})
+    assert history.totals() == {"steps": 99}
+
+
+def test_run_history_snapshot_window():
+    history = history_of_10_step_intervals(8)
+    snapshot = history.snapshot(20)
+    assert (snapshot["window"]["first_step"], snapshot["window"]["steps"]) == (61, 20)
+    assert snapshot["totals"] == history.totals() and snapshot["totals"]["steps"] == 80
+    assert snapshot["attached"] is True
+    # A window given by the caller (a live agent's exact one) is taken as it is.
+    exact = summarize(make_columns([0.5] * 7, first=74))
+    snapshot = history.snapshot(20, window=exact)
+    assert snapshot["window"] is exact
+    history.add({"event": "end"})
+    snapshot = history.snapshot()
+    assert snapshot["attached"] is False and snapshot["state"] == "ended"
+    assert snapshot["window"]["first_step"] == 21  # 1000 steps asked, warm-up left out
+
+
+# ============================================================================================
+# measure/steps.py
+# ============================================================================================
+
+
+class Optimizer:
+    """Stands for an optimizer: the timeline only takes its id()."""
+
+
+def fetch(tl, began, ended, samples=8):
+    """What the loader's __next__ wrapper does around a fetch (loader.py)."""
+    tl.moved_on(began)
+    tl.fetches += 1
+    tl.samples += samples
+    tl.data_wait += ended - began
+
+
+def optimizer_step(tl, optimizer, began, ended):
+    """What the optimizer's pre- and post-hooks do (optimizer.py)."""
+    tl.moved_on(began, id(optimizer))
+    tl.optimizer_start = began
+    tl.optimizer_end(optimizer, ended)
+
+
+def timeline(capacity=16):
+    failures = []
+    tl = StepTimeline(capacity, lambda name, exc: failures.append((name, exc)))
+    tl.attached_at = 0.0
+    return tl
+
+
+def record(end, skipped=0, detailed=True, **totals):
+    """A ring record: the close time, running totals (0 unless given), the detail flag."""
+    values = {name: 0 for name in CUMULATIVE}
+    values["skipped_steps"] = skipped
+    values.update(totals)
+    return (end,) + tuple(values[name] for name in CUMULATIVE) + (detailed,)
+
+
+def ring_of(capacity, count, origin=0.0):
+    """A ring with steps 1..count closed, step s ending at s * 1.5 s (origin 0), s samples
+    in step s (running total s*(s+1)/2), skipped on every third step."""
+    ring = StepRing(capacity)
+    ring.origin = record(origin)
+    for step in range(1, count + 1):
+        ring.records[(step - 1) % capacity] = record(
+            step * 1.5, samples=step * (step + 1) // 2, skipped=step // 3, detailed=step % 2 == 1)
+    ring.count = count
+    return ring
+
+
+def test_step_ring_holds():
+    ring = ring_of(4, 6)  # holds 4 slots: the open step 7 and closed 6, 5, 4
+    assert [s for s in range(0, 10) if ring.holds(s)] == [4, 5, 6, 7]
+    assert [s for s in range(0, 5) if StepRing(4).holds(s)] == [1]  # nothing closed: the open step 1
+
+
+def test_step_ring_put_sets_and_adds():
+    ring = ring_of(4, 2)
+    ring.put("syncs", 2, 3.0)
+    ring.put("syncs", 2, 5.0)  # set: replaces
+    assert ring.syncs[1] == 5.0 and ring.syncs_step[1] == 2
+    ring.put("late_skips", 2, 1.0, add=True)
+    ring.put("late_skips", 2, 1.0, add=True)  # add: on top of its own value
+    assert ring.late_skips[1] == 2.0
+
+
+def test_step_ring_put_add_does_not_add_to_another_steps_value():
+    ring = ring_of(4, 2)
+    ring.put("late_skips", 2, 7.0)
+    ring.count = 5  # step 6 (open) now uses step 2's slot
+    ring.put("late_skips", 6, 1.0, add=True)
+    assert ring.late_skips[1] == 1.0 and ring.late_skips_step[1] == 6
+
+
+def test_step_ring_put_is_ignored_once_the_slot_was_reused():
+    ring = ring_of(4, 6)
+    ring.put("loss", 3, 9.0)  # step 3's slot is step 7's now
+    ring.put("loss", 8, 9.0)  # not yet held
+    ring.put("loss", 0, 9.0)
+    assert list(ring.loss_step) == [0, 0, 0, 0]
+    ring.put("loss", 4, 9.0)
+    assert ring.loss_step[3] == 4 and ring.loss[3] == 9.0
+
+
+def test_step_ring_columns_are_differences_of_running_totals():
+    ring = ring_of(8, 4)
+    columns = ring.columns(1, 4)
+    assert list(columns["step"]) == [1, 2, 3, 4]
+    assert columns["step_seconds"] == [1.5, 1.5, 1.5, 1.5]  # step 1 against the origin (0.0)
+    assert columns["samples"] == [1, 2, 3, 4]  # 1, 3, 6, 10 running
+    assert columns["skipped_steps"] == [0, 0, 1, 0]  # 0, 0, 1, 1 running
+    assert columns["detailed"] == [True, False, True, False]
+    assert columns["data_wait_seconds"] == [0, 0, 0, 0]
+    assert columns["loss_known"] == [False] * 4
+    assert all(math.isnan(v) for v in columns["loss"])
+    assert columns["syncs"] == [-1.0] * 4 and columns["gpu_seconds"] == [-1.0] * 4
+    assert "late_skips" not in columns
+
+
+def test_step_ring_step_one_is_measured_against_origin():
+    ring = ring_of(8, 3, origin=1.0)
+    assert ring.columns(1, 1)["step_seconds"] == [0.5]  # 1.5 - 1.0
+    assert ring.columns(2, 3)["step_seconds"] == [1.5, 1.5]  # against step 1's record
+
+
+def test_step_ring_columns_wrap_around():
+    ring = ring_of(4, 6)  # slots hold 5, 6, 3, 4
+    columns = ring.columns(1, 6)
+    # Step 3's record is held but step 4 needs it: 4..6 (count - capacity + 2 = 4).
+    assert list(columns["step"]) == [4, 5, 6]
+    assert columns["samples"] == [4, 5, 6]
+    assert columns["skipped_steps"] == [0, 0, 1]  # running 1, 1, 1, 2
+    assert columns["detailed"] == [False, True, False]
+    assert columns["step_seconds"] == [1.5, 1.5, 1.5]
+    # A range that wraps from the last slot to the first.
+    ring = ring_of(4, 9)  # holds 6..9; slot of 7 is 2, of 9 is 0
+    assert ring.columns(7, 9)["samples"] == [7, 8, 9]
+
+
+def test_step_ring_columns_clip_to_what_is_held():
+    ring = ring_of(4, 6)
+    assert list(ring.columns(5, 100)["step"]) == [5, 6]
+    assert list(ring.columns(-3, 4)["step"]) == [4]
+    empty = ring.columns(6, 5)
+    assert list(empty["step"]) == [] and all(list(v) == [] for v in empty.values())
+    assert all(list(v) == [] for v in StepRing(4).columns(1, 10).values())  # nothing closed
+    # With as many steps as slots, step 1 is already gone (the open step 5 owns its slot).
+    assert list(ring_of(4, 4).columns(1, 4)["step"]) == [2, 3, 4]
+    assert list(ring_of(4, 3).columns(1, 4)["step"]) == [1, 2, 3]
+
+
+def test_step_ring_late_values_only_for_their_owning_step():
+    ring = ring_of(4, 2)
+    ring.put("loss", 1, 0.5)
+    ring.put("syncs", 2, 3.0)
+    ring.put("gpu_seconds", 2, 0.25)
+    columns = ring.columns(1, 2)
+    assert columns["loss"][0] == 0.5 and math.isnan(columns["loss"][1])
+    assert columns["loss_known"] == [True, False]
+    assert columns["syncs"] == [-1.0, 3.0] and columns["gpu_seconds"] == [-1.0, 0.25]
+    # Steps 5 and 6 reuse those slots without values of their own: none show.
+    for step in range(3, 7):
+        ring.records[(step - 1) % 4] = record(step * 1.5)
+    ring.count = 6
+    columns = ring.columns(5, 6)
+    assert columns["loss_known"] == [False, False]
+    assert columns["syncs"] == [-1.0, -1.0] and columns["gpu_seconds"] == [-1.0, -1.0]
+
+
+def test_step_ring_skipped_steps_add_late_skips():
+    ring = ring_of(8, 4)  # record skips 0, 0, 1, 0
+    ring.put("late_skips", 3, 1.0, add=True)
+    ring.put("late_skips", 4, 1.0, add=True)
+    ring.put("late_skips", 4, 1.0, add=True)
+    assert ring.columns(1, 4)["skipped_steps"] == [0, 0, 2, 2]
+
+
+def test_timeline_steps_close_at_the_next_fetch():
+    tl, optimizer = timeline(), Optimizer()
+    fetch(tl, 10.0, 10.25, samples=4)  # opens step 1 at 10.0
+    optimizer_step(tl, optimizer, 10.5, 10.75)
+    fetch(tl, 11.0, 11.5, samples=4)  # closes step 1 at 11.0; this wait is step 2's
+    optimizer_step(tl, optimizer, 11.75, 12.25)
+    fetch(tl, 12.5, 12.5, samples=2)  # closes step 2
+    assert tl.ring.count == 2
+    tl.manual_step(now=13.0)  # tuneup.step(): step 3, no optimizer in it
+    fetch(tl, 13.0, 13.25, samples=4)
+    optimizer_step(tl, optimizer, 13.5, 14.0)
+    tl.flush()  # detach: step 4 ends at its last optimizer step
+    assert tl.ring.count == 4
+    columns = tl.ring.columns(1, 4)
+    assert columns["step_seconds"] == [1.0, 1.5, 0.5, 1.0]
+    assert columns["data_wait_seconds"] == [0.25, 0.5, 0.0, 0.25]
+    assert columns["optimizer_seconds"] == [0.25, 0.5, 0.0, 0.5]
+    assert columns["samples"] == [4, 4, 2, 4]
+    assert columns["fetches"] == [1, 1, 1, 1]
+    assert columns["optimizer_steps"] == [1, 1, 0, 1]
+    assert columns["detailed"] == [True] * 4  # the first EARLY_DETAIL_STEPS steps
+    tl.flush()  # nothing stepped since: no empty step
+    assert tl.ring.count == 4
+
+
+def test_timeline_detail_steps():
+    tl = timeline()
+    for step in range(1, 13):
+        tl.manual_step(now=float(step))
+    # The first five, then every 4th (detail_every): 8, 12.
+    assert EARLY_DETAIL_STEPS == 5
+    assert tl.ring.columns(1, 12)["detailed"] == [True] * 5 + [False, False, True, False, False, False, True]
+
+
+def test_timeline_first_step_starts_at_attach_when_nothing_came_before():
+    tl = timeline()
+    tl.attached_at = 5.0
+    tl.manual_step(now=6.5)
+    assert tl.ring.columns(1, 1)["step_seconds"] == [1.5]
+
+
+def test_moved_on_a_fetch_after_an_optimizer_stepped_closes_the_step():
+    tl, optimizer = timeline(), Optimizer()
+    tl.moved_on(1.0)
+    tl.moved_on(2.0)  # a second fetch before any optimizer step: step 1 still open from 1.0
+    assert tl.ring.count == 0 and tl.step_start == 1.0
+    optimizer_step(tl, optimizer, 2.5, 3.0)
+    tl.moved_on(4.0)
+    assert tl.ring.count == 1
+    assert tl.ring.columns(1, 1)["step_seconds"] == [3.0]  # 1.0 to 4.0
+    tl.moved_on(5.0)  # nothing stepped in step 2 yet: it stays open
+    assert tl.ring.count == 1
+
+
+def test_moved_on_a_second_optimizer_in_the_same_iteration_does_not_close():
+    tl, generator, discriminator = timeline(), Optimizer(), Optimizer()
+    tl.moved_on(1.0)
+    optimizer_step(tl, generator, 2.0, 2.5)
+    optimizer_step(tl, discriminator, 3.0, 3.5)  # another optimizer: the same step
+    assert tl.ring.count == 0
+    optimizer_step(tl, generator, 4.0, 4.5)  # the first one again: a new iteration
+    assert tl.ring.count == 1
+    columns = tl.ring.columns(1, 1)
+    assert columns["step_seconds"] == [3.0]  # 1.0 to 4.0
+    assert columns["optimizer_steps"] == [2]
+    assert columns["optimizer_seconds"] == [1.0]
+    # Step 2 holds the generator's 4.0 step; the discriminator then joins it, and the
+    # discriminator stepping again closes it.
+    optimizer_step(tl, discriminator, 5.0, 5.5)
+    assert tl.ring.count == 1
+    optimizer_step(tl, discriminator, 6.0, 6.5)
+    assert tl.ring.count == 2
+    assert tl.ring.columns(2, 2)["step_seconds"] == [2.0]  # 4.0 to 6.0
+
+
+def test_moved_on_the_same_optimizer_stepping_again_closes_the_step():
+    tl, optimizer = timeline(), Optimizer()
+    optimizer_step(tl, optimizer, 1.0, 1.5)  # opens step 1 at 1.0 (no fetch: an iterator-less loop)
+    optimizer_step(tl, optimizer, 2.0, 2.5)
+    optimizer_step(tl, optimizer, 3.0, 3.5)
+    assert tl.ring.count == 2
+    assert tl.ring.columns(1, 2)["step_seconds"] == [1.0, 1.0]
+
+
+def test_timeline_skips_recorded_and_late():
+    tl, optimizer = timeline(), Optimizer()
+    for t in (1.0, 2.0, 3.0):
+        fetch(tl, t, t)
+        optimizer_step(tl, optimizer, t + 0.5, t + 0.75)
+    # Steps 1 and 2 closed, step 3 open.
+    tl.record_skip(3)  # the open step: into its record
+    tl.record_skip(2)  # already closed: a late skip
+    tl.in_tuneup = True
+    tl.record_skip(3)  # from inside tuneup's own bookkeeping: late, even for the open step
+    tl.in_tuneup = False
+    tl.optimizer_skipped(optimizer, 3.9)  # GradScaler skipped step 4's update: closes step 3
+    tl.moved_on(4.5)  # closes step 4
+    assert tl.ring.count == 4
+    columns = tl.ring.columns(1, 4)
+    assert columns["skipped_steps"] == [0, 1, 2, 1]
+    assert columns["optimizer_steps"] == [1, 1, 1, 0]
+
+
+def test_timeline_skip_reported_while_a_step_closes_goes_to_that_step():
+    # A close listener runs before the ring publishes the new count: a skip it reports for
+    # the step being closed must not land in the next step's record.
+    tl, optimizer = timeline(), Optimizer()
+    tl.add_listener("scaler", lambda step: tl.record_skip(step) if step == 2 else None)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        fetch(tl, t, t)
+        optimizer_step(tl, optimizer, t + 0.5, t + 0.75)
+    tl.flush()
+    assert tl.ring.count == 4
+    assert tl.ring.columns(1, 4)["skipped_steps"] == [0, 1, 0, 0]

@@ -1,0 +1,376 @@
+"""The hot path: everything tuneup runs on every training step, in one place.
+
+A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
+opt.step()` calls, in order (instructions per call on the ~0.4 ms CPU step, callgrind,
+benchmarks/bench_instructions.py):
+
+    next(it)           loader_next       clock x2, the step boundary, data wait, samples
+                        └ the boundary may close the previous step: StepTimeline.close
+                          (one record tuple into the ring; its listeners only on detail
+                          steps and on the steps they asked for through `wake_at`)
+    opt.zero_grad()    zero_grad_before/after   timed on detail steps only
+    model(x)           forward_before/after     the root class's forward, timed on detail steps
+    loss.backward()    backward_before/after    timed on detail steps (the loss kept for reading)
+    opt.step()         optimizer_pre/post       torch's global step hooks: the boundary rule
+                                                for loops without a fetch, optimizer time
+    x.item() ...       HOST_READ                one attribute test off sampled steps
+
+The step boundary is one rule, `StepTimeline.moved_on`. Every hook is a closure over its
+probe and the timeline (no bound-method or global lookups on the way), reads its clock
+through the probe (`probe.clock`, so a test can break one probe alone), and hands any error
+of its own to the probe's `fail` (one warning, the probe off), never to the job.
+
+Allocations per step: the wrappers' call tuples (args, and kwargs where given), one record
+tuple at the close; on detail steps the loss's detached tensor. Counters only grow (no
+per-step reset): the background thread takes differences between consecutive records
+(steps.py: StepRing.columns).
+
+Measured in place, every Python operation here costs several times its warm cost (torch
+evicts our code and data between hooks), so these functions do as little as they can: the
+forward/backward split, zero_grad time and the loss only on "detail" steps (the first five,
+then every `detail_every`th), host reads and calls only on sampled/watched steps (syncs.py,
+calls.py).
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any, Callable
+
+import torch
+
+from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
+
+TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
+
+
+# --- DataLoader: next(iterator) --------------------------------------------------------------
+
+def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The iterator's `__next__`: time blocked on data, the step boundary, batch size."""
+    tl, clock, habits, batch_size = probe.timeline, probe.clock, probe.habits, probe.batch_size
+    tensor = torch.Tensor
+
+    def __next__(iterator):
+        if not probe.on or (probe.tracked is not None and not getattr(iterator, TAG, False)):
+            return original(iterator)
+        began = clock()
+        tl.in_loader = True
+        rng = probe.rng_before(iterator) if tl.fetches >= probe.rng_check_at else None
+        try:
+            batch = original(iterator)
+        except BaseException:
+            tl.in_loader = False
+            tl.waited(began, clock())
+            raise
+        tl.in_loader = False
+        try:
+            if rng is not None:
+                probe.rng_after(rng)
+            tl.moved_on(began)  # a batch fetched after an optimizer stepped closes the step
+            tl.in_optimizer = False
+            tl.fetches += 1
+            if tl.fetches >= habits.next_inspect:
+                habits.inspect(batch)
+            first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
+            # shape[0], not len(): Tensor.__len__ is a Python function (torch/_tensor.py).
+            tl.samples += first.shape[0] if type(first) is tensor and first.dim() else batch_size(batch)
+            # Timed after the bookkeeping: data wait is what a timer around the loop's
+            # next() shows (the few µs of closing the step count as waiting for it).
+            tl.data_wait += clock() - began
+        except Exception as exc:
+            probe.fail(exc)
+        return batch
+
+    return __next__
+
+
+# --- optimizer.step(): torch's global step pre- and post-hooks -----------------------------------
+
+def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None]]:
+    tl, clock, seen = probe.timeline, probe.clock, probe.seen
+
+    def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not probe.on or (probe.tracked is not None and optimizer not in probe.tracked):
+            return
+        try:
+            key = id(optimizer)
+            if key not in seen:
+                probe.first_step(optimizer)
+            now = clock()
+            # An optimizer that already stepped in the open step closes it (a new iteration
+            # began without a DataLoader fetch).
+            tl.moved_on(now, key)
+            tl.optimizer_start = now
+            tl.in_optimizer = True
+        except Exception as exc:
+            probe.fail(exc)
+
+    def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
+        if not probe.on or (probe.tracked is not None and optimizer not in probe.tracked):
+            return
+        try:
+            tl.optimizer_end(optimizer, clock())
+        except Exception as exc:
+            probe.fail(exc)
+
+    return optimizer_pre, optimizer_post
+
+
+# --- zero_grad(), forward, backward: `_patching.measured` wrappers' before/after ----------------
+
+def zero_grad_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """Optimizer/Module.zero_grad on detail steps: the set_to_none the loop uses, and the
+    time (optimizer time: zeroing gradients is part of the update)."""
+    tl, clock = probe.timeline, probe.clock
+
+    def before(args: tuple, kwargs: dict) -> float | None:
+        return clock() if probe.on and tl.detail else None
+
+    def after(began: float, result: Any, args: tuple, kwargs: dict) -> None:
+        probe.set_to_none = bool(args[1] if len(args) > 1 else kwargs.get("set_to_none", True))
+        tl.optimizer += clock() - began
+
+    return before, after
+
+
+def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """A root model class's forward: timed on detail steps (True), else untimed (None): not a
+    root, or the model being traced (jit.trace, fx) rather than trained. Counts evaluation
+    forwards that build autograd graphs on the way."""
+    tl, clock, roots, tracing = probe.timeline, probe.clock, probe.roots, probe.tracing
+
+    def before(args: tuple, kwargs: dict) -> bool | None:
+        module = args[0]
+        if id(module) not in roots or not probe.on:
+            return None
+        if not module.training and probe.grad_enabled() and not tracing():
+            probe.eval_with_grad += 1
+        if not tl.detail or tracing():
+            return None
+        if tl.forward_depth == 0 and probe.read_config_next_forward:
+            probe.read_config()
+        tl.forward_begin(clock())
+        return True
+
+    def after(token: bool, result: Any, args: tuple, kwargs: dict) -> None:
+        tl.forward_end(clock())
+
+    return before, after
+
+
+def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
+    """Tensor.backward: timed on detail steps, where the loss is kept for reading at the
+    close; not again inside itself (a tensor subclass's __torch_function__)."""
+    tl, clock, plain = probe.timeline, probe.clock, torch.Tensor
+
+    def before(args: tuple, kwargs: dict) -> float | None:
+        if not probe.on or probe.backward_depth:
+            return None
+        if probe.discovery_hooks:  # auto mode's first step: the roots are found by now
+            probe.end_discovery()
+        if not tl.detail:
+            return None
+        tensor = args[0]
+        if type(tensor) is plain and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
+            tl.loss = tensor.detach()  # read when the step closes
+        probe.backward_depth += 1
+        return clock()
+
+    def after(began: float, result: Any, args: tuple, kwargs: dict) -> None:
+        probe.backward_depth -= 1
+        if tl.step_start is None:
+            tl.step_start = began
+        tl.backward += clock() - began
+        tl.backward_passes += 1
+
+    return before, after
+
+
+# --- host reads (.item(), ...): a Tensor method, posing as it (syncs.py) ---------------------------
+# Like _patching.measured, but it tests counting_reads before anything else: host reads may
+# come many to a step, and off sampled steps this one attribute is all they pay for
+# (is_compiling() costs four times as much). Dynamo never inlines it: it handles tensor
+# methods by name (torch/_dynamo/variables/tensor.py call_method), and skips this wrapper's
+# frame as one of torch/_tensor.py's.
+HOST_READ = """
+def host_read(*args, **kwargs):
+    if not _tuneup_counter.counting_reads or _tuneup_is_compiling():
+        return _tuneup_original(*args, **kwargs)
+    _tuneup_prior = _tuneup_quiet(None)
+    try:
+        _tuneup_counted = _tuneup_counts()
+    finally:
+        if _tuneup_prior is not None:
+            _tuneup_quiet(_tuneup_prior)
+    if not _tuneup_counted:
+        return _tuneup_original(*args, **kwargs)
+    try:
+        return _tuneup_original(*args, **kwargs)
+    finally:
+        _tuneup_counter._busy = False
+"""
+
+
+# --- the open step, and the step boundary ---------------------------------------------------------
+
+class StepTimeline:
+    """Accumulates the open step from hook events and closes it into the ring."""
+
+    def __init__(self, capacity: int, fail: Callable[[str, BaseException], None], detail_every: int = 4) -> None:
+        self.ring = StepRing(capacity)
+        self.fail = fail
+        self.detail_every = detail_every
+        self.detail = True  # measure the split and the loss on the open step
+        self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
+        self.attached_at = perf_counter()  # start of the first step when nothing came before it
+        self.step_start: float | None = None
+        self.last_optimizer_end: float | None = None
+        self.group: list[int] = []  # ids of the optimizers stepped in the open step (not the objects)
+        # Regions whose host reads are not the user's: inside the loader, inside
+        # optimizer.step (its CPU-side step counters), inside tuneup's own bookkeeping.
+        self.in_loader = False
+        self.in_optimizer = False
+        self.in_tuneup = False
+        self.forward_start = 0.0
+        self.forward_depth = 0
+        self.optimizer_start = 0.0
+        self.gpu_timer: Any = None  # CudaStepTimer once the job uses CUDA
+        self.loss: Any = None  # detached loss of the latest backward
+        self.step_loss: Any = None  # the loss the step's optimizer update consumed
+        self.scaled_loss_id = 0  # id of GradScaler.scale()'s output: backward keeps the unscaled loss
+        # Run with the step number at the close of every detail step and of the steps a
+        # listener asked for through `wake_at` (the agent: loss reads, sync sampling, CUDA
+        # events). A listener that raises is dropped and reported through `fail`.
+        self.on_close: tuple[tuple[str, Callable[[int], None]], ...] = ()
+        self.wake_at = 1
+        # Running totals since attach (never reset: see the module docstring).
+        self.data_wait = 0.0
+        self.forward = 0.0
+        self.backward = 0.0
+        self.optimizer = 0.0
+        self.samples = 0
+        self.fetches = 0
+        self.backward_passes = 0
+        self.optimizer_steps = 0
+        self.skipped = 0
+
+    # --- events ---------------------------------------------------------------------------
+
+    def forward_begin(self, now: float) -> None:
+        if self.step_start is None:
+            self.step_start = now
+        if self.forward_depth == 0:
+            self.forward_start = now
+            self.in_optimizer = False
+            if self.gpu_timer is not None:
+                self.gpu_timer.forward_started()
+        self.forward_depth += 1
+
+    def forward_end(self, now: float) -> None:
+        if self.forward_depth > 0:
+            self.forward_depth -= 1
+            if self.forward_depth == 0:
+                self.forward += now - self.forward_start
+
+    def moved_on(self, now: float, optimizer: int | None = None) -> None:
+        """The step boundary, the one rule (see the module docstring): the loop visibly moved
+        on at `now`: a batch fetched, iter(loader), a step function beginning (optimizer
+        None), or the optimizer with this id about to step. The open step closes if an
+        optimizer stepped in it (for an optimizer: if that same one did; two optimizers
+        stepped in one iteration are one step). Otherwise `now` may open the first step."""
+        group = self.group
+        if group and (optimizer is None or optimizer in group):
+            self.close(now)
+        elif self.step_start is None:
+            self.step_start = now
+
+    def waited(self, began: float, ended: float) -> None:
+        """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
+        next() that raised (StopIteration at the end of an epoch, the user's exception)."""
+        self.moved_on(began)
+        self.data_wait += ended - began
+
+    def optimizer_end(self, optimizer: Any, now: float) -> None:
+        self.in_optimizer = False
+        self.optimizer += now - self.optimizer_start
+        self.optimizer_steps += 1
+        self.last_optimizer_end = now
+        self.group.append(id(optimizer))
+        if self.loss is not None:
+            self.step_loss, self.loss = self.loss, None
+
+    def optimizer_skipped(self, optimizer: Any, now: float) -> None:
+        """GradScaler skipped optimizer.step(): still one step of the loop."""
+        self.moved_on(now, id(optimizer))
+        self.skipped += 1
+        self.last_optimizer_end = now
+        self.group.append(id(optimizer))
+        if self.loss is not None:
+            self.step_loss, self.loss = self.loss, None
+
+    def step_begins(self, now: float) -> None:
+        """A @tuneup.step_function call begins: it is a step of its own, so a step the
+        loop left open (an optimizer stepped since the last close) closes here."""
+        self.moved_on(now)
+
+    # --- closing ------------------------------------------------------------------------
+
+    def close(self, now: float) -> None:
+        ring = self.ring
+        step = ring.count + 1
+        if step == 1:
+            start = self.step_start if self.step_start is not None else self.attached_at
+            ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
+        ring.records[ring.count % ring.capacity] = (
+            now, self.data_wait, self.forward, self.backward, self.optimizer, self.samples,
+            self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.detail,
+        )
+        if self.detail or step >= self.wake_at or self.step_loss is not None:
+            self._notify(step)
+        self.step_loss = None  # a loss belongs to the step whose update consumed it
+        self.group.clear()
+        following = step + 1
+        self.detail = (following <= EARLY_DETAIL_STEPS or following % self.detail_every == 0
+                       or following <= self.detail_until)
+        ring.count = step  # publish last: readers only see complete records
+
+    def _notify(self, step: int) -> None:
+        self.in_tuneup = True
+        try:
+            for name, listener in self.on_close:
+                try:
+                    listener(step)
+                except Exception as exc:
+                    self.remove_listener(name)
+                    self.fail(name, exc)
+        finally:
+            self.in_tuneup = False  # also after a KeyboardInterrupt inside a listener
+
+    def flush(self) -> None:
+        """Close the open step at detach, ending it at its last optimizer step."""
+        if self.group and self.last_optimizer_end is not None:
+            self.close(self.last_optimizer_end)
+
+    def manual_step(self, now: float | None = None) -> None:
+        """tuneup.step(): close the step now. Automatic boundaries go on working (the
+        optimizers stepped so far are forgotten at every close, so none fires twice)."""
+        if self.step_loss is None and self.loss is not None:
+            self.step_loss, self.loss = self.loss, None
+        self.close(perf_counter() if now is None else now)
+
+    # --- values that arrive late (read asynchronously from the device) ----------------
+
+    def record_skip(self, step: int) -> None:
+        """A device-side skip flag for `step`, which may still be open."""
+        if step == self.ring.count + 1 and not self.in_tuneup:
+            self.skipped += 1  # the open step
+        else:
+            self.ring.put("late_skips", step, 1.0, add=True)
+
+    def add_listener(self, name: str, listener: Callable[[int], None]) -> None:
+        self.on_close = self.on_close + ((name, listener),)
+
+    def remove_listener(self, name: str) -> None:
+        self.on_close = tuple(item for item in self.on_close if item[0] != name)
