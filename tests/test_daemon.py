@@ -205,13 +205,13 @@ def test_entries_from_another_pid_namespace_live_by_their_heartbeat(tmp_path):
              "pid_namespace": "pid:[4026531836-not-ours]"}
     path = folder / "999999999.json"
     path.write_text(json.dumps(entry))
-    assert [e["run_id"] for e in registry.live_agents(folder)] == ["elsewhere"]
-    stale = time.time() - registry.STALE - 1
+    assert [e["run_id"] for e in discovery.live_agents(folder)] == ["elsewhere"]
+    stale = time.time() - discovery.STALE - 1
     os.utime(path, (stale, stale))
-    assert registry.live_agents(folder) == [] and not path.exists()
+    assert discovery.live_agents(folder) == [] and not path.exists()
     # Same namespace: the pid decides (this pid does not exist).
-    path.write_text(json.dumps(dict(entry, pid_namespace=registry.pid_namespace())))
-    assert registry.live_agents(folder) == []
+    path.write_text(json.dumps(dict(entry, pid_namespace=discovery.pid_namespace())))
+    assert discovery.live_agents(folder) == []
 
 
 def test_a_shared_registry_directory_is_created_open_to_every_user(tmp_path, monkeypatch):
@@ -261,7 +261,7 @@ def test_ranks_on_one_node_listen_on_a_port_each(tmp_path):
             text = wait_for(lambda: stepping(url))
             assert samples(text, "tuneup_step_seconds_count")[0].labels == {"rank": str(rank), "local_rank": str(rank)}
         # The daemon groups the two ranks as one job (same torchrun rendezvous).
-        groups = {entry["group"] for entry in registry.live_agents(folder)}
+        groups = {entry["group"] for entry in discovery.live_agents(folder)}
         assert len(groups) == 1
     finally:
         for process in processes:

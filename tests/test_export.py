@@ -297,7 +297,7 @@ def test_scrapes_closer_than_the_sampling_interval_reuse_one_rendering():
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Counting())
-    server = AgentServer(lambda: {}, registry, fresh_for=0.5)
+    server = AgentServer(lambda: {}, lambda: registry, fresh_for=0.5)
     server.start("127.0.0.1", 0)
     try:
         first = [scrape(server.url) for _ in range(5)]

@@ -1,5 +1,5 @@
 """`python -m tuneup` runs the command line."""
 
-from .cli import main
+from .entry import main
 
 main()

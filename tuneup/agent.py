@@ -20,19 +20,20 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from ._patching import PatchSet
-from .act import Experimenter, LiveJob
-from .act.actions import ACTIONS
 from .diagnose.live import LiveDiagnosis
 from .export.outputs import Outputs
 from .measure.objects import sort_objects
 from .measure.recorder import Recorder
 from .measure.state import LOCK_TIMEOUT, RunState, run_info
 from .options import Options
+
+if TYPE_CHECKING:
+    from .act import Experimenter
 
 # The probes apply mode judges and guards its changes through: without them, no change may stay.
 GUARDING_PROBES = ("step_close", "steps", "optimizer", "dataloader", "model")
@@ -63,6 +64,9 @@ class Agent:
         self.state.recorder = self.recorder
         self.experimenter: Experimenter | None = None
         if options.mode == "apply":
+            from .act import Experimenter, LiveJob
+            from .act.actions import ACTIONS
+
             r = self.recorder
             self.job = LiveJob(r.timeline, r.loader, r.optimizer, r.model, r.scaler)
             allowed = options.actions if options.actions is not None else tuple(ACTIONS)
@@ -83,7 +87,13 @@ class Agent:
 
     @property
     def server(self) -> Any:
+        """The loopback endpoint (its `url`), or None."""
         return self.outputs.server if self.enabled else None
+
+    @property
+    def run_dir(self) -> Any:
+        """Where the run log is written (a Path), or None."""
+        return self.outputs.run_dir if self.enabled else None
 
     @staticmethod
     def check_objects(objects: tuple[Any, ...]) -> None:

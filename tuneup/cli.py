@@ -176,7 +176,8 @@ def doctor() -> None:
         raise typer.Exit(1)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False})
 def run(
     ctx: typer.Context,
     target: str = typer.Argument(..., help="The training script (or, with -m, a module)."),
@@ -190,18 +191,12 @@ def run(
     The script's arguments, exit code and exceptions are its own. Options for tuneup go
     before the script (or into TUNEUP_* environment variables)."""
     from .launch import LaunchError, exec_script
-    from .options import parse_actions
+    from .launch.command import run_environment
 
-    overrides = {"PYTHONUNBUFFERED": "1"} if "-u" in getattr(sys, "orig_argv", [])[1:3] else {}
-    if actions is not None and not apply:
-        raise UserError("--actions chooses what apply mode may change: add --apply")
-    if apply:
-        overrides["TUNEUP_MODE"] = "apply"
-    if actions is not None:
-        try:
-            overrides["TUNEUP_ACTIONS"] = ",".join(parse_actions(actions))
-        except ValueError as exc:
-            raise UserError(f"--actions: {exc}") from None
+    try:
+        overrides = run_environment(apply, actions)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     try:
         exec_script(target, list(ctx.args), module=module, env_overrides=overrides)
     except LaunchError as exc:

@@ -5,7 +5,17 @@
 Each rule lives in `rules/<area>.py`; `rule.py` defines what a rule and a finding are.
 """
 
-from .engine import Evaluation, evaluate
-from .rule import RULES, Evidence, Facts, Finding, Missing, Rule
+from typing import Any
 
 __all__ = ["RULES", "Evaluation", "Evidence", "Facts", "Finding", "Missing", "Rule", "evaluate"]
+_HOMES = {"Evaluation": "engine", "evaluate": "engine"}
+
+
+def __getattr__(name: str) -> Any:
+    """The names above, imported on first use: a live agent loads the rules on its background
+    thread, not inside attach()."""
+    if name not in __all__:
+        raise AttributeError(f"module 'tuneup.diagnose' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f".{_HOMES.get(name, 'rule')}", __name__), name)

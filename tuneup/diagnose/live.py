@@ -14,7 +14,6 @@ import time
 from typing import Any, Callable
 
 from ..measure.ranks import RankExchange, compact
-from .engine import evaluate
 
 FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
 RANKS_WAIT = 2.0  # seconds detach waits for one store operation
@@ -41,6 +40,8 @@ class LiveDiagnosis:
     def run(self, snapshot: dict[str, Any] | None = None, final: bool = False) -> None:
         """Run the rules over the history; log what changed. In a distributed job, publish this
         rank's summary for the others; rank 0 reads theirs."""
+        from .engine import evaluate  # the rules: loaded at the first evaluation, not at attach
+
         ranks, state = self.ranks, self.state
         try:
             if snapshot is None:

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 
 HEARTBEAT = 10.0  # seconds between the agent's refreshes of its entry
 STALE = 3 * HEARTBEAT  # an entry from another PID namespace not refreshed for this long is dead
@@ -83,6 +82,8 @@ def withdraw(path: Path | None) -> None:
 
 
 def _alive(pid: int, started: float | None) -> bool:
+    import psutil  # here, not at import: attach() never needs it
+
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:

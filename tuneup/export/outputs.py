@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 from ..options import Options, agent_port, default_run_dir
 from . import discovery
-from .metrics import agent_registry
-from .push import Pusher
 from .runlog import RunLog, log_name
 from .server import AgentServer
 
@@ -32,16 +30,29 @@ class Outputs:
         self.run_log: RunLog | None = None
         self.run_dir: Path | None = None
         self.server: AgentServer | None = None
-        self.pusher: Pusher | None = None
+        self.pusher: Any = None  # push.Pusher
         self._announced: Path | None = None
         self._next_heartbeat = 0.0
         self._warnings_logged = 0
-        self.metrics = agent_registry(state, experimenter, warn)  # read at scrape time (endpoint, push gateway)
+        self._experimenter = experimenter
+        self._metrics: Any = None
+
+    @property
+    def metrics(self) -> Any:
+        """The Prometheus registry (export/metrics.py), built at the first scrape or push:
+        prometheus-client is not imported inside attach() when nobody asks."""
+        if self._metrics is None:
+            from .metrics import agent_registry
+
+            self._metrics = agent_registry(self.state, self._experimenter, self.warn)
+        return self._metrics
 
     def start(self) -> None:
         """Serve, push, open the run log (its header is the history's first event), announce."""
         self._serve()
         if self.options.push_gateway:
+            from .push import Pusher
+
             self.pusher = Pusher(self.options.push_gateway, self.options.push_job, self.metrics, self.state.rank,
                                  self.options.push_interval, self.warn)
             self.pusher.start()
@@ -56,7 +67,7 @@ class Outputs:
         port = agent_port(options, self.state.local_rank)
         # Scrapes closer together than the sampling interval would read the same totals: they
         # get the same rendering (at most 1 s old, so the process metrics stay current).
-        server = AgentServer(self.state.payload, self.metrics, fresh_for=min(options.interval, 1.0))
+        server = AgentServer(self.state.payload, lambda: self.metrics, fresh_for=min(options.interval, 1.0))
         try:
             note = server.start(options.host, port)
         except Exception as exc:

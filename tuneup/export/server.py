@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import errno
 import json
+import selectors
+import socket
 import socketserver
 import threading
 import time
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from .runlog import json_safe
 
@@ -30,6 +30,7 @@ RunPayload = Callable[[], dict[str, Any]]
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    timeout = 0  # handle_request() is called once select() says a request is there
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -71,25 +72,45 @@ class HttpEndpoint:
             note = (f"port {port} on {host} is in use (another job?); serving on port "
                     f"{self._server.server_port} instead (set TUNEUP_PORT to choose one)")
         self.url = f"http://{_url_host(host)}:{self._server.server_port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, args=(self._server, self._wake_read),
                                         name="tuneup-http", daemon=True)
         self._thread.start()
         return note
+
+    @staticmethod
+    def _serve(server: _ThreadingServer, wake: socket.socket) -> None:
+        """Answer requests until `wake` becomes readable. Unlike serve_forever, which polls
+        (and so makes stop() wait up to a poll interval, and wakes the process 20 times a
+        second), this sleeps in select() until a request or the stop comes."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(server, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is wake:
+                        return
+                    server.handle_request()  # ready: it accepts without waiting (timeout 0)
 
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is None:
             return
-        server.shutdown()
+        self._wake_write.send(b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
         server.server_close()
+        self._wake_read.close()
+        self._wake_write.close()
 
     def forget_in_child(self) -> None:
-        """In a forked child: close the inherited listening socket, touch nothing else."""
+        """In a forked child: close the inherited sockets, touch nothing else."""
         if self._server is not None:
-            try:
-                self._server.socket.close()
-            except OSError:
-                pass
+            for sock in (self._server.socket, self._wake_read, self._wake_write):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
             self._server = None
 
 
@@ -149,10 +170,22 @@ ANSWER_GAP = 0.05
 class AgentServer(HttpEndpoint):
     """Serves one agent."""
 
-    def __init__(self, run_payload: RunPayload, registry: CollectorRegistry, fresh_for: float = 0.0) -> None:
+    def __init__(self, run_payload: RunPayload, registry: Callable[[], Any], fresh_for: float = 0.0) -> None:
+        """`registry()`: the Prometheus registry to serve, asked for at the first scrape (a job
+        nobody scrapes never imports prometheus-client's exposition)."""
         super().__init__(Throttled(self.route, ANSWER_GAP))
         self._run_payload = run_payload
-        self._metrics = CachedApp(make_wsgi_app(registry), fresh_for) if fresh_for > 0 else make_wsgi_app(registry)
+        self._registry = registry
+        self._fresh_for = fresh_for
+        self._metrics_app: Callable | None = None
+
+    def _metrics(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        if self._metrics_app is None:
+            from prometheus_client import make_wsgi_app
+
+            app = make_wsgi_app(self._registry())
+            self._metrics_app = CachedApp(app, self._fresh_for) if self._fresh_for > 0 else app
+        return self._metrics_app(environ, start_response)
 
     def route(self, environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")

@@ -28,7 +28,6 @@ from .device_values import DeviceValues, raw_item
 from .gpu import open_gpus
 from .gpu_time import CudaStepTimer
 from .habits import HabitsProbe
-from .host import HostProbe
 from .loader import LoaderProbe
 from .memory import allocator_stats
 from .model import ModelProbe
@@ -67,7 +66,7 @@ class Recorder:
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
         self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())
         self.calls = CallWatch(self.timeline, self.syncs)
-        self.host: HostProbe | None = None
+        self.host: Any = None  # host.HostProbe, made at the first sample (psutil: not inside attach())
         self.gpus = open_gpus(options.nvml_module, options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
         self.hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits, self.calls)
@@ -94,10 +93,6 @@ class Recorder:
         for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
             probe.install(patches)
         self.calls.install()
-        try:
-            self.host = HostProbe()
-        except Exception as exc:
-            self.slow_probe_failed("host", exc)
 
     def quiet(self) -> None:
         """Every hot probe off (detach, a start that failed, a forked child)."""
@@ -223,7 +218,7 @@ class Recorder:
         """One background tick: the closed steps drained, the slow probes sampled, the
         configuration read when it may have changed; each as an event."""
         interval = self.drain(final)
-        self.system = self.sample_system()
+        self.system = self.sample_system(final)
         seen = self._config_inputs()
         if final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1:
             self._config_seen = seen
@@ -295,9 +290,17 @@ class Recorder:
     def totals_summary(self) -> dict[str, Any]:
         return dict(self.totals.summary(), device_reads_dropped=self.values.dropped)
 
-    def sample_system(self) -> dict[str, Any]:
+    def sample_system(self, final: bool = False) -> dict[str, Any]:
+        """The slow probes' sample; `final` (detach): a host probe never started stays so."""
         system: dict[str, Any] = {"time": time.time()}
         on = self.slow_probes_on
+        if on["host"] and self.host is None and not final:
+            try:
+                from .host import HostProbe
+
+                self.host = HostProbe()
+            except Exception as exc:
+                self.slow_probe_failed("host", exc)
         if on["host"] and self.host is not None:
             try:
                 system["host"] = self.host.sample(self.loader.worker_pids())
