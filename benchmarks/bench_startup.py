@@ -8,8 +8,9 @@ tensors through a DataLoader with num_workers=0, AdamW, one torch thread, a loss
 the end). What `tuneup run` adds is the launcher process (its imports, then exec), attach()
 at start-up in the exec'd interpreter, the measured steps, and detach() at exit.
 
-(b) In a fresh process that has imported torch (as a job has when it calls attach()):
-`import tuneup`, `tuneup.attach()` and `agent.detach()`, each timed with time.perf_counter by
+(b) In a fresh process that has imported torch and built its model, optimizer and
+DataLoader (as a job has when it calls attach()): `import tuneup`, `tuneup.attach()` and
+`agent.detach()`, each timed with time.perf_counter by
 the child itself and printed as JSON; also the time the interpreter spent in full (gen-2)
 garbage collections during attach() (gc.callbacks), which imports can trigger.
 
@@ -59,7 +60,14 @@ SCRIPT = textwrap.dedent("""\
 ATTACH = textwrap.dedent("""\
     import gc, json, time
     import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
 
+    # What a script has done by the time it calls attach(): its model, optimizer and loader built.
+    data = TensorDataset(torch.randn(2048, 64), torch.randn(2048, 1))
+    loader = DataLoader(data, batch_size=64, shuffle=True, num_workers=0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     collecting = []
 
     def watch(phase, info):
@@ -160,7 +168,7 @@ def main() -> None:
     print("  whole process, wall time (S: a short training script)")
     for name in ("python S", "python -m tuneup run S"):
         print(row(name, results[name], None if name == "python S" else base, "s"))
-    print("  in a process that imported torch (time.perf_counter in the child)")
+    print("  in a process that built its model, optimizer and loader (time.perf_counter in the child)")
     for name in results["in-process"][0]:
         print(row(name, [figures[name] for figures in results["in-process"]], None, "ms"))
 

@@ -8,7 +8,7 @@ Each rule lives in `rules/<area>.py`; `rule.py` defines what a rule and a findin
 from typing import Any
 
 __all__ = ["RULES", "Evaluation", "Evidence", "Facts", "Finding", "Missing", "Rule", "evaluate"]
-_HOMES = {"Evaluation": "engine", "evaluate": "engine"}
+_HOMES = ("Evaluation", "evaluate")
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,6 @@ def __getattr__(name: str) -> Any:
     thread, not inside attach()."""
     if name not in __all__:
         raise AttributeError(f"module 'tuneup.diagnose' has no attribute {name!r}")
-    from importlib import import_module
+    from . import engine, rule  # the engine imports rules/, which fills RULES
 
-    return getattr(import_module(f".{_HOMES.get(name, 'rule')}", __name__), name)
+    return getattr(engine if name in _HOMES else rule, name)
