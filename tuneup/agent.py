@@ -1,6 +1,5 @@
-"""The agent: the composition root and public face of one job's tuneup.
-
-It builds the rooms and wires them; each does one job:
+"""The agent: the composition root and public face of one job's tuneup. It builds the rooms,
+each with one job, and wires them:
 
     measure/recorder.py   the probes on the training thread → ring → drains, samplers, config
     measure/state.py      the read model: what snapshot(), /metrics, /api/run and reports read
@@ -9,20 +8,16 @@ It builds the rooms and wires them; each does one job:
     export/outputs.py     history + run log, the loopback endpoint, Pushgateway, discovery
 
 The background thread ticks once per `interval`: the recorder samples (its events go to the
-outputs), the outputs log warnings and beat, the rules run when due, apply mode's records are
-logged.
+outputs), the outputs log warnings and beat, the rules run when due, apply mode's records
+are logged.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
-
-import torch
 
 from ._patching import PatchSet
 from .diagnose.live import LiveDiagnosis
@@ -64,13 +59,9 @@ class Agent:
         self.state.recorder = self.recorder
         self.experimenter: Experimenter | None = None
         if options.mode == "apply":
-            from .act import Experimenter, LiveJob
-            from .act.actions import ACTIONS
+            from .act import Experimenter
 
-            r = self.recorder
-            self.job = LiveJob(r.timeline, r.loader, r.optimizer, r.model, r.scaler)
-            allowed = options.actions if options.actions is not None else tuple(ACTIONS)
-            self.experimenter = Experimenter(self.job, [ACTIONS[name]() for name in ACTIONS if name in allowed], warn)
+            self.experimenter = Experimenter.on_probes(self.recorder, options.actions, warn)
             self.recorder.experimenter = self.state.experimenter = self.experimenter
         self.diagnosis = LiveDiagnosis(self.state, options.silence, self._emit, warn, _print_ranks)
         self.outputs = Outputs(options, self.state, self.experimenter, warn)
@@ -109,7 +100,7 @@ class Agent:
             self.recorder.install(self._patches)
             if self.experimenter is not None:
                 self.experimenter.install(self._patches)
-            self._guard_destroy_process_group()
+            self.diagnosis.guard_destroy(self._patches, self._final_exchange)
             self.outputs.start()
             self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
             self._thread.start()
@@ -158,16 +149,7 @@ class Agent:
         with one warning."""
         if not self.enabled:
             return {"enabled": False, "reason": self.inert_reason, "run": self.run_info}
-        if not self.state.lock.acquire(timeout=LOCK_TIMEOUT):
-            return {"enabled": True, "run": self.run_info, "error": "the background sampler is busy"}
-        try:
-            self.recorder.catch_up(refresh_config=not self.attached)
-            return self.state.snapshot()
-        except Exception as exc:
-            self.state.warn("snapshot", f"snapshot failed: {type(exc).__name__}: {exc}")
-            return {"enabled": True, "run": self.run_info, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            self.state.lock.release()
+        return self.state.snapshot(refresh_config=not self.attached)
 
     def findings(self) -> list[dict[str, Any]]:
         """The current findings, ranked by estimated gain (the rules run every few seconds
@@ -252,12 +234,6 @@ class Agent:
     def _emit(self, event: dict[str, Any]) -> None:
         self.outputs.emit(event)
 
-    def _publish_findings(self, found: list[dict[str, Any]]) -> None:
-        """Apply mode's view of the latest findings, host sample and configuration."""
-        job = self.job
-        job.findings = {f["rule"]: f for f in found}
-        job.system, job.config = self.recorder.system or {}, self.recorder.config or {}
-
     def _probe_failed(self, name: str, exc: BaseException) -> None:
         self.recorder.probe_failed(name)
         if self.experimenter is not None and name in GUARDING_PROBES:
@@ -290,35 +266,19 @@ class Agent:
             if self.diagnosis.due(self._ticks, final, experimenter is not None and experimenter.accepting):
                 self.diagnosis.run()
             if experimenter is not None:
-                self._publish_findings(self.state.findings())
+                experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)
                 for record in experimenter.drain():
                     self._emit({"event": "action", **record})
 
-    def _guard_destroy_process_group(self) -> None:
-        """torch.distributed.destroy_process_group takes the store with it: exchange the final
-        summaries first (the default group only)."""
-        if not torch.distributed.is_available():
-            return
-        from torch.distributed import distributed_c10d
-
-        for owner in (torch.distributed, distributed_c10d):
-            self._patches.replace(owner, "destroy_process_group", self._before_destroy)
-
-    def _before_destroy(self, original: Any) -> Any:
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            if not args and kwargs.get("group") is None and self.attached:
-                try:
-                    if self.state.lock.acquire(timeout=LOCK_TIMEOUT):
-                        try:
-                            self._tick()  # the steps so far reach the history (and the run log) first
-                            self.diagnosis.finish()
-                        finally:
-                            self.state.lock.release()
-                except Exception as exc:
-                    self.state.warn("ranks", f"the final cross-rank summary failed: {type(exc).__name__}: {exc}")
-            return original(*args, **kwargs)
-
-        return destroy_process_group
+    def _final_exchange(self) -> None:
+        """Before the job destroys its process group: the steps so far into the history, then
+        the final cross-rank summaries (diagnose/live.py guards destroy_process_group)."""
+        if self.attached and self.state.lock.acquire(timeout=LOCK_TIMEOUT):
+            try:
+                self._tick()
+                self.diagnosis.finish()
+            finally:
+                self.state.lock.release()
 
     def _detach(self) -> None:
         atexit.unregister(self.detach)
@@ -339,18 +299,14 @@ class Agent:
         try:
             self._tick(final=True)
             self.diagnosis.finish()
-            r = self.recorder
-            self._emit({"event": "end", "time": time.time(), "totals": r.totals_summary(),
-                        "syncs": r.syncs.summary(), "scaler": r.scaler.summary(), "habits": r.habits_summary(),
-                        "warnings": self.state.warnings})
+            self._emit(self.recorder.end_event(self.state.warnings))
         finally:
             self.state.lock.release()
             self.recorder.close()
             self.outputs.stop()
 
 
-def _print_ranks(everyone: list[dict[str, Any]], world_size: int, findings: list[dict[str, Any]],
-                 run_dir: str | None) -> None:
-    from .report.ranks import rank_summary
+def _print_ranks(*args: Any) -> None:
+    from .report.ranks import print_rank_summary  # imported at the run's end, not inside attach()
 
-    sys.stderr.write(rank_summary(everyone, world_size, findings, run_dir) + "\n")
+    print_rank_summary(*args)

@@ -15,11 +15,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from ._warning import TuneupWarning
+
 MODES = ("advise", "apply")
-
-
-class TuneupWarning(UserWarning):
-    """Every warning the agent emits has this category, so users can filter them."""
 
 
 def _parse_bool(text: str) -> bool:

@@ -89,6 +89,23 @@ class Experimenter:
         self._undone = 0
         self._revert_request: tuple[str, threading.Event] | None = None
 
+    @classmethod
+    def on_probes(cls, recorder: Any, allowed: tuple[str, ...] | None, warn: Callable[[str, str], None]) -> "Experimenter":
+        """Apply mode over a recorder's probes (measure/recorder.py), with the actions
+        `allowed` (None: all of them)."""
+        from .actions import ACTIONS
+
+        job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler)
+        ids = allowed if allowed is not None else tuple(ACTIONS)
+        return cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
+
+    def publish(self, findings: list[dict[str, Any]], system: dict[str, Any] | None,
+                config: dict[str, Any] | None) -> None:
+        """The background thread's latest findings, host sample and configuration, which the
+        actions' propose() reads."""
+        self.job.findings = {finding["rule"]: finding for finding in findings}
+        self.job.system, self.job.config = system or {}, config or {}
+
     def install(self, patches: PatchSet) -> None:
         """The step hooks that run the changes' guards (see LiveJob.add_guard)."""
         job = self.job

@@ -31,6 +31,29 @@ class LiveDiagnosis:
         self._logged: tuple = ()
         self._finished = False
 
+    def guard_destroy(self, patches: Any, before: Callable[[], None]) -> None:
+        """torch.distributed.destroy_process_group takes the store with it: `before()` (the
+        final exchange) runs first, for the default group only; its failure is one warning."""
+        import torch
+
+        if not torch.distributed.is_available():
+            return
+        from torch.distributed import distributed_c10d
+
+        def guarded(original: Any) -> Any:
+            def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+                if not args and kwargs.get("group") is None:
+                    try:
+                        before()
+                    except Exception as exc:
+                        self.warn("ranks", f"the final cross-rank summary failed: {type(exc).__name__}: {exc}")
+                return original(*args, **kwargs)
+
+            return destroy_process_group
+
+        for owner in (torch.distributed, distributed_c10d):
+            patches.replace(owner, "destroy_process_group", guarded)
+
     @staticmethod
     def due(tick: int, final: bool, eager: bool) -> bool:
         """Whether this tick runs the rules; `eager`: apply mode may still act, so it wants

@@ -287,6 +287,11 @@ class Recorder:
     def habits_summary(self) -> dict[str, Any]:
         return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad)
 
+    def end_event(self, warnings: list[dict[str, Any]]) -> dict[str, Any]:
+        """The run log's last event: the run's totals and cumulative sections."""
+        return {"event": "end", "time": time.time(), "totals": self.totals_summary(), "syncs": self.syncs.summary(),
+                "scaler": self.scaler.summary(), "habits": self.habits_summary(), "warnings": warnings}
+
     def totals_summary(self) -> dict[str, Any]:
         return dict(self.totals.summary(), device_reads_dropped=self.values.dropped)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..options import TuneupWarning
+from .._warning import TuneupWarning
 from .history import RunHistory
 
 MAX_WARNINGS = 50
@@ -128,9 +128,22 @@ class RunState:
     def probe_states(self) -> dict[str, str]:
         return self.recorder.probe_states(self.warned)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything measured so far, as plain data (see the module docstring). The caller
-        holds `lock` and has drained the closed steps into the history."""
+    def snapshot(self, refresh_config: bool = False) -> dict[str, Any]:
+        """Everything measured so far, as plain data (see the module docstring), the closed
+        steps drained into the history first. Never raises: a failure inside tuneup comes
+        back as {"error": ...} with one warning."""
+        if not self.lock.acquire(timeout=LOCK_TIMEOUT):
+            return {"enabled": True, "run": self.run_info, "error": "the background sampler is busy"}
+        try:
+            self.recorder.catch_up(refresh_config)
+            return self._snapshot()
+        except Exception as exc:
+            self.warn("snapshot", f"snapshot failed: {type(exc).__name__}: {exc}")
+            return {"enabled": True, "run": self.run_info, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self.lock.release()
+
+    def _snapshot(self) -> dict[str, Any]:
         recorder = self.recorder
         window = recorder.window(self.window_steps)
         out = self.history.snapshot(self.window_steps, window=window)

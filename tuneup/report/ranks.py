@@ -3,6 +3,8 @@ it is printed while the job exits, beside the job's own output)."""
 
 from __future__ import annotations
 
+import sys
+
 import time
 from typing import Any
 
@@ -39,3 +41,9 @@ def rank_summary(summaries: list[dict[str, Any]], world_size: int, findings: lis
     else:
         lines.append("  no straggler: every rank's time outside the all-reduce is within 15% of the median rank's")
     return "\n".join(lines)
+
+
+def print_rank_summary(summaries: list[dict[str, Any]], world_size: int, findings: list[dict[str, Any]],
+                       run_dir: str | None = None) -> None:
+    """The table on rank 0's stderr at the end of a distributed run."""
+    sys.stderr.write(rank_summary(summaries, world_size, findings, run_dir) + "\n")
