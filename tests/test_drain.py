@@ -74,3 +74,21 @@ def test_a_loss_spike_counts_wherever_the_intervals_are_cut(run_dir):
             agent._tick()  # an interval of (about) one step each
     spikes = sum((interval.get("loss") or {}).get("spikes", 0) for interval in agent.state.history.intervals)
     assert spikes == 1
+
+
+def test_steps_a_snapshot_drains_reach_the_history_and_the_run_log(run_dir):
+    """snapshot() drains the closed steps; they must reach the history and the run log like
+    the background thread's drains (they used to count in the totals only)."""
+    import json
+
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:  # no background drain while it trains
+        train(loader_for(SlowDataset(size=512)), model, optimizer, steps=20)
+        assert agent.snapshot()["totals"]["steps"] == 19  # the 20th step is still open
+        assert agent.state.history.steps == 19
+        train(loader_for(SlowDataset(size=512)), model, optimizer, steps=10)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    logged = [event for event in events if event["event"] == "steps"]
+    assert sum(event["steps"] for event in logged) == 30 == agent.snapshot()["totals"]["steps"]
+    assert [(e["first_step"], e["last_step"]) for e in logged][0] == (1, 19)

@@ -119,3 +119,27 @@ def test_real_nvml_samples_this_gpu():
     # In a container the driver may list this process under another pid: 0, but never None.
     assert all(isinstance(s["process_memory_bytes"], int) for s in gpus.sample())
     del x
+
+
+def test_the_agents_snapshot_is_the_rules_input_gpu_history_included(run_dir):
+    """One definition of the snapshot: evaluate(agent.snapshot()) checks the GPU rules with the
+    NVML history (it used to carry no gpu_history, and the GPU rules were silently skipped)."""
+    from tuneup.diagnose import evaluate
+
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, nvml_module=FAKE, interval=0.05) as agent:
+        train(loader_for(SlowDataset(size=512)), model, optimizer, steps=30)
+        agent._tick()  # a system sample inside the window, whatever the machine's speed
+        live = agent.snapshot()
+    devices = live["gpu_history"]["devices"]
+    assert [device["gpu"] for device in devices] == [0, 1]  # the fake driver's two GPUs
+    assert devices[0]["utilization_ratio"] == pytest.approx(0.37)
+    from tuneup.diagnose.rule import Facts
+
+    assert Facts(live, ()).gpus == devices  # the GPU rules' input: present, not Missing
+    from_history = agent.state.history.snapshot(agent.options.window_steps)
+    # The same GPUs and figures as the history's snapshot (its window is whole intervals, the
+    # live one the exact last steps: they may hold a sample more or less).
+    assert [device["gpu"] for device in from_history["gpu_history"]["devices"]] == [0, 1]
+    assert {f.rule for f in evaluate(live).findings} == {f.rule for f in evaluate(from_history).findings}

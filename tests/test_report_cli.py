@@ -176,6 +176,22 @@ def test_run_with_a_missing_script_or_a_raising_one(tmp_path):
     assert coded.returncode == 7
 
 
+def test_run_passes_everything_after_the_script_to_it(tmp_path):
+    """tuneup's options go before the script; after it, even `--apply`, `-m` and `--help` are the
+    script's own (the launcher parses `run` itself, without the full command line)."""
+    script = tmp_path / "args.py"
+    script.write_text("import json, os, sys\nprint(json.dumps([sys.argv[1:], os.environ.get('TUNEUP_MODE')]))\n")
+    env = env_for(tmp_path / "run")
+    for launcher in ([sys.executable, "-m", "tuneup"], [str(Path(sys.executable).parent / "tuneup")]):
+        result = subprocess.run([*launcher, "run", str(script), "--apply", "-m", "x", "--help"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.splitlines()[-1]) == [["--apply", "-m", "x", "--help"], None]
+        applied = subprocess.run([*launcher, "run", "--apply", "--actions=amp", str(script), "--lr", "1"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert json.loads(applied.stdout.splitlines()[-1]) == [["--lr", "1"], "apply"]  # before the script: tuneup's
+
+
 def test_a_live_job_answers_report_and_watch(tmp_path):
     script = write_job(tmp_path, "import tuneup; tuneup.attach()")
     run_dir, stop = tmp_path / "run", tmp_path / "stop"
