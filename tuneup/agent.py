@@ -55,7 +55,8 @@ class Agent:
     def _build(self, kinds: dict[str, list[Any]]) -> None:
         options, warn = self.options, self.state.warn
         self._patches = PatchSet()
-        self.recorder = Recorder(options, kinds, warn, self._probe_failed, self._emit)
+        self.outputs = Outputs(options, self.state, warn)
+        self.recorder = Recorder(options, kinds, warn, self._probe_failed, self.outputs.emit)
         self.state.recorder = self.recorder
         self.experimenter: Experimenter | None = None
         if options.mode == "apply":
@@ -63,18 +64,12 @@ class Agent:
 
             self.experimenter = Experimenter.on_probes(self.recorder, options.actions, warn)
             self.recorder.experimenter = self.state.experimenter = self.experimenter
-        self.diagnosis = LiveDiagnosis(self.state, options.silence, self._emit, warn, _print_ranks)
-        self.outputs = Outputs(options, self.state, self.experimenter, warn)
+        self.diagnosis = LiveDiagnosis(self.state, options.silence, self.outputs.emit, warn, _print_ranks)
 
     # --- public face ---------------------------------------------------------------------
 
-    @property
-    def attached(self) -> bool:
-        return self.state.attached
-
-    @property
-    def warnings(self) -> list[dict[str, Any]]:
-        return self.state.warnings
+    attached = property(lambda self: self.state.attached)
+    warnings = property(lambda self: self.state.warnings)
 
     @property
     def server(self) -> Any:
@@ -168,11 +163,8 @@ class Agent:
     def revert_all(self) -> int:
         """Undo every change apply mode made (newest first) and make no more; returns how many
         were undone. DataLoader settings switch back at the loop's next batch. Never raises."""
-        experimenter = self.experimenter if self.enabled else None
-        if experimenter is None:
-            return 0
         try:
-            return experimenter.revert_all()
+            return self.experimenter.revert_all() if self.enabled and self.experimenter is not None else 0
         except Exception as exc:
             self.state.warn("apply", f"revert_all could not finish: {type(exc).__name__}: {exc}")
             return 0
@@ -206,9 +198,8 @@ class Agent:
                 self._on_detach(self)
 
     def forked(self) -> None:
-        """In a forked child (DataLoader worker): go quiet, touch nothing shared. The
-        inherited Event and lock may have been held by the sampler thread at the fork:
-        replace them rather than use them."""
+        """In a forked child (DataLoader worker): go quiet, touch nothing shared; the inherited
+        event and lock may have been held at the fork, so they are replaced."""
         self._stop = threading.Event()
         self.state.forked()
         if self.enabled:
@@ -230,9 +221,6 @@ class Agent:
         return f"<tuneup.Agent {state} mode={self.options.mode} steps={self.recorder.timeline.ring.count}>"
 
     # --- wiring --------------------------------------------------------------------------
-
-    def _emit(self, event: dict[str, Any]) -> None:
-        self.outputs.emit(event)
 
     def _probe_failed(self, name: str, exc: BaseException) -> None:
         self.recorder.probe_failed(name)
@@ -268,7 +256,7 @@ class Agent:
             if experimenter is not None:
                 experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)
                 for record in experimenter.drain():
-                    self._emit({"event": "action", **record})
+                    self.outputs.emit({"event": "action", **record})
 
     def _final_exchange(self) -> None:
         """Before the job destroys its process group: the steps so far into the history, then
@@ -299,7 +287,7 @@ class Agent:
         try:
             self._tick(final=True)
             self.diagnosis.finish()
-            self._emit(self.recorder.end_event(self.state.warnings))
+            self.outputs.emit(self.recorder.end_event(self.state.warnings))
         finally:
             self.state.lock.release()
             self.recorder.close()

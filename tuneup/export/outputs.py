@@ -23,7 +23,7 @@ Warn = Callable[[str, str], None]
 class Outputs:
     """The outputs of one agent; `state` is the read model (measure/state.py) they export."""
 
-    def __init__(self, options: Options, state: Any, experimenter: Any, warn: Warn) -> None:
+    def __init__(self, options: Options, state: Any, warn: Warn) -> None:
         self.options = options
         self.state = state
         self.warn = warn
@@ -34,7 +34,6 @@ class Outputs:
         self._announced: Path | None = None
         self._next_heartbeat = 0.0
         self._warnings_logged = 0
-        self._experimenter = experimenter
         self._metrics: Any = None
 
     @property
@@ -44,7 +43,7 @@ class Outputs:
         if self._metrics is None:
             from .metrics import agent_registry
 
-            self._metrics = agent_registry(self.state, self._experimenter, self.warn)
+            self._metrics = agent_registry(self.state, self.state.experimenter, self.warn)
         return self._metrics
 
     def start(self) -> None:
