@@ -176,9 +176,15 @@ class Experimenter:
         last = step - 1
         if last - self.stable_since + 1 < MIN_WINDOW or step < self._next_look:
             return
+        # The usual case, checked first and cheaply (it runs at every detail step's close): no
+        # action in the middle of a sequence and no finding any action fixes.
+        findings = self.job.findings
+        if not any(action.busy or (not action.done and not findings.keys().isdisjoint(action.fixes))
+                   for action in self.actions):
+            return
         waiting = [action for action in self._ordered() if action.busy or self.job.finding(*action.fixes)]
         if not waiting:
-            return  # the usual case: nothing to act on, and nothing computed to find that out
+            return
         self._next_look = step + LOOK_EVERY_STEPS  # if nothing starts now
         ring = self.job.timeline.ring
         recent = summarize(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last))
@@ -279,6 +285,9 @@ class Experimenter:
         self.stable_since = step + 1 + change.settle_steps
 
     def _plan(self, step: int) -> None:
+        if not self.applied and self.trial is None:
+            self.wake_at = NEVER  # nothing in effect: the detail steps' closes are enough
+            return
         guarded = [record["applied_step"] + change.guard_steps for change, _, record in self.applied]
         if any(step < end for end in guarded):
             self.wake_at = step + 1
