@@ -87,10 +87,16 @@ class LiveDiagnosis:
         """The end of a distributed run: publish this rank's final summary; rank 0 waits a few
         seconds for the others' (no collective: the store), evaluates the rules across every
         rank once more, logs the ranks and prints the table."""
-        ranks, state = self.ranks, self.state
-        if self._finished or not ranks.active:
+        if self._finished or not self.ranks.active:
             return
         self._finished = True
+        try:
+            self._finish()
+        finally:
+            self.ranks.close()
+
+    def _finish(self) -> None:
+        ranks, state = self.ranks, self.state
         snapshot = state.history.snapshot(state.window_steps)
         store_up = ranks.group_alive()  # the job may have destroyed its process group already
         if store_up:

@@ -135,7 +135,15 @@ class RankExchange:
         """The other ranks' summaries in the shape the rules read (run, window)."""
         return [dict(summary) for _, summary in sorted(self.peers.items())]
 
-    def close(self) -> None:
-        if self._thread is not None:
+    def close(self, wait: float = 1.0) -> None:
+        """Stop the worker and let go of the store: the job's process group owns it, and a
+        reference held past destroy_process_group keeps it alive into interpreter exit."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._work.put((None, threading.Event()))
-            self._thread = None
+            if thread is not threading.current_thread():
+                thread.join(wait)
+            if thread.is_alive():
+                return  # still inside a store call: it keeps the store until it returns
+        self.store = None
+        self.on = False
