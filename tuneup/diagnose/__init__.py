@@ -8,7 +8,7 @@ Each rule lives in `rules/<area>.py`; `rule.py` defines what a rule and a findin
 from typing import Any
 
 __all__ = ["RULES", "Evaluation", "Evidence", "Facts", "Finding", "Missing", "Rule", "evaluate"]
-_HOMES = ("Evaluation", "evaluate")
+_IN_ENGINE = ("Evaluation", "evaluate")
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,4 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'tuneup.diagnose' has no attribute {name!r}")
     from . import engine, rule  # the engine imports rules/, which fills RULES
 
-    return getattr(engine if name in _HOMES else rule, name)
+    return getattr(engine if name in _IN_ENGINE else rule, name)
