@@ -27,7 +27,7 @@ from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_s
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
 from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
-from tuneup.measure.hotpath import StepTimeline
+from tuneup.measure.hotpath import StepTimeline, optimizer_hooks
 from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, spikes, summarize
 
 NAN, INF = math.nan, math.inf
@@ -865,11 +865,33 @@ def fetch(tl, began, ended, samples=8):
     tl.data_wait += ended - began
 
 
+class HookProbe:
+    """What the optimizer hooks (hotpath.optimizer_hooks) need of OptimizerProbe; its clock
+    reads `now`."""
+
+    def __init__(self, tl):
+        self.timeline, self.now, self.measured, self.total_steps = tl, 0.0, set(), 0
+        self.guard_before = self.guard_after = None
+
+    def clock(self):
+        return self.now
+
+    def admit(self, optimizer):
+        self.measured.add(id(optimizer))
+        return True
+
+    def fail(self, exc):
+        raise exc
+
+
 def optimizer_step(tl, optimizer, began, ended):
-    """What the optimizer's pre- and post-hooks do (optimizer.py)."""
-    tl.moved_on(began, id(optimizer))
-    tl.optimizer_start = began
-    tl.optimizer_end(optimizer, ended)
+    """optimizer.step() from `began` to `ended`, through the real pre- and post-hooks."""
+    probe = HookProbe(tl)
+    pre, post = optimizer_hooks(probe)
+    probe.now = began
+    pre(optimizer, (), {})
+    probe.now = ended
+    post(optimizer, (), {})
 
 
 def timeline(capacity=16):

@@ -156,3 +156,59 @@ def test_the_split_survives_the_job_dropping_its_model(run_dir):
     window = agent.snapshot()["window"]
     assert window["forward_seconds"]["median"] > 0
     assert window["other_seconds"] is not None
+
+
+def test_evaluation_forwards_with_grad_are_counted_between_detail_steps(run_dir):
+    # The forward wrapper skips training forwards off detail steps; a model in eval() mode
+    # must still reach it on every step. Ground truth from the loop: 40 training steps, after
+    # steps 3, 6, ..., 39 (13 of them, most of them not detail steps) 2 eval forwards with
+    # autograd recording, and 2 more under no_grad (not counted).
+    model = mlp(features=16, hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    with tuneup.attach(run_dir=run_dir, detail_every=4) as agent:
+        for step in range(1, 41):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if step % 3 == 0:
+                model.eval()
+                model(x)
+                model(x)
+                with torch.no_grad():
+                    model(x)
+                    model(x)
+                model.train()
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 40
+    assert snapshot["habits"]["eval_forwards_with_grad"] == 2 * 13
+
+
+def test_a_guard_that_raises_never_reaches_the_optimizer_step(run_dir):
+    # Apply mode's guards run from the optimizer probe's step hooks only while a change has
+    # one; one that raises turns apply mode off (one warning), and the job's steps go on.
+    model = mlp(features=16, hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    calls = []
+
+    def guard(opt):
+        calls.append(opt)
+        raise RuntimeError("a broken guard")
+
+    with pytest.warns(tuneup.TuneupWarning, match="apply mode turned off"):
+        with tuneup.attach(run_dir=run_dir, mode="apply", serve=False) as agent:
+            probe = agent.recorder.optimizer
+            assert probe.guard_before is None and probe.guard_after is None  # nothing applied: no guard work
+            for step in range(1, 21):
+                if step == 5:
+                    agent.experimenter.job.add_guard(guard)
+                    assert probe.guard_before is not None and probe.guard_after is None
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+            agent.experimenter.job.remove_guard(guard)
+            assert probe.guard_before is None
+    assert calls and calls[0] is optimizer
+    assert agent.snapshot()["totals"]["steps"] == 20
+    assert not agent.experimenter.on

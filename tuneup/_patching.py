@@ -54,9 +54,19 @@ def measured(*args, **kwargs):
                 _tuneup_quiet(_tuneup_prior)
 """
 
+# Gates for measured(gate=...): calls it skips (straight to the original) without calling
+# `before`, for wrappers called on every step: an attribute test or two on the steps they do
+# not measure, where is_compiling() and the call of `before` cost several times as much.
+# Either way nothing of tuneup's is read while dynamo traces the wrapper (it would guard on it
+# and recompile whenever it flips): the gate first only where dynamo never traces the
+# wrapper (its file is one dynamo skips: Tensor.backward, Optimizer.zero_grad).
+OFF_DETAIL = "not _tuneup_gate.detail or _tuneup_is_compiling()"
+TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.detail and args[0].training)"  # a module's forward
+
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
-             failed: Callable[[BaseException], None], *, home: type | None = None) -> types.FunctionType:
+             failed: Callable[[BaseException], None], *, home: type | None = None, gate: Any = None,
+             skip: str = OFF_DETAIL) -> types.FunctionType:
     """`original`, posing as itself (posing_as), with `before(args, kwargs)` run ahead of each
     call and, where it returned a token other than None, `after(token, result, args, kwargs)`
     once the call returned (result None if it raised). An exception either raises goes to
@@ -67,12 +77,18 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     with dynamo's frame callback off, as torch._dynamo.disable does it
     (torch/_dynamo/eval_frame.py: `set_eval_frame(None)`): inside a compiled function's eager
     parts (after a graph break) dynamo would otherwise compile tuneup's bookkeeping frames as
-    the job's own: extra graphs and graph breaks."""
+    the job's own: extra graphs and graph breaks.
+
+    With a `gate` (an object with a `detail` flag, the StepTimeline), calls are skipped as
+    `skip` says: OFF_DETAIL or TRAINING_OFF_DETAIL (see there)."""
     import torch
 
-    return posing_as(original, _MEASURED, home=home, _tuneup_original=original, _tuneup_before=before,
-                     _tuneup_after=after, _tuneup_failed=failed, _tuneup_is_compiling=torch.compiler.is_compiling,
-                     _tuneup_quiet=quiet_dynamo)
+    bindings = dict(_tuneup_original=original, _tuneup_before=before, _tuneup_after=after, _tuneup_failed=failed,
+                    _tuneup_is_compiling=torch.compiler.is_compiling, _tuneup_quiet=quiet_dynamo)
+    if gate is None:
+        return posing_as(original, _MEASURED, home=home, **bindings)
+    template = _MEASURED.replace("    if _tuneup_is_compiling():", f"    if {skip}:", 1)
+    return posing_as(original, template, home=home, _tuneup_gate=gate, **bindings)
 
 
 def posing_as(original: Any, template: str, *, home: type | None = None, **bindings: Any) -> types.FunctionType:

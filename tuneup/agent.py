@@ -71,20 +71,8 @@ class Agent:
     attached = property(lambda self: self.state.attached)
     warnings = property(lambda self: self.state.warnings)
 
-    @property
-    def server(self) -> Any:
-        """The loopback endpoint (its `url`), or None."""
-        return self.outputs.server if self.enabled else None
-
-    @property
-    def run_dir(self) -> Any:
-        """Where the run log is written (a Path), or None."""
-        return self.outputs.run_dir if self.enabled else None
-
-    @staticmethod
-    def check_objects(objects: tuple[Any, ...]) -> None:
-        """Raise TypeError, with the fix, for an object attach() cannot measure."""
-        sort_objects(objects)
+    server = property(lambda self: self.outputs.server if self.enabled else None, doc="The loopback endpoint, or None.")
+    run_dir = property(lambda self: self.outputs.run_dir if self.enabled else None, doc="The run log's folder, or None.")
 
     def start(self) -> "Agent":
         """Install the probes and start sampling; on any failure undo all of it and raise."""
@@ -93,8 +81,6 @@ class Agent:
         self.state.attached = True
         try:
             self.recorder.install(self._patches)
-            if self.experimenter is not None:
-                self.experimenter.install(self._patches)
             self.diagnosis.guard_destroy(self._patches, self._final_exchange)
             self.outputs.start()
             self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)

@@ -44,22 +44,44 @@ class LiveJob:
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
     system: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
-    # Changes' guards around each optimizer step, fn(optimizer). The Experimenter's own step hooks
-    # call them: torch cannot take a hook added or removed while it runs the hooks, and a
-    # change may be applied or rolled back in the middle of an optimizer step.
+    # Changes' guards around each optimizer step, fn(optimizer), run from the optimizer probe's
+    # step hooks (hotpath.py) while any is in effect: torch cannot take a hook added or removed
+    # while it runs the hooks, and a change may be applied or rolled back in the middle of an
+    # optimizer step. A guard that raises goes to `guard_failed` (the Experimenter's _fail).
     before_update: tuple[Callable[[Any], None], ...] = ()
     after_update: tuple[Callable[[Any], None], ...] = ()
+    guard_failed: Callable[[BaseException], None] | None = None
     skipping: set[int] = field(default_factory=set)  # optimizers whose update a guard is skipping now
 
     def add_guard(self, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
         self.before_update = self.before_update + (before,)
         if after is not None:
             self.after_update = self.after_update + (after,)
+        self._wire_guards()
 
     def remove_guard(self, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
         self.before_update = tuple(guard for guard in self.before_update if guard != before)
         if after is not None:
             self.after_update = tuple(guard for guard in self.after_update if guard != after)
+        self._wire_guards()
+
+    def _wire_guards(self) -> None:
+        self.optimizers.guard_before = self._run_before_update if self.before_update else None
+        self.optimizers.guard_after = self._run_after_update if self.after_update else None
+
+    def _run_before_update(self, optimizer: Any) -> None:
+        self._run(self.before_update, optimizer)
+
+    def _run_after_update(self, optimizer: Any) -> None:
+        self._run(self.after_update, optimizer)
+
+    def _run(self, guards: tuple[Callable[[Any], None], ...], optimizer: Any) -> None:
+        for guard in guards:
+            try:
+                guard(optimizer)
+            except Exception as exc:  # never into the job's optimizer.step()
+                if self.guard_failed is not None:
+                    self.guard_failed(exc)
 
     def finding(self, *rules: str) -> dict[str, Any] | None:
         """The first of these rules' current findings, if any fires."""

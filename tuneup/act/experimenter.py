@@ -25,9 +25,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from torch.optim import optimizer as optimizer_hooks
-
-from .._patching import PatchSet
 from ..measure.history import WARMUP_STEPS
 from ..measure.windows import summarize
 from .action import Action, Change, LiveJob
@@ -88,6 +85,8 @@ class Experimenter:
         self.training_thread: int | None = None
         self._undone = 0
         self._revert_request: tuple[str, threading.Event] | None = None
+        self._worth_looking = False  # some action is busy or has a finding to fix (see publish)
+        job.guard_failed = self._fail
 
     @classmethod
     def on_probes(cls, recorder: Any, allowed: tuple[str, ...] | None, warn: Callable[[str, str], None]) -> "Experimenter":
@@ -105,34 +104,21 @@ class Experimenter:
         actions' propose() reads."""
         self.job.findings = {finding["rule"]: finding for finding in findings}
         self.job.system, self.job.config = system or {}, config or {}
+        self._worth_looking = self._anything_to_try()
 
-    def install(self, patches: PatchSet) -> None:
-        """The step hooks that run the changes' guards (see LiveJob.add_guard)."""
-        job = self.job
-
-        def before(optimizer: Any, args: Any, kwargs: Any) -> None:
-            for guard in job.before_update:
-                try:
-                    guard(optimizer)
-                except Exception as exc:  # never into the job's optimizer.step()
-                    self._fail(exc)
-
-        def after(optimizer: Any, args: Any, kwargs: Any) -> None:
-            for guard in job.after_update:
-                try:
-                    guard(optimizer)
-                except Exception as exc:
-                    self._fail(exc)
-
-        patches.add_handle(optimizer_hooks.register_optimizer_step_pre_hook(before))
-        patches.add_handle(optimizer_hooks.register_optimizer_step_post_hook(after))
+    def _anything_to_try(self) -> bool:
+        """Whether an action is in the middle of a sequence or has a finding to fix."""
+        findings = self.job.findings
+        return any(action.busy or (not action.done and not findings.keys().isdisjoint(action.fixes))
+                   for action in self.actions)
 
     # --- the training thread ---------------------------------------------------------
 
     def on_close(self, step: int) -> None:
         """At a step close; the ring holds the steps before `step`."""
-        if not self.on:
-            return
+        if not self.on or not (self.applied or self.trial is not None or self._revert_request is not None
+                               or self._worth_looking):
+            return  # idle: nothing in effect, nothing asked for, nothing worth trying
         self.training_thread = threading.get_ident()
         with self._lock:
             try:
@@ -176,11 +162,7 @@ class Experimenter:
         last = step - 1
         if last - self.stable_since + 1 < MIN_WINDOW or step < self._next_look:
             return
-        # The usual case, checked first and cheaply (it runs at every detail step's close): no
-        # action in the middle of a sequence and no finding any action fixes.
-        findings = self.job.findings
-        if not any(action.busy or (not action.done and not findings.keys().isdisjoint(action.fixes))
-                   for action in self.actions):
+        if not self._anything_to_try():
             return
         waiting = [action for action in self._ordered() if action.busy or self.job.finding(*action.fixes)]
         if not waiting:
@@ -228,7 +210,7 @@ class Experimenter:
                             step + change.settle_steps + window,
                             time.monotonic() + DEADLINE_FACTOR * max(expected, TRIAL_SECONDS))
         timeline = self.job.timeline
-        timeline.detail_until = max(timeline.detail_until, step + change.guard_steps)
+        timeline.detail_through(step + change.guard_steps)
         self._emit(record)
 
     def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:

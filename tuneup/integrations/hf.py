@@ -26,10 +26,10 @@ class TuneupTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
-        import tuneup
+        from ..session import attach, current
 
-        before = tuneup.current()
-        self.agent = tuneup.attach(**self.options)
+        before = current()
+        self.agent = attach((), self.options)
         self._started_here = before is None or not before.attached
         self.agent.focus(models=[model] if model is not None else [],
                          loaders=loaders_in(train_dataloader),

@@ -29,10 +29,10 @@ class TuneupCallback(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach before the fit loop starts iterating (it does so before on_train_start)."""
-        import tuneup
+        from ..session import attach, current
 
-        before = tuneup.current()
-        self.agent = tuneup.attach(**self.options)
+        before = current()
+        self.agent = attach((), self.options)
         self._started_here = before is None or not before.attached
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:

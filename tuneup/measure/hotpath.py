@@ -1,25 +1,34 @@
 """The hot path: everything tuneup runs on every training step, in one place.
 
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
-opt.step()` calls, in order (all of it together: about 44,000 instructions per step on the
-~0.4 ms CPU step, 5% of it, by benchmarks/bench_instructions.py; of those, the forward and
-backward wrappers about 11,000 and the detail steps' extra work about 6,000 a step):
+opt.step()` calls, in order (all of it together: about 39,000 instructions per step on the
+~0.4 ms CPU step, 4.5% of it, by benchmarks/bench_instructions.py; about 480 Python
+operations of tuneup's own, each costing 60-90 ns in place there):
 
-    next(it)           loader_next       clock x2, the step boundary, data wait, samples
-                        └ the boundary may close the previous step: StepTimeline.close
+    next(it)           loader_next       clock x2, data wait, samples; the step boundary
+                        └ when an optimizer stepped since the last fetch: StepTimeline.close
                           (one record tuple into the ring; its listeners only on detail
                           steps and on the steps they asked for through `wake_at`)
-    opt.zero_grad()    zero_grad_before/after   timed on detail steps only
-    model(x)           forward_before/after     the root class's forward, timed on detail steps
-    loss.backward()    backward_before/after    timed on detail steps (the loss kept for reading)
-    opt.step()         optimizer_pre/post       torch's global step hooks: the boundary rule
-                                                for loops without a fetch, optimizer time
+    opt.zero_grad()    zero_grad_before/after   Optimizer.zero_grad: one attribute test off
+                                                detail steps (Module.zero_grad: a call)
+    model(x)           forward_before/after     the root class's forward: is_compiling() and
+                                                two attribute tests off detail steps, unless
+                                                the module is in eval() mode
+    loss.backward()    backward_before/after    one attribute test off detail steps
+    opt.step()         optimizer_pre/post       torch's global step hooks: a set test and a
+                                                few counters; the boundary rule for loops
+                                                without a fetch; optimizer time on detail steps
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
-The step boundary is one rule, `StepTimeline.moved_on`. Every hook is a closure over its
-probe and the timeline (no bound-method or global lookups on the way), reads its clock
-through the probe (`probe.clock`, so a test can break one probe alone), and hands any error
-of its own to the probe's `fail` (one warning, the probe off), never to the job.
+On detail steps (the first five, then every `detail_every`th, and apply mode's guarded
+steps) the wrappers time the forward, backward, zero_grad and optimizer, and keep the loss
+for reading at the close.
+
+The step boundary is one rule, `StepTimeline.moved_on`; the hooks call it only when it has
+something to do. Every hook is a closure over its probe and the timeline (no bound-method or
+global lookups on the way), reads its clock through the probe (`probe.clock`, so a test can
+break one probe alone), and hands any error of its own to the probe's `fail` (one warning,
+the probe off), never to the job.
 
 Allocations per step: the wrappers' call tuples (args, and kwargs where given), one record
 tuple at the close; on detail steps the loss's detached tensor. Counters only grow (no
@@ -27,10 +36,8 @@ per-step reset): the background thread takes differences between consecutive rec
 (steps.py: StepRing.columns).
 
 Measured in place, every Python operation here costs several times its warm cost (torch
-evicts our code and data between hooks), so these functions do as little as they can: the
-forward/backward split, zero_grad time and the loss only on "detail" steps (the first five,
-then every `detail_every`th), host reads and calls only on sampled/watched steps (syncs.py,
-calls.py).
+evicts our code and data between hooks), so these functions do as little as they can; host
+reads and calls are looked at only on sampled/watched steps (syncs.py, calls.py).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode
 
 def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The iterator's `__next__`: time blocked on data, the step boundary, batch size."""
-    tl, clock, habits, batch_size = probe.timeline, probe.clock, probe.habits, probe.batch_size
+    tl, clock, batch_size = probe.timeline, probe.clock, probe.batch_size
     tensor = torch.Tensor
 
     def __next__(iterator):
@@ -57,8 +64,9 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             return original(iterator)
         began = clock()
         tl.in_loader = True
-        rng = probe.rng_before(iterator) if tl.fetches >= probe.rng_check_at else None
+        look = tl.fetches >= probe.next_look  # a fetch the habits or RNG checks want to see
         try:
+            rng = probe.look_before(iterator) if look else None
             batch = original(iterator)
         except BaseException:
             tl.in_loader = False
@@ -66,14 +74,16 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             raise
         tl.in_loader = False
         try:
-            if rng is not None:
-                probe.rng_after(rng)
-            tl.moved_on(began)  # a batch fetched after an optimizer stepped closes the step
+            # A batch fetched after an optimizer stepped closes the step (StepTimeline.moved_on,
+            # called only when it has something to do: a step to close or none begun yet).
+            if tl.group or tl.step_start is None:
+                tl.moved_on(began)
             tl.in_optimizer = False
             tl.fetches += 1
-            if tl.fetches >= habits.next_inspect:
-                habits.inspect(batch)
-            first = batch[0] if (type(batch) is tuple or type(batch) is list) and batch else None
+            if look:
+                probe.look_after(rng, batch)
+            kind = type(batch)
+            first = batch[0] if (kind is tuple or kind is list) and batch else None
             # shape[0], not len(): Tensor.__len__ is a Python function (torch/_tensor.py).
             tl.samples += first.shape[0] if type(first) is tensor and first.dim() else batch_size(batch)
             # Timed after the bookkeeping: data wait is what a timer around the loop's
@@ -89,32 +99,45 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
 # --- optimizer.step(): torch's global step pre- and post-hooks -----------------------------------
 
 def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None]]:
-    tl, clock, seen = probe.timeline, probe.clock, probe.seen
+    """Off detail steps, when a fetch closed the step, the pre-hook only marks the region and
+    the post-hook counts: optimizer time is taken on detail steps, like the rest of the split.
+    `probe.measured` holds the ids of the optimizers admitted (on, tracked, first step seen).
+    After them, apply mode's guards (`guard_before`/`guard_after`, None while no change has
+    any: act/action.py LiveJob.add_guard), for every optimizer; they handle their own errors."""
+    tl, clock, measured = probe.timeline, probe.clock, probe.measured
 
     def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not probe.on or (probe.tracked is not None and optimizer not in probe.tracked):
-            return
-        try:
-            key = id(optimizer)
-            if key not in seen:
-                probe.first_step(optimizer)
-            now = clock()
-            # An optimizer that already stepped in the open step closes it (a new iteration
-            # began without a DataLoader fetch).
-            tl.moved_on(now, key)
-            tl.optimizer_start = now
-            tl.in_optimizer = True
-        except Exception as exc:
-            probe.fail(exc)
+        key = id(optimizer)
+        if key in measured or probe.admit(optimizer):
+            try:
+                if tl.group or tl.detail:
+                    now = clock()
+                    # An optimizer that already stepped in the open step closes it (a new
+                    # iteration began without a DataLoader fetch).
+                    tl.moved_on(now, key)
+                    tl.optimizer_start = now
+                tl.in_optimizer = True
+            except Exception as exc:
+                probe.fail(exc)
+        if probe.guard_before is not None:  # apply mode's guards, while a change has some
+            probe.guard_before(optimizer)
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
-        if not probe.on or (probe.tracked is not None and optimizer not in probe.tracked):
-            return
-        try:
-            tl.optimizer_end(optimizer, clock())
-        except Exception as exc:
-            probe.fail(exc)
+        if id(optimizer) in measured:
+            try:
+                tl.in_optimizer = False
+                tl.group.append(id(optimizer))
+                tl.optimizer_steps += 1
+                now = tl.last_optimizer_end = clock()
+                if tl.detail:
+                    tl.optimizer += now - tl.optimizer_start
+                if tl.loss is not None:
+                    tl.step_loss, tl.loss = tl.loss, None
+            except Exception as exc:
+                probe.fail(exc)
+        if probe.guard_after is not None:
+            probe.guard_after(optimizer)
 
     return optimizer_pre, optimizer_post
 
@@ -224,6 +247,7 @@ class StepTimeline:
         self.fail = fail
         self.detail_every = detail_every
         self.detail = True  # measure the split and the loss on the open step
+        self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
         self.step_start: float | None = None
@@ -293,15 +317,6 @@ class StepTimeline:
         self.moved_on(began)
         self.data_wait += ended - began
 
-    def optimizer_end(self, optimizer: Any, now: float) -> None:
-        self.in_optimizer = False
-        self.optimizer += now - self.optimizer_start
-        self.optimizer_steps += 1
-        self.last_optimizer_end = now
-        self.group.append(id(optimizer))
-        if self.loss is not None:
-            self.step_loss, self.loss = self.loss, None
-
     def optimizer_skipped(self, optimizer: Any, now: float) -> None:
         """GradScaler skipped optimizer.step(): still one step of the loop."""
         self.moved_on(now, id(optimizer))
@@ -332,10 +347,26 @@ class StepTimeline:
             self._notify(step)
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
-        following = step + 1
-        self.detail = (following <= EARLY_DETAIL_STEPS or following % self.detail_every == 0
-                       or following <= self.detail_until)
+        if step + 1 >= self.next_detail:
+            self.detail = True
+            self.next_detail = self._detail_after(step + 1)
+        else:
+            self.detail = False
         ring.count = step  # publish last: readers only see complete records
+
+    def _detail_after(self, step: int) -> int:
+        """The first detail step after `step`: the first five, every `detail_every`th, the
+        guarded ones."""
+        following = step + 1
+        if following <= EARLY_DETAIL_STEPS or following <= self.detail_until:
+            return following
+        return following + (-following) % self.detail_every
+
+    def detail_through(self, step: int) -> None:
+        """Every step up to `step` is a detail step (apply mode's guarded steps), from the
+        one after the open step on (the open one is measured as it began)."""
+        self.detail_until = max(self.detail_until, step)
+        self.next_detail = min(self.next_detail, self.ring.count + 2)
 
     def _notify(self, step: int) -> None:
         self.in_tuneup = True

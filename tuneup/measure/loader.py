@@ -77,6 +77,9 @@ class LoaderProbe:
         # know before it moves that work into worker processes).
         self.rng_check_at = RNG_CHECKS[0]
         self.main_process_rng_draws: bool | None = None
+        # The hot path's one test for both: the fetch count (before the fetch) at which one
+        # of them wants to see a fetch.
+        self.next_look = 0
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included
@@ -122,6 +125,20 @@ class LoaderProbe:
 
         patches.replace(DataLoader, "__iter__", wrap_iter)
         patches.replace(_BaseDataLoaderIter, "__next__", lambda original: loader_next(self, original))  # hotpath.py
+
+    def look_before(self, iterator: Any) -> torch.Tensor | None:
+        """Ahead of a fetch the RNG check or the habits probe wants to see: the global RNG
+        state, where this fetch is an RNG check."""
+        return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
+
+    def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
+        """After that fetch was counted: the RNG compared, the batch inspected where due."""
+        if rng is not None:
+            self.rng_after(rng)
+        habits = self.habits
+        if self.timeline.fetches >= habits.next_inspect:
+            habits.inspect(batch)
+        self.next_look = min(self.rng_check_at, habits.next_inspect - 1)
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:
         """On a checked fetch: the global RNG state, when this fetch runs the dataset in the

@@ -29,7 +29,7 @@ from torch import nn
 from torch.fx import _symbolic_trace as _fx_tracing
 from torch.nn.modules import module as module_hooks
 
-from .._patching import PatchSet, measured
+from .._patching import TRAINING_OFF_DETAIL, PatchSet, measured
 from .hotpath import StepTimeline, backward_hooks, forward_hooks
 
 # Autocast is thread-local, so it can only be read on the training thread, inside forward.
@@ -155,7 +155,8 @@ class ModelProbe:
 
     def _wrap_forward(self, original):
         before, after = forward_hooks(self)  # hotpath.py
-        return measured(original, before, after, self.fail)
+        # Off detail steps only a module in eval() mode is looked at (evaluation with grad).
+        return measured(original, before, after, self.fail, gate=self.timeline, skip=TRAINING_OFF_DETAIL)
 
     def uninstall_discovery(self) -> None:
         if self.discovery_hooks:
@@ -220,7 +221,9 @@ class ModelProbe:
 
     def _wrap_backward(self, original):
         before, after = backward_hooks(self)  # hotpath.py
-        return measured(original, before, after, self.fail)
+        # Gated on detail steps: dynamo never traces Tensor.backward (a graph break; this
+        # wrapper's frame is one of torch/_tensor.py's, which it skips).
+        return measured(original, before, after, self.fail, gate=self.timeline)
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

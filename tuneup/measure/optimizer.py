@@ -30,7 +30,8 @@ class OptimizerProbe:
         tracked: weakref.WeakSet | None,
         on_new_optimizer: Callable[[torch.optim.Optimizer], None],
     ) -> None:
-        self.on = True
+        self.measured: set[int] = set()  # ids of the optimizers measured (the hot path's one test)
+        self._on = True
         self.timeline = timeline
         self.tracked = tracked
         self.on_new_optimizer = on_new_optimizer
@@ -38,6 +39,10 @@ class OptimizerProbe:
         self.seen: set[int] = set()  # ids of self.optimizers: a cheaper test on every step
         self.set_to_none: bool | None = None  # as last passed to zero_grad
         self.total_steps = 0  # optimizer.step() calls that ran, of any optimizer (monotonic)
+        # Run around every optimizer step by the hooks when set (apply mode's guards): its
+        # guards are called from here, as hooks registered mid-step would break torch's loop.
+        self.guard_before: Callable[[Any], None] | None = None
+        self.guard_after: Callable[[Any], None] | None = None
 
     def install(self, patches: PatchSet) -> None:
         pre, post = optimizer_hooks(self)  # hotpath.py
@@ -46,21 +51,53 @@ class OptimizerProbe:
         # Posing as the original (see posing_as): Optimizer.zero_grad is dynamo-disabled
         # (@torch._disable_dynamo, whose wrapper lives in torch/_compile.py, a file dynamo skips),
         # so a compiled train step must meet a function dynamo skips just the same.
+        # Optimizer.zero_grad's wrapper is gated on detail steps (dynamo never traces it);
+        # Module.zero_grad's is not (dynamo inlines torch.nn's code, and would guard on the gate).
         before, after = zero_grad_hooks(self)
-        for owner in (torch.optim.Optimizer, nn.Module):
-            patches.replace(owner, "zero_grad", lambda original: measured(original, before, after, self.fail))
+        patches.replace(torch.optim.Optimizer, "zero_grad",
+                        lambda original: measured(original, before, after, self.fail, gate=self.timeline))
+        patches.replace(nn.Module, "zero_grad", lambda original: measured(original, before, after, self.fail))
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self._on = value
+        if not value:
+            self.measured.clear()  # the hooks measure nothing from now on
+
+    def focus(self, optimizers: weakref.WeakSet) -> None:
+        """Measure only these optimizers from now on."""
+        self.tracked = optimizers
+        self.measured.clear()  # each is admitted again at its next step
 
     def _measured(self, optimizer: Any) -> bool:
         return self.on and (self.tracked is None or optimizer in self.tracked)
 
-    def first_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer's first measured step: remember it (a new optimizer usually means a
-        new model: the owner looks)."""
-        key = id(optimizer)
-        self.seen.add(key)
-        weakref.finalize(optimizer, self.seen.discard, key)
-        self.optimizers.add(optimizer)
-        self.on_new_optimizer(optimizer)
+    def admit(self, optimizer: torch.optim.Optimizer) -> bool:
+        """A step of an optimizer not measured so far: measured from now on if the probe is on
+        and the job named it (or named none). The first step of a new one: remember it (a new
+        optimizer usually means a new model: the owner looks)."""
+        try:
+            if not self._measured(optimizer):
+                return False
+            key = id(optimizer)
+            if key not in self.seen:
+                self.seen.add(key)
+                weakref.finalize(optimizer, self._forget, key)  # an id is reused once its object dies
+                self.optimizers.add(optimizer)
+                self.on_new_optimizer(optimizer)
+            self.measured.add(key)
+            return True
+        except Exception as exc:
+            self.fail(exc)
+            return False
+
+    def _forget(self, key: int) -> None:
+        self.seen.discard(key)
+        self.measured.discard(key)
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

@@ -119,10 +119,10 @@ class Recorder:
             if objects:
                 chosen = weakref.WeakSet(objects)
                 setattr(self.tracked, kind, chosen)
-                if probe is self.loader:
-                    self.loader.focus(chosen)
-                else:
+                if probe is self.scaler:
                     probe.tracked = chosen
+                else:
+                    probe.focus(chosen)
         if self.tracked.models:
             for model in kinds.get("models", ()):
                 self.model._hook_root(model)
@@ -184,8 +184,8 @@ class Recorder:
         if experimenter is not None:
             experimenter.on_close(step)
         # Wake at the next close that needs us between detail steps.
-        if syncs.sampling or self.values.pending or self.gpu_timer is not None:
-            wake = step + 1
+        if syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovery_hooks:
+            wake = step + 1  # (model discovery ends at a close: the backward off detail steps is not seen)
         elif syncs.on and syncs.next_sample > step:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
         else:
