@@ -2,7 +2,7 @@
 whatever else the machine is doing, where timings on a shared 2-core host swing by more than
 the cost being measured.
 
-    python benchmarks/bench_instructions.py [--against DIR] [--steps 1000] [--jobs 3]
+    python benchmarks/bench_instructions.py [--against DIR] [--apply] [--steps 1000] [--jobs 3]
 
 The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
 SGD, a loss.item() every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
@@ -12,7 +12,8 @@ counted. The agent's background sampler is stopped: its cost is per second, not 
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
 are the training thread's hot path: hooks, sampled and detail steps, the call watch. With
 --against DIR, the tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is
-counted in the same run, side by side. Repeated runs agree to about 2,000 instructions per
+counted in the same run, side by side. With --apply, apply mode is counted too, with nothing to act on
+(no findings reach it while the sampler is stopped): it should cost what advise mode costs. Repeated runs agree to about 2,000 instructions per
 step (the garbage collector, the loader's shuffle thread): differences below that are noise. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
 """
 
@@ -43,8 +44,8 @@ from benchmarks.bench_overhead import WORKLOADS, loop, make
 torch.set_num_threads(1)
 features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS["~0.4 ms step"]
 job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
-if mode == "tuneup":
-    agent = tuneup.attach(log=False, serve=False, gpu=False)
+if mode in ("tuneup", "apply"):
+    agent = tuneup.attach(log=False, serve=False, gpu=False, mode="advise" if mode == "tuneup" else "apply")
     agent._stop.set()  # the background sampler: see the module docstring
     agent._thread.join()
 loop(*job, 200)
@@ -74,10 +75,17 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another tuneup checkout to count beside this one")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--apply", action="store_true",
+                        help="also apply mode with nothing to act on (no findings reach it: the sampler is stopped)")
     args = parser.parse_args()
-    configs = {"bare loop": ("bare", ROOT), "tuneup (this checkout)": ("tuneup", ROOT)}
+    checkouts = {"this checkout": ROOT}
     if args.against is not None:
-        configs[f"tuneup ({args.against})"] = ("tuneup", args.against.resolve())
+        checkouts[str(args.against)] = args.against.resolve()
+    configs = {"bare loop": ("bare", ROOT)}
+    for label, checkout in checkouts.items():
+        configs[f"tuneup ({label})"] = ("tuneup", checkout)
+        if args.apply:
+            configs[f"tuneup apply, idle ({label})"] = ("apply", checkout)
     with tempfile.TemporaryDirectory() as folder:
         job = Path(folder) / "job.py"
         job.write_text(JOB)
@@ -88,9 +96,9 @@ def main() -> None:
     per_step = {name: count / args.steps for name, count in counts.items()}
     bare = per_step["bare loop"]
     print(f"instructions per training step (callgrind), over {args.steps} steps of the ~0.4 ms CPU step")
-    print(f"  {'configuration':<40}{'per step':>14}{'ratio':>9}{'added/step':>14}")
+    print(f"  {'configuration':<48}{'per step':>14}{'ratio':>9}{'added/step':>14}")
     for name, value in per_step.items():
-        print(f"  {name:<40}{value:>14,.0f}{value / bare:>9.4f}{value - bare:>14,.0f}")
+        print(f"  {name:<48}{value:>14,.0f}{value / bare:>9.4f}{value - bare:>14,.0f}")
 
 
 if __name__ == "__main__":
