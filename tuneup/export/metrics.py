@@ -217,6 +217,17 @@ class AgentCollector(Collector):
                        totals.sums["losses_read"])
         yield f.single("counter", "tuneup_nonfinite_losses", "Losses read that were NaN or infinite",
                        totals.sums["nonfinite_losses"])
+        config = self.state.recorder.config if self.state.recorder is not None else None
+        rates = [(index, optimizer, (optimizer.get("lr_measured") or {}).get("last", optimizer.get("lr")))
+                 for index, optimizer in enumerate((config or {}).get("optimizers") or [])]
+        if any(isinstance(lr, (int, float)) for _, _, lr in rates):
+            family = f.gauge("tuneup_learning_rate", "Each optimizer's learning rate as the job ran it (first param "
+                                                     "group; read on detail steps, as of the last configuration read)",
+                             ["optimizer", "index"])
+            for index, optimizer, lr in rates:
+                if isinstance(lr, (int, float)):
+                    f.add(family, float(lr), str(optimizer["class"]), str(index))
+            yield family
 
     def gpu(self) -> Iterator[Metric]:
         system = self.state.system or {}

@@ -7,7 +7,7 @@ read by the model probe inside forward and passed in.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -86,7 +86,8 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
     return "foreach" if foreach else "for-loop"
 
 
-def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_config(optimizer: torch.optim.Optimizer, measured_lr: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`measured_lr`: the learning rate as read at detail steps (optimizer.py LearningRate)."""
     groups = optimizer.param_groups
     params = [p for group in groups for p in group["params"]]
     return {
@@ -100,6 +101,7 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "lr": _number(groups[0].get("lr")) if groups else None,
         "lr_scheduler": bool(groups and "initial_lr" in groups[0])
         or bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False)),
+        "lr_measured": measured_lr,
     }
 
 
@@ -263,6 +265,7 @@ def read_config(
     loaders: Iterable[DataLoader],
     optimizers: Iterable[torch.optim.Optimizer],
     models: Iterable[nn.Module],
+    rate_of: Callable[[torch.optim.Optimizer], dict[str, Any] | None] = lambda optimizer: None,
     leaf_order: list[weakref.ref],
     autocast: dict[str, str | None] | None,
     set_to_none: bool | None,
@@ -283,7 +286,7 @@ def read_config(
         "zero_grad_set_to_none": set_to_none,
         "grad_scaler": {"present": grad_scaler["present"], "enabled": grad_scaler["enabled"]},
         "loaders": [loader_config(loader) for loader in loaders],
-        "optimizers": [optimizer_config(optimizer) for optimizer in optimizers],
+        "optimizers": [optimizer_config(optimizer, rate_of(optimizer)) for optimizer in optimizers],
         "models": [model_config(model, order) for model in models if next(model.parameters(), None) is not None],
         "distributed": distributed(),
     }

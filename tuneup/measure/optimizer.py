@@ -17,7 +17,47 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks_registry
 
 from .._patching import PatchSet, measured
+from .device_values import raw_item
 from .hotpath import StepTimeline, optimizer_hooks, zero_grad_hooks
+
+
+CURVE_POINTS = 256  # learning-rate changes kept per optimizer (halved, every other one, when full)
+
+
+class LearningRate:
+    """One optimizer's learning rate as the job really ran it (its first param group's),
+    read at the close of detail steps: whoever sets it (an LRScheduler, or the loop writing
+    `group["lr"]` each iteration) a changing value is a schedule."""
+
+    def __init__(self, step: int, value: float) -> None:
+        self.first = self.last = self.low = self.high = value
+        self.reads = 1
+        self.changes = 0
+        self.curve: list[tuple[int, float]] = [(step, value)]  # (step, lr) where it changed
+
+    def read(self, step: int, value: float) -> None:
+        self.reads += 1
+        if value == self.last:
+            return
+        self.changes += 1
+        self.last = value
+        self.low, self.high = min(self.low, value), max(self.high, value)
+        if len(self.curve) >= CURVE_POINTS:
+            self.curve = self.curve[::2]
+        self.curve.append((step, value))
+
+    def summary(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last, "min": self.low, "max": self.high,
+                "changes": self.changes, "reads": self.reads}
+
+
+def plain_lr(value: Any) -> float | None:
+    """A learning rate as a number, read without a device sync (None for one on a device)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, torch.Tensor):
+        return float(raw_item(value)) if value.is_cpu and value.numel() == 1 else None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 class OptimizerProbe:
@@ -43,6 +83,7 @@ class OptimizerProbe:
         # guards are called from here, as hooks registered mid-step would break torch's loop.
         self.guard_before: Callable[[Any], None] | None = None
         self.guard_after: Callable[[Any], None] | None = None
+        self.rates: dict[int, LearningRate] = {}  # by optimizer id (dropped with the optimizer)
 
     def install(self, patches: PatchSet) -> None:
         pre, post = optimizer_hooks(self)  # hotpath.py
@@ -98,6 +139,31 @@ class OptimizerProbe:
     def _forget(self, key: int) -> None:
         self.seen.discard(key)
         self.measured.discard(key)
+        self.rates.pop(key, None)
+
+    def read_rates(self, step: int) -> None:
+        """The learning rates at a detail step's close (training thread; a few dict reads)."""
+        rates = self.rates
+        for optimizer in list(self.optimizers):
+            groups = optimizer.param_groups
+            value = plain_lr(groups[0].get("lr")) if groups else None
+            if value is None:
+                continue
+            rate = rates.get(id(optimizer))
+            if rate is None:
+                rates[id(optimizer)] = LearningRate(step, value)
+            else:
+                rate.read(step, value)
+
+    def rate_of(self, optimizer: Any) -> dict[str, Any] | None:
+        """The configuration's view: first, last, min, max, changes, reads."""
+        rate = self.rates.get(id(optimizer))
+        return rate.summary() if rate is not None else None
+
+    def rate_curves(self) -> list[dict[str, Any]]:
+        """Each optimizer's learning rate where it changed, [step, lr] (the run log's end)."""
+        return [{"optimizer": type(optimizer).__name__, "curve": [list(point) for point in rate.curve]}
+                for optimizer in list(self.optimizers) if (rate := self.rates.get(id(optimizer))) is not None]
 
     def fail(self, exc: BaseException) -> None:
         self.on = False

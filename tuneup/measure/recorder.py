@@ -177,6 +177,8 @@ class Recorder:
                 self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:
             self.values.poll()
+        if tl.detail:
+            self.optimizer.read_rates(step)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
@@ -290,7 +292,8 @@ class Recorder:
     def end_event(self, warnings: list[dict[str, Any]]) -> dict[str, Any]:
         """The run log's last event: the run's totals and cumulative sections."""
         return {"event": "end", "time": time.time(), "totals": self.totals_summary(), "syncs": self.syncs.summary(),
-                "scaler": self.scaler.summary(), "habits": self.habits_summary(), "warnings": warnings}
+                "scaler": self.scaler.summary(), "habits": self.habits_summary(),
+                "learning_rates": self.optimizer.rate_curves(), "warnings": warnings}
 
     def totals_summary(self) -> dict[str, Any]:
         return dict(self.totals.summary(), device_reads_dropped=self.values.dropped)
@@ -359,6 +362,7 @@ class Recorder:
             config = read_config(
                 loaders=list(self.loader.loaders),
                 optimizers=list(self.optimizer.optimizers),
+                rate_of=self.optimizer.rate_of,
                 models=self.model.root_models(),
                 leaf_order=self.model.leaf_order,
                 autocast=self.model.autocast,

@@ -175,8 +175,7 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
         lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}")
     for optimizer in config["optimizers"]:
-        lines.append(f"Optimizer: {optimizer['class']} ({optimizer['implementation']}), "
-                     f"lr scheduler: {'yes' if optimizer['lr_scheduler'] else 'none'}")
+        lines.append(f"Optimizer: {optimizer['class']} ({optimizer['implementation']}), {_lr_text(optimizer)}")
     autocast = config.get("autocast") or {}
     active = [f"{device} {dtype}" for device, dtype in autocast.items() if dtype]
     lines.append(f"AMP: autocast {', '.join(active) if active else 'off'}; "
@@ -223,3 +222,16 @@ def render(snapshot: dict[str, Any]) -> Group:
 
 def print_summary(snapshot: dict[str, Any], console: Console | None = None) -> None:
     (console or Console()).print(render(snapshot))
+
+
+def _lr_text(optimizer: dict[str, Any]) -> str:
+    """The learning rate as the job ran it, where it was read; else what was declared."""
+    measured = optimizer.get("lr_measured") or {}
+    if measured.get("changes"):
+        return (f"lr {measured['first']:.3g} -> {measured['last']:.3g} (min {measured['min']:.3g}, "
+                f"max {measured['max']:.3g}; changed on {measured['changes']} of {measured['reads']} reads)"
+                + (", scheduler" if optimizer["lr_scheduler"] else ", set by the loop"))
+    lr = measured.get("last", optimizer.get("lr"))
+    lr_text = f"lr {lr:.3g}" if isinstance(lr, (int, float)) else "lr ?"
+    return f"{lr_text}, scheduler: {'yes' if optimizer['lr_scheduler'] else 'none'}" + (
+        ", constant as read" if measured else "")

@@ -140,8 +140,8 @@ MIN_STEPS_FOR_SCHEDULE = 100
     id="no-lr-schedule",
     title="No learning-rate schedule",
     severity="low",
-    inputs="whether an LR scheduler wraps the optimizer",
-    threshold=f"no scheduler after {MIN_STEPS_FOR_SCHEDULE} steps",
+    inputs="whether an LR scheduler wraps the optimizer; the learning rate read on detail steps",
+    threshold=f"no scheduler and an unchanged learning rate after {MIN_STEPS_FOR_SCHEDULE} steps",
     why="A warm-up and decay (OneCycleLR, cosine) usually reaches the same loss in fewer steps; "
         "low severity because a constant LR can be deliberate.",
     doc="https://docs.pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
@@ -151,7 +151,9 @@ def no_lr_schedule(facts: Facts) -> Evidence | None:
     steps = (facts.snapshot.get("totals") or {}).get("steps") or 0
     if steps < MIN_STEPS_FOR_SCHEDULE:
         raise Missing("enough steps")
-    if any(o.get("lr_scheduler") for o in optimizers):
+    # A scheduler declared, or a rate that changed as the job ran (a loop that sets
+    # group["lr"] itself each iteration: warm-up and cosine written out by hand).
+    if any(o.get("lr_scheduler") or (o.get("lr_measured") or {}).get("changes") for o in optimizers):
         return None
     return Evidence(
         observed=f"{optimizers[0]['class']} ran {steps} steps at a constant learning rate",
