@@ -880,6 +880,9 @@ class HookProbe:
         self.measured.add(id(optimizer))
         return True
 
+    def read_rate(self, optimizer):
+        pass
+
     def fail(self, exc):
         raise exc
 

@@ -30,7 +30,7 @@ def train(run_dir, decay_lr: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR_MAX)
     data = torch.randn(1024, 17)
     set_rates = []
-    with tuneup.attach(run_dir=run_dir, serve=False) as agent:
+    with tuneup.attach(run_dir=run_dir, serve=False, detail_every=4) as agent:
         for it in range(STEPS):
             lr = get_lr(it) if decay_lr else LR_MAX
             for group in optimizer.param_groups:
@@ -53,19 +53,20 @@ def test_a_learning_rate_the_loop_sets_itself_is_a_schedule(run_dir):
     [optimizer] = snapshot["config"]["optimizers"]
     assert optimizer["lr_scheduler"] is False  # no LRScheduler: the rate was measured
     measured = optimizer["lr_measured"]
-    # Read at detail-step closes (the first five, then every 4th): every value read is one the
-    # loop set, and it changed between almost every pair of reads.
-    assert measured["reads"] >= STEPS // 4
-    assert measured["changes"] >= measured["reads"] - 2
-    assert min(set_rates) <= measured["min"] < measured["max"] <= max(set_rates)
-    assert measured["last"] in set_rates and measured["first"] in set_rates
+    # Read after the update of each detail step: steps 1-5, then 8, 12, ..., 148 (41 reads);
+    # step s updates with get_lr(s - 1), a different value at every read.
+    detail_steps = [1, 2, 3, 4, 5] + list(range(8, STEPS + 1, 4))
+    assert measured["reads"] == len(detail_steps) == 41
+    assert measured["changes"] == 40
+    assert measured["first"] == get_lr(0) and measured["last"] == get_lr(detail_steps[-1] - 1)
+    assert measured["max"] == max(get_lr(s - 1) for s in detail_steps)  # the warm-up's peak, at step 20
+    assert measured["min"] == min(get_lr(s - 1) for s in detail_steps)
     assert "no-lr-schedule" not in {finding["rule"] for finding in agent.findings()}
     # The curve reaches the run log's end event; /metrics shows the current rate.
     end = [event for event in _events(agent) if event["event"] == "end"][-1]
     [curve] = end["learning_rates"]
     assert curve["optimizer"] == "AdamW" and len(curve["curve"]) == measured["changes"] + 1
-    assert all(lr in set_rates for _, lr in curve["curve"])
-    assert [step for step, _ in curve["curve"]] == sorted(step for step, _ in curve["curve"])
+    assert curve["curve"] == [[s, get_lr(s - 1)] for s in detail_steps]
     line = next(line for line in metrics.splitlines() if line.startswith("tuneup_learning_rate{"))
     assert 'optimizer="AdamW"' in line and float(line.rsplit(" ", 1)[1]) in set_rates
 

@@ -132,6 +132,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 now = tl.last_optimizer_end = clock()
                 if tl.detail:
                     tl.optimizer += now - tl.optimizer_start
+                    probe.read_rate(optimizer)  # the learning rate this update used
                 if tl.loss is not None:
                     tl.step_loss, tl.loss = tl.loss, None
             except Exception as exc:

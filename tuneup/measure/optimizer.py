@@ -26,8 +26,8 @@ CURVE_POINTS = 256  # learning-rate changes kept per optimizer (halved, every ot
 
 class LearningRate:
     """One optimizer's learning rate as the job really ran it (its first param group's),
-    read at the close of detail steps: whoever sets it (an LRScheduler, or the loop writing
-    `group["lr"]` each iteration) a changing value is a schedule."""
+    read after the update of each detail step: whoever sets it (an LRScheduler, or the loop
+    writing `group["lr"]` each iteration) a changing value is a schedule."""
 
     def __init__(self, step: int, value: float) -> None:
         self.first = self.last = self.low = self.high = value
@@ -141,19 +141,18 @@ class OptimizerProbe:
         self.measured.discard(key)
         self.rates.pop(key, None)
 
-    def read_rates(self, step: int) -> None:
-        """The learning rates at a detail step's close (training thread; a few dict reads)."""
-        rates = self.rates
-        for optimizer in list(self.optimizers):
-            groups = optimizer.param_groups
-            value = plain_lr(groups[0].get("lr")) if groups else None
-            if value is None:
-                continue
-            rate = rates.get(id(optimizer))
-            if rate is None:
-                rates[id(optimizer)] = LearningRate(step, value)
-            else:
-                rate.read(step, value)
+    def read_rate(self, optimizer: Any) -> None:
+        """The learning rate the update of a detail step used (its post-hook; a few dict reads)."""
+        groups = optimizer.param_groups
+        value = plain_lr(groups[0].get("lr")) if groups else None
+        if value is None:
+            return
+        step = self.timeline.ring.count + 1  # the open step
+        rate = self.rates.get(id(optimizer))
+        if rate is None:
+            self.rates[id(optimizer)] = LearningRate(step, value)
+        else:
+            rate.read(step, value)
 
     def rate_of(self, optimizer: Any) -> dict[str, Any] | None:
         """The configuration's view: first, last, min, max, changes, reads."""

@@ -177,8 +177,6 @@ class Recorder:
                 self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:
             self.values.poll()
-        if tl.detail:
-            self.optimizer.read_rates(step)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
