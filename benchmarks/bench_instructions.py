@@ -12,9 +12,12 @@ counted. The agent's background sampler is stopped: its cost is per second, not 
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
 are the training thread's hot path: hooks, sampled and detail steps, the call watch. With
 --against DIR, the tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is
-counted in the same run, side by side. With --apply, apply mode is counted too, with nothing to act on
-(no findings reach it while the sampler is stopped): it should cost what advise mode costs. Repeated runs agree to about 2,000 instructions per
-step (the garbage collector, the loader's shuffle thread): differences below that are noise. Needs valgrind (Debian: apt-get install valgrind); a run takes minutes.
+counted in the same run, side by side. With --apply, apply mode is counted too, with
+nothing to act on (no findings reach it while the sampler is stopped): it should cost what
+advise mode costs. Repeated runs agree to about 3,000 instructions per step (the garbage
+collector, the loader's shuffle thread; one checkout gave 43.3k, 46.0k, 43.8k and 43.5k added
+in four runs): differences below that are noise, so compare within one run. Needs valgrind
+(Debian: apt-get install valgrind); a run takes minutes.
 """
 
 from __future__ import annotations
