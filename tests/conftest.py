@@ -65,7 +65,7 @@ def no_agent_left(monkeypatch, tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             agent.detach()
-        tuneup._forget(agent)
+        tuneup.session._forget(agent)
         pytest.fail("the test left an agent attached")
 
 

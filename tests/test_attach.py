@@ -164,7 +164,7 @@ def test_disable_makes_an_inert_agent_that_patches_nothing(monkeypatch, tmp_path
         tuneup.step()  # harmless
     finally:
         agent.detach()
-        tuneup._forget(agent)
+        tuneup.session._forget(agent)
     assert not list(tmp_path.iterdir()), "a disabled agent writes nothing"
 
 
@@ -281,7 +281,7 @@ def test_a_failed_start_leaves_nothing_patched(run_dir, monkeypatch):
         assert state_of_patched() == before
         assert global_hook_counts() == hooks_before
     finally:
-        tuneup._forget(agent)
+        tuneup.session._forget(agent)
 
 
 def test_attached_objects_are_not_kept_alive(run_dir):

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import session
 from .options import ENVIRONMENT_VARIABLES, TuneupWarning, resolve
-from .session import _forget, current, step, step_function  # noqa: F401 (_forget: the tests' reset)
+from .session import current, step, step_function
 
 __all__ = ["attach", "step", "step_function", "current", "Agent", "TuneupWarning", "ENVIRONMENT_VARIABLES"]
 
@@ -38,7 +38,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
 
     trainers = [obj for obj in objects if framework_of(obj) is not None]
     if trainers:  # Lightning / Transformers: their callback focuses the agent when training starts
-        resolve(dict(options))  # a bad keyword argument raises here, at the call site
+        resolve(options)  # a bad keyword argument raises here, at the call site
         for trainer in trainers:
             install(trainer, options)
         objects = tuple(obj for obj in objects if framework_of(obj) is None)

@@ -31,7 +31,7 @@ def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None,
         if _current is not None and (_current.attached or not _current.enabled):
             _current.add(objects)
             return _current
-        settings = resolve(dict(options or {}))  # a bad keyword argument raises here, at the call site
+        settings = resolve(options or {})  # a bad keyword argument raises here, at the call site
         sort_objects(objects)  # an object attach() cannot measure: TypeError, with the fix
         reason = _inert_reason(settings)
         if reason is None:

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from .device_values import raw_item
+
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _BATCH_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 MAX_LISTED = 20
@@ -60,10 +62,13 @@ def is_compiled(model: nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None
 
 
-def _number(value: Any) -> float | None:
-    """A plain number from a hyperparameter that may be a tensor; never reads a device."""
+def plain_number(value: Any) -> float | None:
+    """A plain number from a hyperparameter that may be a tensor (a learning rate); never reads
+    a device, and a CPU tensor is read with raw_item: tuneup's own read, not the job's."""
+    if type(value) is float:
+        return value
     if isinstance(value, torch.Tensor):
-        return float(value.detach().item()) if value.is_cpu and value.numel() == 1 else None
+        return float(raw_item(value)) if value.is_cpu and value.numel() == 1 else None
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -98,7 +103,7 @@ def optimizer_config(optimizer: torch.optim.Optimizer, measured_lr: dict[str, An
         "param_groups": len(groups),
         "parameters": sum(p.numel() for p in params),
         "devices": sorted({p.device.type for p in params}),
-        "lr": _number(groups[0].get("lr")) if groups else None,
+        "lr": plain_number(groups[0].get("lr")) if groups else None,
         "lr_scheduler": bool(groups and "initial_lr" in groups[0])
         or bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False)),
         "lr_measured": measured_lr,
@@ -265,7 +270,7 @@ def read_config(
     loaders: Iterable[DataLoader],
     optimizers: Iterable[torch.optim.Optimizer],
     models: Iterable[nn.Module],
-    rate_of: Callable[[torch.optim.Optimizer], dict[str, Any] | None] = lambda optimizer: None,
+    rate_of: Callable[[torch.optim.Optimizer], dict[str, Any] | None],
     leaf_order: list[weakref.ref],
     autocast: dict[str, str | None] | None,
     set_to_none: bool | None,

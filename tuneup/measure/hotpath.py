@@ -124,10 +124,11 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
-        if id(optimizer) in measured:
+        key = id(optimizer)
+        if key in measured:
             try:
                 tl.in_optimizer = False
-                tl.group.append(id(optimizer))
+                tl.group.append(key)
                 tl.optimizer_steps += 1
                 now = tl.last_optimizer_end = clock()
                 if tl.detail:

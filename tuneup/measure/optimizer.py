@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks_registry
 
 from .._patching import PatchSet, measured
-from .device_values import raw_item
+from .config import plain_number
 from .hotpath import StepTimeline, optimizer_hooks, zero_grad_hooks
 
 
@@ -49,15 +49,6 @@ class LearningRate:
     def summary(self) -> dict[str, Any]:
         return {"first": self.first, "last": self.last, "min": self.low, "max": self.high,
                 "changes": self.changes, "reads": self.reads}
-
-
-def plain_lr(value: Any) -> float | None:
-    """A learning rate as a number, read without a device sync (None for one on a device)."""
-    if type(value) is float:
-        return value
-    if isinstance(value, torch.Tensor):
-        return float(raw_item(value)) if value.is_cpu and value.numel() == 1 else None
-    return float(value) if isinstance(value, (int, float)) else None
 
 
 class OptimizerProbe:
@@ -144,7 +135,7 @@ class OptimizerProbe:
     def read_rate(self, optimizer: Any) -> None:
         """The learning rate the update of a detail step used (its post-hook; a few dict reads)."""
         groups = optimizer.param_groups
-        value = plain_lr(groups[0].get("lr")) if groups else None
+        value = plain_number(groups[0].get("lr")) if groups else None
         if value is None:
             return
         step = self.timeline.ring.count + 1  # the open step

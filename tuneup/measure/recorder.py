@@ -119,10 +119,7 @@ class Recorder:
             if objects:
                 chosen = weakref.WeakSet(objects)
                 setattr(self.tracked, kind, chosen)
-                if probe is self.scaler:
-                    probe.tracked = chosen
-                else:
-                    probe.focus(chosen)
+                probe.focus(chosen)
         if self.tracked.models:
             for model in kinds.get("models", ()):
                 self.model._hook_root(model)

@@ -55,6 +55,10 @@ class ScalerProbe:
         patches.replace(GradScaler, "step", self._wrap_step)
         patches.replace(GradScaler, "update", self._wrap_update)
 
+    def focus(self, scalers: weakref.WeakSet) -> None:
+        """Measure only these GradScalers from now on."""
+        self.tracked = scalers
+
     def _measured(self, scaler: GradScaler) -> bool:
         return self.on and (self.tracked is None or scaler in self.tracked)
 
