@@ -49,8 +49,11 @@ features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS["~0.
 job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
 if mode in ("tuneup", "apply"):
     agent = tuneup.attach(log=False, serve=False, gpu=False, mode="advise" if mode == "tuneup" else "apply")
-    agent._stop.set()  # the background sampler: see the module docstring
-    agent._thread.join()
+    if hasattr(agent, "ticker"):  # the background sampler: see the module docstring
+        agent.ticker.stop()
+    else:  # a checkout from before ticker.py (--against)
+        agent._stop.set()
+        agent._thread.join()
 loop(*job, 200)
 os.getpgrp()  # callgrind dumps what came before: start-up, warm-up
 loop(*job, steps)

@@ -391,7 +391,7 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
         if "text" not in scraped and records(agent, decision="kept"):
             with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=5) as response:
                 scraped["text"] = response.read().decode()
-            agent._tick()  # the background thread's next drain, now: the decision reaches the events
+            agent.ticker.tick()  # the background thread's next drain, now: the decision reaches the events
             console = Console(record=True, width=200)
             console.print(live_frame(agent.server.url)[0])
             scraped["watch"] = console.export_text()

@@ -327,7 +327,7 @@ def test_forked_child_does_not_hang_when_the_sampler_held_its_lock(run_dir):
 
     agent = tuneup.attach(run_dir=run_dir)
     try:
-        with agent._stop._cond:  # held, as the sampler thread holds it inside Event.wait()
+        with agent.ticker.stopping._cond:  # held, as the sampler thread holds it inside Event.wait()
             pid = os.fork()
             if pid == 0:  # the child: tuneup's at-fork handler has already run
                 os._exit(0 if not agent.attached else 3)

@@ -98,7 +98,7 @@ def test_worker_processes_are_measured(run_dir):
         for _ in range(50):  # the latest sample may predate the workers
             if host.get("workers", 0) == 2:
                 break
-            agent._tick()
+            agent.ticker.tick()
             host = agent.snapshot()["system"]["host"]
     assert host["workers"] == 2
     assert host["workers_rss_bytes"] > 10 * 2**20

@@ -36,11 +36,11 @@ def test_steps_with_device_values_in_flight_wait_for_them(run_dir):
         values.pending = 1
         values._host[0] = 1.0  # the flag: inf found
         train(loader, model, optimizer, steps=10)
-        agent._tick()
+        agent.ticker.tick()
         assert agent.recorder._drained == 4  # steps from 5 on wait for the value
         event.done = True
         agent.recorder.values.poll()
-        agent._tick()
+        agent.ticker.tick()
         assert agent.recorder._drained >= 14
     totals = agent.snapshot()["totals"]
     assert totals["skipped_steps"] == 1
@@ -71,7 +71,7 @@ def test_a_loss_spike_counts_wherever_the_intervals_are_cut(run_dir):
             loss = torch.nn.functional.mse_loss(model(x), y) * (1000.0 if step == 30 else 1.0)
             loss.backward()
             optimizer.step()
-            agent._tick()  # an interval of (about) one step each
+            agent.ticker.tick()  # an interval of (about) one step each
     spikes = sum((interval.get("loss") or {}).get("spikes", 0) for interval in agent.state.history.intervals)
     assert spikes == 1
 

@@ -130,7 +130,7 @@ def test_the_agents_snapshot_is_the_rules_input_gpu_history_included(run_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tuneup.attach(run_dir=run_dir, nvml_module=FAKE, interval=0.05) as agent:
         train(loader_for(SlowDataset(size=512)), model, optimizer, steps=30)
-        agent._tick()  # a system sample inside the window, whatever the machine's speed
+        agent.ticker.tick()  # a system sample inside the window, whatever the machine's speed
         live = agent.snapshot()
     devices = live["gpu_history"]["devices"]
     assert [device["gpu"] for device in devices] == [0, 1]  # the fake driver's two GPUs

@@ -6,17 +6,13 @@ each with one job, and wires them:
     diagnose/live.py      the rules every few ticks, the rank exchange
     act/experimenter.py   apply mode's experiments, at step closes (training thread)
     export/outputs.py     history + run log, the loopback endpoint, Pushgateway, discovery
-
-The background thread ticks once per `interval`: the recorder samples (its events go to the
-outputs), the outputs log warnings and beat, the rules run when due, apply mode's records
-are logged.
+    ticker.py             the background thread that ticks all of them once per `interval`
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ._patching import PatchSet
@@ -24,8 +20,9 @@ from .diagnose.live import LiveDiagnosis
 from .export.outputs import Outputs
 from .measure.objects import sort_objects
 from .measure.recorder import Recorder
-from .measure.state import LOCK_TIMEOUT, RunState, run_info
+from .measure.state import RunState, run_info
 from .options import Options
+from .ticker import Ticker
 
 if TYPE_CHECKING:
     from .act import Experimenter
@@ -46,9 +43,6 @@ class Agent:
         self.state = RunState(self.run_info, options.window_steps)
         self._on_detach = on_detach
         self._pid = os.getpid()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ticks = 0
         if self.enabled:
             self._build(sort_objects(objects))
 
@@ -65,6 +59,8 @@ class Agent:
             self.experimenter = Experimenter.on_probes(self.recorder, options.actions, warn)
             self.recorder.experimenter = self.state.experimenter = self.experimenter
         self.diagnosis = LiveDiagnosis(self.state, options.silence, self.outputs.emit, warn, _print_ranks)
+        self.ticker = Ticker(options.interval, self.state, self.recorder, self.outputs, self.diagnosis,
+                             self.experimenter, lambda: self.attached)
 
     # --- public face ---------------------------------------------------------------------
 
@@ -81,13 +77,12 @@ class Agent:
         self.state.attached = True
         try:
             self.recorder.install(self._patches)
-            self.diagnosis.guard_destroy(self._patches, self._final_exchange)
+            self.diagnosis.guard_destroy(self._patches, self.ticker.final_exchange)
             self.outputs.start()
-            self._thread = threading.Thread(target=self._run, name="tuneup-agent", daemon=True)
-            self._thread.start()
+            self.ticker.start()
             atexit.register(self.detach)
         except BaseException:
-            self._stop.set()
+            self.ticker.stopping.set()
             self._quiet()
             self.outputs.cancel()
             self.recorder.close()
@@ -186,9 +181,9 @@ class Agent:
     def forked(self) -> None:
         """In a forked child (DataLoader worker): go quiet, touch nothing shared; the inherited
         event and lock may have been held at the fork, so they are replaced."""
-        self._stop = threading.Event()
         self.state.forked()
         if self.enabled:
+            self.ticker.forked()
             self.outputs.forked()
             self.recorder.forked()
             if self.experimenter is not None:
@@ -220,64 +215,22 @@ class Agent:
         self.recorder.quiet()
         self._patches.undo_all()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.options.interval):
-            if os.getpid() != self._pid:
-                return
-            try:
-                self._tick()
-            except Exception as exc:  # the tick itself must never die silently
-                self.state.warn("background", f"background sampling stopped after an internal error: {exc!r}")
-                return
-
-    def _tick(self, final: bool = False) -> None:
-        """One background tick (and the last one at detach)."""
-        with self.state.lock:
-            self._ticks += 1
-            self.recorder.sample(self._ticks, final)
-            self.outputs.tick()
-            experimenter = self.experimenter
-            if self.diagnosis.due(self._ticks, final, experimenter is not None and experimenter.accepting):
-                self.diagnosis.run()
-            if experimenter is not None:
-                experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)
-                for record in experimenter.drain():
-                    self.outputs.emit({"event": "action", **record})
-
-    def _final_exchange(self) -> None:
-        """Before the job destroys its process group: the steps so far into the history, then
-        the final cross-rank summaries (diagnose/live.py guards destroy_process_group)."""
-        if self.attached and self.state.lock.acquire(timeout=LOCK_TIMEOUT):
-            try:
-                self._tick()
-                self.diagnosis.finish()
-            finally:
-                self.state.lock.release()
-
     def _detach(self) -> None:
         atexit.unregister(self.detach)
         if os.getpid() != self._pid:
             return  # a forked child: the parent owns the log and the patches
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(2.0, 2 * self.options.interval))
+        self.ticker.stop()
         self.recorder.flush()
         if self.experimenter is not None:  # before the probes go: the changes patch what they patched
             self.experimenter.revert_all("detach")
             self.experimenter.close()
             self.experimenter.on = False
         self._quiet()
-        if not self.state.lock.acquire(timeout=LOCK_TIMEOUT):  # the sampler is stuck (e.g. in NVML)
-            self.state.warn("background", "the background sampler did not stop; the run log has no end event")
-            return
-        try:
-            self._tick(final=True)
-            self.diagnosis.finish()
-            self.outputs.emit(self.recorder.end_event(self.state.warnings))
-        finally:
-            self.state.lock.release()
-            self.recorder.close()
-            self.outputs.stop()
+        self.ticker.last(lambda: self.recorder.end_event(self.state.warnings), self._close)
+
+    def _close(self) -> None:
+        self.recorder.close()
+        self.outputs.stop()
 
 
 def _print_ranks(*args: Any) -> None:
