@@ -3,9 +3,11 @@ whatever else the machine is doing, where timings on a shared 2-core host swing 
 the cost being measured.
 
     python benchmarks/bench_instructions.py [--against DIR] [--apply] [--steps 1000] [--jobs 3]
+                                            [--workload "~5 ms step"]
 
 The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
-SGD, a loss.item() every 10 steps) runs bare and with tuneup attached (advise mode, no endpoint, no run log):
+SGD, a loss.item() every 10 steps; or another of its WORKLOADS, by name) runs bare and with
+tuneup attached (advise mode, no endpoint, no run log):
 200 warm-up steps, then the counted ones, between two calls of getpgrp() (nothing else calls
 it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
 counted. The agent's background sampler is stopped: its cost is per second, not per step,
@@ -36,7 +38,7 @@ JOB = '''
 import os
 import sys
 
-mode, steps, checkout, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+mode, steps, checkout, root, workload = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 sys.path.insert(0, checkout)
 import torch
 import tuneup  # the checkout's, before bench_overhead puts this repository first on the path
@@ -45,7 +47,7 @@ sys.path.append(root)
 from benchmarks.bench_overhead import WORKLOADS, loop, make
 
 torch.set_num_threads(1)
-features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS["~0.4 ms step"]
+features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS[workload]
 job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
 if mode in ("tuneup", "apply"):
     agent = tuneup.attach(log=False, serve=False, gpu=False, mode="advise" if mode == "tuneup" else "apply")
@@ -61,12 +63,12 @@ os.getpgrp()  # ... and here the counted steps
 '''
 
 
-def instructions(job: Path, mode: str, steps: int, checkout: Path, folder: Path, name: str) -> int:
+def instructions(job: Path, mode: str, steps: int, workload: str, checkout: Path, folder: Path, name: str) -> int:
     """Instructions of the counted steps: the dump callgrind wrote at the last getpgrp()."""
     out = folder / name
     subprocess.run(
         ["valgrind", "--tool=callgrind", "--dump-before=getpgrp", f"--callgrind-out-file={out}", sys.executable,
-         str(job), mode, str(steps), str(checkout), str(ROOT)],
+         str(job), mode, str(steps), str(checkout), str(ROOT), workload],
         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     # One part per dump (out.1, out.2, ...; the part after the last dump is `out` itself).
     parts = sorted(folder.glob(f"{name}.*"), key=lambda path: int(path.suffix[1:]))
@@ -80,10 +82,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another tuneup checkout to count beside this one")
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--workload", default="~0.4 ms step", help="a workload of bench_overhead.py, by name")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--apply", action="store_true",
                         help="also apply mode with nothing to act on (no findings reach it: the sampler is stopped)")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_overhead import WORKLOADS
+
+    if args.workload not in WORKLOADS:
+        parser.error(f"no workload {args.workload!r}: choose one of {', '.join(map(repr, WORKLOADS))}")
     checkouts = {"this checkout": ROOT}
     if args.against is not None:
         checkouts[str(args.against)] = args.against.resolve()
@@ -97,11 +105,12 @@ def main() -> None:
         job.write_text(JOB)
         with ThreadPoolExecutor(args.jobs) as pool:
             counts = dict(zip(configs, pool.map(
-                lambda item: instructions(job, item[1][0], args.steps, item[1][1], Path(folder), f"run{item[0]}"),
+                lambda item: instructions(job, item[1][0], args.steps, args.workload, item[1][1], Path(folder),
+                                          f"run{item[0]}"),
                 enumerate(configs.values()))))
     per_step = {name: count / args.steps for name, count in counts.items()}
     bare = per_step["bare loop"]
-    print(f"instructions per training step (callgrind), over {args.steps} steps of the ~0.4 ms CPU step")
+    print(f"instructions per training step (callgrind), over {args.steps} steps of the {args.workload} CPU step")
     print(f"  {'configuration':<48}{'per step':>14}{'ratio':>9}{'added/step':>14}")
     for name, value in per_step.items():
         print(f"  {name:<48}{value:>14,.0f}{value / bare:>9.4f}{value - bare:>14,.0f}")

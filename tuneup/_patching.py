@@ -60,8 +60,10 @@ def measured(*args, **kwargs):
 # Either way nothing of tuneup's is read while dynamo traces the wrapper (it would guard on it
 # and recompile whenever it flips): the gate first only where dynamo never traces the
 # wrapper (its file is one dynamo skips: Tensor.backward, Optimizer.zero_grad).
-OFF_DETAIL = "not _tuneup_gate.detail or _tuneup_is_compiling()"
-TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.detail and args[0].training)"  # a module's forward
+# The gate is the step timeline: `hooked` is True on detail steps and, in loops that update
+# their parameters by hand, on every step (hotpath.py StepTimeline.by_hand).
+OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
+TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"  # a module's forward
 
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],

@@ -115,7 +115,8 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     # An optimizer that already stepped in the open step closes it (a new
                     # iteration began without a DataLoader fetch).
                     tl.moved_on(now, key)
-                    tl.optimizer_start = now
+                    # Less the forwards and backwards inside it (a closure: LBFGS).
+                    tl.optimizer_start = now - tl.forward - tl.backward
                 tl.in_optimizer = True
             except Exception as exc:
                 probe.fail(exc)
@@ -132,7 +133,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 tl.optimizer_steps += 1
                 now = tl.last_optimizer_end = clock()
                 if tl.detail:
-                    tl.optimizer += now - tl.optimizer_start
+                    tl.optimizer += now - tl.forward - tl.backward - tl.optimizer_start
                     probe.read_rate(optimizer)  # the learning rate this update used
                 if tl.loss is not None:
                     tl.step_loss, tl.loss = tl.loss, None
@@ -173,6 +174,8 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
             return None
         if not module.training and probe.grad_enabled() and not tracing():
             probe.eval_with_grad += 1
+        if tl.backward_end is not None and tl.forward_depth == 0:  # parameters updated by hand
+            probe.hand_boundary(module)
         if not tl.detail or tracing():
             return None
         if tl.forward_depth == 0 and probe.read_config_next_forward:
@@ -196,20 +199,26 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
             return None
         if probe.discovery_hooks:  # auto mode's first step: the roots are found by now
             probe.end_discovery()
-        if not tl.detail:
+        if not tl.hooked:
             return None
-        tensor = args[0]
-        if type(tensor) is plain and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
-            tl.loss = tensor.detach()  # read when the step closes
+        if tl.detail:
+            tensor = args[0]
+            if type(tensor) is plain and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
+                tl.loss = tensor.detach()  # read when the step closes
         probe.backward_depth += 1
         return clock()
 
     def after(began: float, result: Any, args: tuple, kwargs: dict) -> None:
         probe.backward_depth -= 1
+        now = clock()
         if tl.step_start is None:
             tl.step_start = began
-        tl.backward += clock() - began
-        tl.backward_passes += 1
+        if tl.detail:
+            tl.backward += now - began
+            tl.backward_passes += 1
+        if tl.by_hand:  # no optimizer: the gradients as this backward left them
+            tl.backward_end = now
+            probe.mark_gradients()
 
     return before, after
 
@@ -249,6 +258,13 @@ class StepTimeline:
         self.fail = fail
         self.detail_every = detail_every
         self.detail = True  # measure the split and the loss on the open step
+        # Until an optimizer steps (or the loop marks its steps), a loop may update its
+        # parameters by hand: every backward is then watched, and the next forward after it
+        # closes the step unless the gradients are accumulating (`hand_boundary`).
+        self.by_hand = True
+        self.hooked = True  # the forward/backward/zero_grad wrappers look: detail or by_hand
+        self.backward_end: float | None = None  # by hand: end of the open step's latest backward
+        self.hand_steps = 0  # steps closed by the hand-update boundary
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
@@ -319,8 +335,25 @@ class StepTimeline:
         self.moved_on(began)
         self.data_wait += ended - began
 
+    def hand_update(self, now: float) -> None:
+        """The step boundary of a loop that updates its parameters by hand: the next forward
+        after a backward (ModelProbe.hand_boundary decides) closes the step at `now`."""
+        self.backward_end = None
+        self.hand_steps += 1
+        if self.step_loss is None and self.loss is not None:
+            self.step_loss, self.loss = self.loss, None
+        self.close(now)
+
+    def not_by_hand(self) -> None:
+        """An optimizer stepped or the loop marks its steps: no hand-update boundary from now on."""
+        if self.by_hand:
+            self.by_hand = False
+            self.backward_end = None
+            self.hooked = self.detail
+
     def optimizer_skipped(self, optimizer: Any, now: float) -> None:
         """GradScaler skipped optimizer.step(): still one step of the loop."""
+        self.not_by_hand()
         self.moved_on(now, id(optimizer))
         self.skipped += 1
         self.last_optimizer_end = now
@@ -331,6 +364,7 @@ class StepTimeline:
     def step_begins(self, now: float) -> None:
         """A @tuneup.step_function call begins: it is a step of its own, so a step the
         loop left open (an optimizer stepped since the last close) closes here."""
+        self.not_by_hand()
         self.moved_on(now)
 
     # --- closing ------------------------------------------------------------------------
@@ -350,10 +384,11 @@ class StepTimeline:
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
         if step + 1 >= self.next_detail:
-            self.detail = True
+            self.detail = self.hooked = True
             self.next_detail = self._detail_after(step + 1)
         else:
             self.detail = False
+            self.hooked = self.by_hand
         ring.count = step  # publish last: readers only see complete records
 
     def _detail_after(self, step: int) -> int:
@@ -383,13 +418,17 @@ class StepTimeline:
             self.in_tuneup = False  # also after a KeyboardInterrupt inside a listener
 
     def flush(self) -> None:
-        """Close the open step at detach, ending it at its last optimizer step."""
+        """Close the open step at detach, ending it at its last optimizer step (by hand: at
+        its last backward)."""
         if self.group and self.last_optimizer_end is not None:
             self.close(self.last_optimizer_end)
+        elif self.backward_end is not None:
+            self.hand_update(self.backward_end)
 
     def manual_step(self, now: float | None = None) -> None:
         """tuneup.step(): close the step now. Automatic boundaries go on working (the
         optimizers stepped so far are forgotten at every close, so none fires twice)."""
+        self.not_by_hand()
         if self.step_loss is None and self.loss is not None:
             self.step_loss, self.loss = self.loss, None
         self.close(perf_counter() if now is None else now)

@@ -80,6 +80,10 @@ class ModelProbe:
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
         self.grad_enabled = torch.is_grad_enabled
         self.backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
+        # Loops that update parameters by hand: one parameter's gradient as the latest backward
+        # left it (weakly: the job frees it at will), to tell an update from accumulation.
+        self._watched: weakref.ref | None = None
+        self._gradient: tuple[weakref.ref, int] | None = None
 
     # --- install --------------------------------------------------------------------
 
@@ -201,6 +205,8 @@ class ModelProbe:
         try:
             if not module.training and torch.is_grad_enabled():
                 self.eval_with_grad += 1
+            if self.timeline.backward_end is not None and self.timeline.forward_depth == 0:
+                self.hand_boundary(module)  # parameters updated by hand
             self.timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
                 self.read_config()
@@ -214,6 +220,39 @@ class ModelProbe:
             self.timeline.forward_end(perf_counter())
         except Exception as exc:
             self.fail(exc)
+
+    # --- the step boundary of loops that update parameters by hand (no optimizer) ----------
+
+    def mark_gradients(self) -> None:
+        """After a backward: remember a trained parameter's gradient (the object and its version
+        counter, which every in-place change bumps: zero_(), clipping's mul_, accumulation)."""
+        parameter = self._watched() if self._watched is not None else None
+        if parameter is None or parameter.grad is None:
+            parameter = next((p for model in self.root_models() for p in model.parameters() if p.grad is not None), None)
+            self._watched = weakref.ref(parameter) if parameter is not None else None
+        gradient = parameter.grad if parameter is not None else None
+        self._gradient = (weakref.ref(gradient), gradient._version) if gradient is not None else None
+
+    def hand_boundary(self, module: nn.Module) -> None:
+        """A root's forward after a backward, in a loop where no optimizer stepped: the step
+        closes here unless this is a training forward and the gradients are as the backward
+        left them (gradient accumulation: the update comes later). Cleared (zero_grad, `p.grad
+        = None`), zeroed in place or clipped, they were used: an update happened. An evaluation
+        forward (eval() or no grad) after a backward ends the training step as well.
+
+        Not seen: a loop that zeroes gradients through `.data` (`p.grad.data.zero_()`), which
+        bypasses the version counter (torch's `Tensor.data` is a fresh alias with a counter of
+        its own: VariableHooks::variable_data, torch/csrc/autograd/variable.cpp); such a loop
+        can mark its steps with tuneup.step()."""
+        if self.tracing():
+            return
+        if module.training and self.grad_enabled() and self._gradient is not None:
+            parameter = self._watched() if self._watched is not None else None
+            gradient = parameter.grad if parameter is not None else None
+            held, version = self._gradient
+            if gradient is not None and held() is gradient and gradient._version == version:
+                return  # accumulating
+        self.timeline.hand_update(self.clock())
 
     def read_config(self) -> None:
         self.read_config_next_forward = False

@@ -24,6 +24,9 @@ from .hotpath import StepTimeline, optimizer_hooks, zero_grad_hooks
 CURVE_POINTS = 256  # learning-rate changes kept per optimizer (halved, every other one, when full)
 
 
+# Optimizers whose step() takes a closure and re-evaluates the model inside it.
+CLOSURE_OPTIMIZERS = ("LBFGS",)
+
 class LearningRate:
     """One optimizer's learning rate as the job really ran it (its first param group's),
     read after the update of each detail step: whoever sets it (an LRScheduler, or the loop
@@ -68,6 +71,7 @@ class OptimizerProbe:
         self.on_new_optimizer = on_new_optimizer
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.seen: set[int] = set()  # ids of self.optimizers: a cheaper test on every step
+        self.classes: list[str] = []  # the class of every optimizer seen stepping, in order
         self.set_to_none: bool | None = None  # as last passed to zero_grad
         self.total_steps = 0  # optimizer.step() calls that ran, of any optimizer (monotonic)
         # Run around every optimizer step by the hooks when set (apply mode's guards): its
@@ -117,7 +121,9 @@ class OptimizerProbe:
                 return False
             key = id(optimizer)
             if key not in self.seen:
+                self.timeline.not_by_hand()  # an optimizer updates the parameters
                 self.seen.add(key)
+                self.classes.append(type(optimizer).__name__)
                 weakref.finalize(optimizer, self._forget, key)  # an id is reused once its object dies
                 self.optimizers.add(optimizer)
                 self.on_new_optimizer(optimizer)

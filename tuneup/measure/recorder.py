@@ -32,11 +32,11 @@ from .loader import LoaderProbe
 from .memory import allocator_stats
 from .model import ModelProbe
 from .objects import Tracked
-from .optimizer import OptimizerProbe
+from .optimizer import CLOSURE_OPTIMIZERS, OptimizerProbe
 from .scaler import ScalerProbe
 from .hotpath import StepTimeline
 from .syncs import SyncCounter
-from .windows import SPIKE_HISTORY, Totals, summarize
+from .windows import SPIKE_HISTORY, Totals, spike_floor, summarize
 
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
 CONFIG_EVERY_TICKS = 10
@@ -79,6 +79,7 @@ class Recorder:
         self.framework: dict[str, Any] | None = None
         self._drained = 0
         self._recent_losses: list[float] = []  # the last losses drained: spikes across intervals
+        self._first_losses: list[float] = []  # the run's first losses: the size spikes are judged by
         self._config_seen: tuple = ()
         self._next_lifecycle = 1
 
@@ -257,20 +258,23 @@ class Recorder:
             first = oldest_held
         columns = ring.columns(first, last)
         self._drained = last
-        interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses)
+        finite = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read and math.isfinite(value)]
+        if len(self._first_losses) < SPIKE_HISTORY:
+            self._first_losses = (self._first_losses + finite)[:SPIKE_HISTORY]
+        interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses,
+                             spike_floor=spike_floor(self._first_losses))
         if interval is not None:
             # The wall-clock end of the last step: its perf_counter close, moved to time.time().
             ended = ring.records[(last - 1) % ring.capacity][0]
             self.totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))
-            finite = [value for value, read in zip(columns["loss"], columns["loss_known"])
-                      if read and math.isfinite(value)]
             self._recent_losses = (self._recent_losses + finite)[-SPIKE_HISTORY:]
         return interval
 
     def window(self, steps: int) -> dict[str, Any] | None:
         """The last `steps` closed steps, summarized exactly (from the ring)."""
         ring = self.timeline.ring
-        return summarize(ring.columns(ring.count - steps + 1, ring.count), forward_measured=self.model.timed)
+        return summarize(ring.columns(ring.count - steps + 1, ring.count), forward_measured=self.model.timed,
+                         spike_floor=spike_floor(self._first_losses))
 
     def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
         event = {"event": "steps", "time": time.time(), **interval}
@@ -282,7 +286,27 @@ class Recorder:
         return event
 
     def habits_summary(self) -> dict[str, Any]:
-        return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad)
+        return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad,
+                    step_boundary=self.step_boundary())
+
+    def step_boundary(self) -> str | None:
+        """How the steps were found (hotpath.py StepTimeline: the boundary rule), in words."""
+        timeline, classes = self.timeline, self.optimizer.classes
+        if classes:
+            names = list(dict.fromkeys(classes))
+            closure = [name for name in names if name in CLOSURE_OPTIMIZERS]
+            text = " and ".join(f"{name}.step()" for name in names)
+            if len(classes) > 1:
+                text += f" ({len(classes)} optimizers: those stepped in one iteration are one step)"
+            if closure:
+                text += f": one step each, {' and '.join(closure)}'s closure passes inside it"
+            return text
+        if timeline.hand_steps:
+            return ("parameters updated by hand (no optimizer): a forward after a backward whose gradients "
+                    "were then used or cleared")
+        if timeline.ring.count:
+            return "tuneup.step() or @tuneup.step_function"
+        return None
 
     def end_event(self, warnings: list[dict[str, Any]]) -> dict[str, Any]:
         """The run log's last event: the run's totals and cumulative sections."""

@@ -70,21 +70,30 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     return None
 
 
+# Reads that torch's own code makes for itself, before any user frame: not the loop's to
+# remove. GradScaler.step reads found_inf; a closure optimizer (LBFGS) reads the closure's
+# loss and compares tensors on the host (torch/optim/lbfgs.py: `float(orig_loss)`, the
+# `<= tolerance` tests), inside the optimizer's step but after the closure's forward has
+# left the optimizer's region.
 GRAD_SCALER_KIND = "grad_scaler"
+OPTIMIZER_KIND = "optimizer"
+INHERENT_KINDS = (GRAD_SCALER_KIND, OPTIMIZER_KIND)
 _GRAD_SCALER_MODULES = frozenset({"torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler"})
 
 
-def _inside_grad_scaler(frame: FrameType | None) -> bool:
-    """Whether the read happens inside GradScaler (its step reads found_inf), before any
-    user frame."""
+def _inherent_kind(frame: FrameType | None) -> str | None:
+    """GRAD_SCALER_KIND or OPTIMIZER_KIND where the read happens inside GradScaler or an
+    optimizer's own code before any user frame; else None."""
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module in _GRAD_SCALER_MODULES:
-            return True
+            return GRAD_SCALER_KIND
+        if module.startswith("torch.optim."):
+            return OPTIMIZER_KIND
         if module in _USER_MODULES or not (module == "torch" or module.startswith(_LIBRARY_PREFIXES)):
-            return False
+            return None
         frame = frame.f_back
-    return False
+    return None
 
 
 def format_location(filename: str, lineno: int) -> str:
@@ -254,8 +263,7 @@ class SyncCounter:
     def record(self, kind: str, frame: FrameType | None) -> None:
         """One host read (or CUDA sync) on the sampled step under way."""
         self.calls += 1
-        if _inside_grad_scaler(frame):
-            kind = GRAD_SCALER_KIND  # the read GradScaler.step itself needs: not the loop's to remove
+        kind = _inherent_kind(frame) or kind  # a read torch's own code needs: not the loop's to remove
         self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
         frame = user_frame(frame)
         if frame is None:

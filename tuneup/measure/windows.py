@@ -22,6 +22,10 @@ Columns = Mapping[str, Sequence[Any]]
 # the loss by an order of magnitude or more.
 SPIKE_FACTOR = 10.0
 SPIKE_HISTORY = 8  # losses a loss is compared against
+# A spike is also at least this share of the loss's starting size (the median size of the
+# first SPIKE_HISTORY losses the run read): a loss that has converged a hundredfold is noise
+# around zero, where a 10x ratio of two tiny values is no exploding gradient.
+SPIKE_FLOOR = 0.1
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -44,22 +48,30 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def spikes(losses: Sequence[float], history: int = SPIKE_HISTORY, context: Sequence[float] = ()) -> int:
-    """Losses over SPIKE_FACTOR times the median of the ones before them (at least 4): the
-    pattern gradient clipping guards against (a bad batch, an exploding gradient). A loss
-    that falls, however fast, never counts. `context`: the losses read just before these
-    (the previous interval's last ones), compared against but not counted, so a spike counts
-    the same wherever the intervals happen to be cut."""
+def spikes(losses: Sequence[float], history: int = SPIKE_HISTORY, context: Sequence[float] = (),
+           floor: float = 0.0) -> int:
+    """Losses over SPIKE_FACTOR times the median size of the ones before them (at least 4) and
+    at least `floor`: the pattern gradient clipping guards against (a bad batch, an exploding
+    gradient). Sizes, not signed values: a loss that changes sign (a policy gradient's) is
+    compared with how large it usually is. A loss that falls, however fast, never counts.
+    `context`: the losses read just before these (the previous interval's last ones),
+    compared against but not counted, so a spike counts the same wherever the intervals
+    happen to be cut. `floor`: see SPIKE_FLOOR."""
     losses = list(context[-history:]) + list(losses)
     count = 0
     for index in range(max(4, min(len(context), history)), len(losses)):
-        before = median(losses[max(0, index - history) : index])
-        if before > 0 and losses[index] > SPIKE_FACTOR * before:
+        before = median([abs(value) for value in losses[max(0, index - history) : index]])
+        if before > 0 and losses[index] > SPIKE_FACTOR * before and losses[index] >= floor:
             count += 1
     return count
 
 
-def loss_summary(columns: Columns, context: Sequence[float] = ()) -> dict[str, Any] | None:
+def spike_floor(first_losses: Sequence[float]) -> float:
+    """SPIKE_FLOOR of the run's starting loss size (0 until a loss was read)."""
+    return SPIKE_FLOOR * median([abs(value) for value in first_losses]) if first_losses else 0.0
+
+
+def loss_summary(columns: Columns, context: Sequence[float] = (), floor: float = 0.0) -> dict[str, Any] | None:
     known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     if not known:
         return None
@@ -74,7 +86,7 @@ def loss_summary(columns: Columns, context: Sequence[float] = ()) -> dict[str, A
         "last": known[-1],
         "median": median(finite) if finite else None,
         "max": max(finite) if finite else None,
-        "spikes": spikes(finite, context=context),
+        "spikes": spikes(finite, context=context, floor=floor),
         "read_steps": len(known),
         "nonfinite_steps": len(known) - len(finite),
         "trend": trend,
@@ -85,10 +97,12 @@ def _ratio(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def summarize(columns: Columns, forward_measured: bool = True, loss_context: Sequence[float] = ()) -> dict[str, Any] | None:
+def summarize(columns: Columns, forward_measured: bool = True, loss_context: Sequence[float] = (),
+              spike_floor: float = 0.0) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
     "other", so both are reported as unknown rather than as a misleading zero.
-    `loss_context`: the finite losses read before these steps (see `spikes`)."""
+    `loss_context`: the finite losses read before these steps, `spike_floor` the smallest
+    spike (see `spikes`)."""
     steps = len(columns["step_seconds"])
     if not steps:
         return None
@@ -142,7 +156,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
             sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
-        "loss": loss_summary(columns, loss_context),
+        "loss": loss_summary(columns, loss_context, spike_floor),
         "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }
     if detailed:

@@ -198,13 +198,18 @@ def render(snapshot: dict[str, Any]) -> Group:
             f"(run {snapshot['run']['run_id']})")
     parts.append(Text(head, style="bold"))
     if window is None:
-        parts.append(Text("No training step was seen: is there an optimizer.step() (or tuneup.step()) in the loop?"))
+        parts.append(Text("No training step was seen: no optimizer.step(), no backward followed by a forward, no "
+                          "tuneup.step() (mark the loop's steps with tuneup.step())."))
         return Group(*parts)
     throughput = (f"Throughput: {_rate(window['steps_per_second'], 'steps/s')}, "
                   f"{_rate(window['samples_per_second'], 'samples/s')}")
     if window.get("batch_size"):
         throughput += f" (batch {window['batch_size']:g})"
-    parts += [Text(throughput), step_table(window)]
+    parts.append(Text(throughput))
+    boundary = (snapshot.get("habits") or {}).get("step_boundary")
+    if boundary:
+        parts.append(Text(f"Steps counted at: {boundary}"))
+    parts.append(step_table(window))
     lines = sync_lines(snapshot["syncs"]) + [scaler_line(snapshot["scaler"])]
     loss = window.get("loss")
     if loss:

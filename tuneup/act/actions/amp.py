@@ -34,6 +34,7 @@ from torch.amp.grad_scaler import GradScaler
 from ..._patching import PatchSet, measured, posing_as
 from ...measure.config import is_compiled
 from ...measure.model import tracing
+from ...measure.optimizer import CLOSURE_OPTIMIZERS
 from ..action import FASTER, Action, Change, LiveJob
 
 GUARD_STEPS = 300
@@ -54,7 +55,6 @@ def forward(self, *args, **kwargs):
         output = _tuneup_original(self, *args, **kwargs)
     return _tuneup_to_float32(output)
 """
-_CLOSURE_OPTIMIZERS = ("LBFGS",)
 
 
 def to_float32(output: Any) -> Any:
@@ -313,7 +313,7 @@ class Amp(Action):
         if len(devices) != 1 or devices - {"cpu", "cuda"}:
             return self.refuse(f"parameters on {', '.join(sorted(devices))}: autocast needs one CPU or CUDA device")
         device = devices.pop()
-        closures = sorted({type(o).__name__ for o in job.optimizers.optimizers} & set(_CLOSURE_OPTIMIZERS))
+        closures = sorted({type(o).__name__ for o in job.optimizers.optimizers} & set(CLOSURE_OPTIMIZERS))
         if closures:
             return self.refuse(f"{', '.join(closures)} re-evaluates the model in its closure")
         scalers = [s for s in job.scalers.scalers if getattr(s, "_device", None) == device]

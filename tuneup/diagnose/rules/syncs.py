@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...measure.syncs import GRAD_SCALER_KIND
+from ...measure.syncs import GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ..rule import Evidence, Facts, rule
 
 SYNCS_PER_STEP = 1.0
@@ -17,7 +17,8 @@ FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each st
     severity="medium",
     inputs="host-device syncs counted on sampled steps, with their source lines",
     threshold=f">= {SYNCS_PER_STEP:g} sync per step on average",
-    why="Syncs inside GradScaler.step (it reads whether gradients overflowed) are not counted. "
+    why="Syncs inside GradScaler.step (it reads whether gradients overflowed) and inside an optimizer's own "
+        "code (LBFGS reads its closure's loss) are not counted: the loop cannot remove them. "
         "Each sync stops the host until the GPU has finished all queued work, so the host can "
         "no longer run ahead and the GPU idles while the next kernels are launched. One per step "
         "already drains the queue every step.",
@@ -25,11 +26,12 @@ FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each st
 )
 def host_syncs(facts: Facts) -> Evidence | None:
     syncs = facts.syncs
-    inherent = (syncs.get("by_kind") or {}).get(GRAD_SCALER_KIND, 0.0)
-    per_step = syncs["per_step"] - inherent  # GradScaler.step's own read is not the loop's to remove
+    by_kind = syncs.get("by_kind") or {}
+    inherent = sum(by_kind.get(kind, 0.0) for kind in INHERENT_KINDS)
+    per_step = syncs["per_step"] - inherent  # torch's own reads are not the loop's to remove
     if per_step < SYNCS_PER_STEP:
         return None
-    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] != GRAD_SCALER_KIND]
+    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] not in INHERENT_KINDS]
     where = "; ".join(f"{s['kind']} at {s['location']} ({s['per_step']:.1f}/step)" for s in sources[:3])
     on_gpu = syncs.get("backend") == "cuda"
     gain = None
@@ -55,7 +57,8 @@ def host_syncs(facts: Facts) -> Evidence | None:
                "step's loss\n# (a NaN loss then shows in the logged loss instead of being skipped in it)")
     return Evidence(
         observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
-        numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": inherent, "backend": syncs.get("backend"),
+        numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": by_kind.get(GRAD_SCALER_KIND, 0.0),
+                 "optimizer_syncs_per_step": by_kind.get(OPTIMIZER_KIND, 0.0), "backend": syncs.get("backend"),
                  "sampled_steps": syncs.get("sampled_steps"), "top_sources": sources[:5]},
         fix=fix,
         gain=gain,

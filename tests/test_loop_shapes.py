@@ -1,0 +1,207 @@
+"""Loops as people write them (issue 12): scripts in tests/programs shaped like public
+examples, each with its ground truth written in its docstring from its source, run under
+`tuneup run` and checked against that truth: the same output as plain python, the steps
+exact, the host reads on the lines that make them, the step boundary named, and the
+findings the truth calls for and no others. Then the boundary rules on small in-process
+loops."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import tuneup
+from tests.conftest import PROGRAMS, child_env
+from tuneup.measure.windows import spike_floor, spikes
+
+# Rules judged from the machine's load rather than from the loop (the host's other processes,
+# its cores): on a shared CI machine they may fire on any script; issue 15 is making them judge
+# the job's own demand. The corpus holds the loop's findings to its truth.
+MACHINE_RULES = frozenset({"cpu-oversubscribed"})
+
+
+def marked_line(program: str, mark: str) -> int:
+    """The line of `program` that carries the comment `# <mark>`."""
+    lines = (PROGRAMS / program).read_text().splitlines()
+    matches = [number for number, text in enumerate(lines, 1) if text.rstrip().endswith(f"# {mark}")]
+    assert len(matches) == 1, f"{program} should mark one line {mark}"
+    return matches[0]
+
+
+# program: (steps from the script's output, reads per step by marked line, boundary text,
+#           findings the truth calls for, findings allowed beside them)
+CORPUS = {
+    "word_lm_manual_sgd.py": (
+        lambda out: int(re.search(r"^steps (\d+)$", out, re.M).group(1)),
+        {"READ-TRAIN": 1.0}, "parameters updated by hand", {"host-syncs"}, set()),
+    "regression_manual.py": (
+        lambda out: int(re.search(r"after (\d+) batches", out).group(1)),
+        {"READ": 1.0, "READ-TARGET": 1.0}, "parameters updated by hand",
+        # Heavy-tailed batches (x**4 of normal samples): the loss leaps from ~0.2 back to 2-6,
+        # half its starting size, on a few late batches: the spikes clipping bounds.
+        {"host-syncs", "no-grad-clipping"}, set()),
+    "lbfgs_sequence.py": (
+        lambda out: out.count("STEP: "),
+        # 5 closure passes per step (max_iter=5), each with its loss.item(); LBFGS's own
+        # float()/comparisons are the optimizer's, not the loop's.
+        {"READ-CLOSURE": 5.0, "READ-TEST": 1.0}, "LBFGS.step(): one step each", {"host-syncs"}, set()),
+    "dcgan_two_optimizers.py": (
+        lambda out: int(re.search(r"^steps (\d+)$", out, re.M).group(1)),
+        {"READ-DX": 1.0, "READ-DGZ1": 1.0, "READ-DGZ2": 1.0, "READ-PRINT": 2.0},
+        "Adam.step() (2 optimizers", {"host-syncs"},
+        # Workers restart every epoch (persistent_workers=False) and an epoch is 6 batches here:
+        # their start-up is a real share of the run, so a stall finding would be true.
+        {"data-stall"}),
+}
+
+
+@pytest.mark.parametrize("program", sorted(CORPUS))
+def test_public_loop_shapes_against_their_ground_truth(tmp_path, program):
+    from tuneup.report.document import build
+    from tuneup.report.sources import load
+
+    steps_of, reads, boundary, required, allowed = CORPUS[program]
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0")
+    script = str(PROGRAMS / program)
+    plain = subprocess.run([sys.executable, script], env={**env, "TUNEUP_DISABLE": "1"}, capture_output=True,
+                           text=True, timeout=300)
+    measured = subprocess.run([sys.executable, "-m", "tuneup", "run", script], env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert plain.returncode == 0 and measured.returncode == 0, measured.stderr
+    assert measured.stdout == plain.stdout  # the script's own output, bit for bit
+    assert "TuneupWarning" not in measured.stderr, measured.stderr
+
+    histories, source = load(str(tmp_path / "run"))
+    document = build(histories, source=source)
+    snapshot = document["runs"][0]["snapshot"]
+    assert snapshot["totals"]["steps"] == steps_of(plain.stdout)
+    assert boundary in snapshot["habits"]["step_boundary"]
+
+    syncs = snapshot["syncs"]
+    by_line = {}
+    for entry in syncs["top_sources"]:
+        if entry["kind"] != "optimizer":
+            filename, line = entry["location"].rsplit(":", 1)
+            assert filename.endswith(program), entry
+            by_line[int(line)] = by_line.get(int(line), 0.0) + entry["per_step"]
+    expected = {marked_line(program, mark): per_step for mark, per_step in reads.items()}
+    assert by_line == expected
+
+    found = {finding["rule"] for finding in document["findings"]} - MACHINE_RULES
+    assert required <= found and found <= required | allowed, document["findings"]
+
+
+# --- the step boundary of loops that update their parameters by hand ----------------------------
+
+def _regression(steps: int, update, *, accumulate: int = 1, evaluate_every: int = 0):
+    """A small regression trained by hand: `update(model)` after every `accumulate` backwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    for step in range(steps):
+        for _ in range(accumulate):
+            nn.functional.mse_loss(model(x), y).backward()
+        update(model)
+        if evaluate_every and (step + 1) % evaluate_every == 0:
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+    return model
+
+
+def _sgd_then_none(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+            p.grad = None
+
+
+def _sgd_then_zero(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.01)
+            p.grad.zero_()
+
+
+def _data_then_zero_grad(model):
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.01)
+    model.zero_grad()
+
+
+@pytest.mark.parametrize("update", [_sgd_then_none, _sgd_then_zero, _data_then_zero_grad],
+                         ids=["p.grad = None", "p.grad.zero_()", "p.data.add_ + model.zero_grad()"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_hand_updates_are_steps(run_dir, update, accumulate):
+    with tuneup.attach(run_dir=run_dir) as agent:
+        _regression(30, update, accumulate=accumulate, evaluate_every=7)
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 30
+    assert agent.recorder.timeline.hand_steps == 30
+    assert "by hand" in snapshot["habits"]["step_boundary"]
+    if accumulate > 1:  # three backwards in each step (the split's detail steps count them)
+        assert snapshot["window"]["backward_passes_per_step"] == 3
+
+
+def test_gradient_accumulation_before_the_first_optimizer_step_is_one_step(run_dir):
+    """Until an optimizer steps, the hand-update rule watches; micro-batches that accumulate
+    (the gradients as the previous backward left them) must not be taken for steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(12):
+            for _ in range(8):
+                nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 12
+    assert agent.recorder.timeline.hand_steps == 0
+    assert snapshot["habits"]["step_boundary"] == "AdamW.step()"
+
+
+def test_lbfgs_optimizer_time_excludes_its_closure_passes(run_dir):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+    passes = 0
+
+    def closure():
+        nonlocal passes
+        passes += 1
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for _ in range(8):
+            optimizer.step(closure)
+    window = agent.snapshot()["window"]
+    assert agent.snapshot()["totals"]["steps"] == 8
+    split = {part: window[part]["mean"] for part in ("forward_seconds", "backward_seconds", "optimizer_seconds")}
+    # The parts are disjoint: together no more than the detail steps' time.
+    assert sum(split.values()) <= window["step_seconds"]["max"]
+    assert window["backward_passes_per_step"] == pytest.approx(passes / 8, rel=0.5)
+
+
+def test_spikes_are_judged_by_size_and_against_the_starting_loss():
+    settled = [0.2, 0.18, 0.21, 0.19, 0.2, 0.22, 0.19, 0.2]
+    assert spikes(settled + [3.0]) == 1  # 15x its recent size
+    # A loss near zero that changes sign: 10x a tiny median, but no larger than it usually is.
+    policy = [0.05, -0.04, 0.002, -0.06, 0.001, 0.03, -0.05, 0.004]
+    assert spikes(policy + [0.04]) == 0
+    # Converged a thousandfold: a 10x leap of noise stays far under the starting loss.
+    converged = [0.001, 0.0012, 0.0009, 0.0011, 0.001, 0.001, 0.0008, 0.001]
+    floor = spike_floor([5.0, 4.8, 4.6, 4.5, 4.4, 4.2, 4.0, 3.9])
+    assert spikes(converged + [0.02], floor=floor) == 0
+    assert spikes(converged + [2.0], floor=floor) == 1
