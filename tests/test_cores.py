@@ -1057,12 +1057,39 @@ def test_timeline_steps_close_at_the_next_fetch():
 
 
 def test_timeline_detail_steps():
-    tl = timeline()
-    for step in range(1, 13):
+    tl = timeline(capacity=512)
+    for step in range(1, 401):
         tl.manual_step(now=float(step))
-    # The first five, then every 4th (detail_every): 8, 12.
+    # The first five, then one step drawn from each block of 4 (detail_every): 5-8, 9-12, ...
     assert EARLY_DETAIL_STEPS == 5
-    assert tl.ring.columns(1, 12)["detailed"] == [True] * 5 + [False, False, True, False, False, False, True]
+    detailed = tl.ring.columns(1, 400)["detailed"]
+    assert detailed[:5] == [True] * 5
+    blocks = [detailed[start:start + 4] for start in range(8, 400, 4)]  # steps 9-12, ..., 397-400
+    assert all(block.count(True) == 1 for block in blocks)
+    assert sum(detailed[5:8]) <= 1  # block 5-8: its draw, unless it fell on an early step
+    # Drawn, not every 4th: each position within a block is taken about as often.
+    positions = [block.index(True) for block in blocks]
+    assert all(positions.count(place) >= 10 for place in range(4)), positions
+
+
+def test_sampled_steps_do_not_alias_with_a_loop_period():
+    """A read every 50 steps (evaluation, logging) against steps sampled from blocks of 20:
+    every 20th would meet it on every sampled step it shares with 100; drawn at random, the
+    average over the samples is close to the truth (1 in 50)."""
+    from tuneup.measure.steps import sampled_after
+
+    samples, step = [], 0
+    while True:
+        step = sampled_after(step, 20)
+        if step > 200_000:
+            break
+        samples.append(step)
+    assert len(samples) == 10_000
+    assert all(sampled_after(s - 1, 20) == s for s in samples[:100])  # a pure function of the block
+    on_period = sum(1 for s in samples if s % 50 == 0) / len(samples)
+    assert on_period == pytest.approx(1 / 50, abs=0.006)
+    every_20th = sum(1 for s in range(20, 200_001, 20) if s % 50 == 0) / 10_000
+    assert every_20th == pytest.approx(1 / 5)  # what every Nth sampling saw
 
 
 def test_timeline_first_step_starts_at_attach_when_nothing_came_before():

@@ -25,3 +25,17 @@ def size(value: float | None) -> str:
 
 def percent(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
+
+
+def read_rate(source: dict) -> str:
+    """How often a host-read source reads: "1.0/step" when it reads on (nearly) every sampled
+    step, else "3 reads on 2 of 40 sampled steps" (evaluation, logging every N steps): a
+    per-step average of a read that comes in bursts would name a rate no step has. A source
+    from an older or damaged run log (no counts, or counts of the wrong type) gets its rate."""
+    rate, steps, out_of = source.get("per_step"), source.get("steps"), source.get("out_of")
+    if not isinstance(rate, (int, float)) or rate != rate:
+        return "–"
+    if not (isinstance(steps, int) and isinstance(out_of, int)) or not 0 < steps < 0.9 * out_of:
+        return f"{rate:.1f}/step"
+    reads = round(rate * out_of / steps, 1)
+    return f"{reads:g} read{'s' if reads != 1 else ''} on {steps} of {out_of} sampled steps"

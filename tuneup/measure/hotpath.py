@@ -20,8 +20,8 @@ operations of tuneup's own, each costing 60-90 ns in place there):
                                                 without a fetch; optimizer time on detail steps
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
-On detail steps (the first five, then every `detail_every`th, and apply mode's guarded
-steps) the wrappers time the forward, backward, zero_grad and optimizer, and keep the loss
+On detail steps (the first five, then one drawn at random from every `detail_every`, and
+apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer, and keep the loss
 for reading at the close.
 
 The step boundary is one rule, `StepTimeline.moved_on`; the hooks call it only when it has
@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
+from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
 
@@ -392,12 +392,12 @@ class StepTimeline:
         ring.count = step  # publish last: readers only see complete records
 
     def _detail_after(self, step: int) -> int:
-        """The first detail step after `step`: the first five, every `detail_every`th, the
-        guarded ones."""
+        """The first detail step after `step`: the first five, the guarded ones, else one drawn
+        at random from each block of `detail_every` (steps.py sampled_after)."""
         following = step + 1
         if following <= EARLY_DETAIL_STEPS or following <= self.detail_until:
             return following
-        return following + (-following) % self.detail_every
+        return sampled_after(step, self.detail_every)
 
     def detail_through(self, step: int) -> None:
         """Every step up to `step` is a detail step (apply mode's guarded steps), from the

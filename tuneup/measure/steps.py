@@ -1,7 +1,8 @@
 """The step records: one tuple per closed step in a ring, and its per-step columns.
 
-A step ends at an optimizer step (gradient accumulation: many backward passes, one step).
-Because a loop may step several optimizers per iteration, a step is closed lazily, when the
+A step ends at an optimizer step (gradient accumulation: many backward passes, one step),
+or, in a loop with no optimizer, at the forward after a backward whose gradients were used
+(parameters updated by hand). Because a loop may step several optimizers per iteration, a step is closed lazily, when the
 next one visibly starts (hotpath.py: `StepTimeline.moved_on`, the one place this rule is
 written). `tuneup.step()` closes a step explicitly. Step windows therefore tile the timeline
 (close to close), and every counter lands in exactly one step.
@@ -36,6 +37,30 @@ RECORD = (
 )
 CUMULATIVE = RECORD[1:-1]
 EARLY_DETAIL_STEPS = 5
+SAMPLING_SEED = 0x7E1E
+
+
+def sampled_after(step: int, every: int, seed: int = SAMPLING_SEED) -> int:
+    """The first step after `step` chosen when one step is drawn at random from each block of
+    `every` steps (1..every, every+1..2*every, ...): stratified sampling. Every block gets its
+    sample, so the samples are spread over the run, and no loop period can line up with them
+    (evaluation or logging every 10, 50, 100 steps would meet every Nth step each time): an
+    average over sampled steps is an unbiased estimate of the run's. The draw is a pure
+    function of the block, so asking twice gives the same step."""
+    block = step // every  # the block of step + 1
+    while True:
+        chosen = block * every + 1 + _draw(block, seed) % every
+        if chosen > step:
+            return chosen
+        block += 1
+
+
+def _draw(block: int, seed: int) -> int:
+    """A fixed pseudo-random number for a block (murmur3's 32-bit finalizer)."""
+    x = (block * 0x9E3779B1 + seed) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 # Side values: (name, value for a step that has none).
 LATE = (
     ("loss", math.nan),  # read from the device when ready; see loss_known in columns()

@@ -1,7 +1,7 @@
 """Host-device synchronizations per step, by kind, with the source lines that cause them.
 
-Counted on sampled steps only (a few early steps, then every Nth), so unsampled steps pay
-nothing. Two backends, chosen per sampled step:
+Counted on sampled steps only (a few early steps, then one drawn at random from every N), so
+unsampled steps pay nothing. Two backends, chosen per sampled step:
 
 - CUDA initialized: torch's own sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`)
   reports every synchronizing CUDA call as a warning; we count and swallow those warnings
@@ -39,6 +39,7 @@ import torch
 
 from .._patching import PatchSet, posing_as, quiet_dynamo
 from .hotpath import HOST_READ, StepTimeline
+from .steps import sampled_after
 
 HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "item"),
@@ -130,6 +131,7 @@ class SyncCounter:
         self.step_unattributed = 0
         self.by_kind: dict[str, int] = {}
         self.sources: dict[tuple[str, int, str, str], int] = {}  # (file, line, function, kind)
+        self.source_steps: dict[tuple[str, int, str, str], int] = {}  # sampled steps each source read on
         self.unattributed = 0
         self.off_reason: str | None = None
         self._busy = False
@@ -150,6 +152,7 @@ class SyncCounter:
             for key, count in self.step_sources.items():
                 if key in self.sources or len(self.sources) < MAX_SOURCES:
                     self.sources[key] = self.sources.get(key, 0) + count
+                    self.source_steps[key] = self.source_steps.get(key, 0) + 1
                 else:
                     self.unattributed += count
             self.unattributed += self.step_unattributed
@@ -158,11 +161,12 @@ class SyncCounter:
             self._start()
 
     def sample_after(self, step: int) -> int:
-        """The first sampled step after `step`: steps 3-5, then every `sample_every`th."""
+        """The first sampled step after `step`: steps 3-5, then one drawn at random from each
+        block of `sample_every` (steps.py sampled_after: no loop period aliases with it)."""
         for early in EARLY_SAMPLES:
             if early > step:
                 return early
-        return (step // self.sample_every + 1) * self.sample_every if self.sample_every > 0 else -1
+        return sampled_after(step, self.sample_every) if self.sample_every > 0 else -1
 
     def turn_off(self, reason: str) -> None:
         """Stop sampling for a reason that is not a failure (e.g. torch.compile in use)."""
@@ -287,6 +291,7 @@ class SyncCounter:
         by_kind = {kind: per_step(kind, count) for kind, count in sorted(dict(self.by_kind).items())} if sampled else {}
         sources = [(key, per_step(key[3], count)) for key, count in dict(self.sources).items()] if sampled else []
         ranked = sorted(sources, key=lambda item: -item[1])[:top]
+        source_steps = dict(self.source_steps)
         return {
             "measured": sampled > 0,
             "backend": self.backend,
@@ -301,6 +306,10 @@ class SyncCounter:
                     "function": function,
                     "kind": kind,
                     "per_step": rate,
+                    # On how many of the sampled steps it read, and how often when it did: a
+                    # read of evaluation or logging every N steps shows as such.
+                    "steps": source_steps.get((filename, lineno, function, kind), 0),
+                    "out_of": self.watched_steps if kind in WATCHED_KINDS else sampled,
                 }
                 for (filename, lineno, function, kind), rate in ranked
             ],

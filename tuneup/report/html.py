@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from ..format import percent, seconds
+from ..format import percent, read_rate, seconds
 from . import summary
 from .text import checked_summary, ranks_label
 
@@ -363,7 +363,7 @@ def _numbers(totals: dict[str, Any], window: dict[str, Any], syncs: dict[str, An
 def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
     """The text summary's lines: syncs and their source lines, GradScaler, loss, system, config."""
     syncs = snapshot["syncs"]
-    sources = "".join(f"<li>{_finite(s['per_step']) or 0:.1f}/step {escape(s['kind'])} at <code>{escape(s['location'])}"
+    sources = "".join(f"<li>{escape(read_rate(s))} {escape(s['kind'])} at <code>{escape(s['location'])}"
                       f"</code> in {escape(s['function'])}()</li>" for s in syncs.get("top_sources", [])[:6])
     items = [escape(summary.sync_lines(syncs)[0]) + (f"<ul>{sources}</ul>" if sources else ""),
              escape(summary.scaler_line(snapshot["scaler"]))]

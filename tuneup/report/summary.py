@@ -9,7 +9,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ..format import percent, seconds, size
+from ..format import percent, read_rate, seconds, size
 
 
 def _rate(value: float | None, unit: str) -> str:
@@ -119,7 +119,7 @@ def sync_lines(syncs: dict[str, Any]) -> list[str]:
     lines = [f"Host-device syncs: {syncs['per_step']:.1f} per step ({syncs['meaning']}, "
              f"{syncs['sampled_steps']} sampled steps)"]
     for source in syncs["top_sources"][:6]:
-        lines.append(f"    {source['per_step']:4.1f}/step  {source['kind']:<8} {source['location']}  in {source['function']}()")
+        lines.append(f"    {read_rate(source):>8}  {source['kind']:<8} {source['location']}  in {source['function']}()")
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...measure.syncs import GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
+from ...format import read_rate
 from ..rule import Evidence, Facts, rule
 
 SYNCS_PER_STEP = 1.0
@@ -32,7 +33,7 @@ def host_syncs(facts: Facts) -> Evidence | None:
     if per_step < SYNCS_PER_STEP:
         return None
     sources = [s for s in syncs.get("top_sources") or [] if s["kind"] not in INHERENT_KINDS]
-    where = "; ".join(f"{s['kind']} at {s['location']} ({s['per_step']:.1f}/step)" for s in sources[:3])
+    where = "; ".join(f"{s['kind']} at {s['location']} ({read_rate(s)})" for s in sources[:3])
     on_gpu = syncs.get("backend") == "cuda"
     gain = None
     gain_text = None
