@@ -53,6 +53,8 @@ def make_columns(step_seconds, first=1, losses=None, **given):
         "backward_passes": [1] * n,
         "optimizer_steps": [1] * n,
         "skipped_steps": [0] * n,
+        "evaluation_seconds": [0.0] * n,
+        "evaluations": [0] * n,
         "detailed": [False] * n,
         "loss": [NAN] * n,
         "syncs": [-1.0] * n,

@@ -63,7 +63,10 @@ def measured(*args, **kwargs):
 # The gate is the step timeline: `hooked` is True on detail steps and, in loops that update
 # their parameters by hand, on every step (hotpath.py StepTimeline.by_hand).
 OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
-TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"  # a module's forward
+# A module's forward: a training forward (train() mode, autograd on) off hooked steps; the
+# others are looked at on every step (evaluation phases, eval() forwards with grad).
+TRAINING_OFF_DETAIL = ("_tuneup_is_compiling() or "
+                       "(not _tuneup_gate.hooked and args[0].training and _tuneup_grad_enabled())")
 
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
@@ -81,7 +84,7 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     parts (after a graph break) dynamo would otherwise compile tuneup's bookkeeping frames as
     the job's own: extra graphs and graph breaks.
 
-    With a `gate` (an object with a `detail` flag, the StepTimeline), calls are skipped as
+    With a `gate` (an object with a `hooked` flag, the StepTimeline), calls are skipped as
     `skip` says: OFF_DETAIL or TRAINING_OFF_DETAIL (see there)."""
     import torch
 
@@ -90,7 +93,8 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     if gate is None:
         return posing_as(original, _MEASURED, home=home, **bindings)
     template = _MEASURED.replace("    if _tuneup_is_compiling():", f"    if {skip}:", 1)
-    return posing_as(original, template, home=home, _tuneup_gate=gate, **bindings)
+    return posing_as(original, template, home=home, _tuneup_gate=gate, _tuneup_grad_enabled=torch.is_grad_enabled,
+                     **bindings)
 
 
 def posing_as(original: Any, template: str, *, home: type | None = None, **bindings: Any) -> types.FunctionType:

@@ -50,6 +50,7 @@ import torch
 from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
+EVALUATION_FORWARDS = 2  # no-grad forwards in train() mode that make an evaluation phase
 
 
 # --- DataLoader: next(iterator) --------------------------------------------------------------
@@ -164,18 +165,31 @@ def zero_grad_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]
 
 def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
     """A root model class's forward: timed on detail steps (True), else untimed (None): not a
-    root, or the model being traced (jit.trace, fx) rather than trained. Counts evaluation
+    root, or the model being traced (jit.trace, fx) rather than trained. A forward of a
+    trained model in eval() mode or without autograd is an evaluation forward (EVALUATION):
+    the phase it opens is timed apart, ended by the next training forward. Counts evaluation
     forwards that build autograd graphs on the way."""
-    tl, clock, roots, tracing = probe.timeline, probe.clock, probe.roots, probe.tracing
+    tl, clock, roots, tracing, trained = probe.timeline, probe.clock, probe.roots, probe.tracing, probe.trained
 
-    def before(args: tuple, kwargs: dict) -> bool | None:
+    def before(args: tuple, kwargs: dict) -> Any:
         module = args[0]
-        if id(module) not in roots or not probe.on:
+        key = id(module)
+        if key not in roots or not probe.on:
             return None
-        if not module.training and probe.grad_enabled() and not tracing():
-            probe.eval_with_grad += 1
+        grad = probe.grad_enabled()
         if tl.backward_end is not None and tl.forward_depth == 0:  # parameters updated by hand
             probe.hand_boundary(module)
+        if module.training and grad:
+            if tl.evaluating:
+                tl.evaluation_ends()
+            if key not in trained:
+                trained.add(key)
+        elif not tracing():
+            if grad:
+                probe.eval_with_grad += 1
+            if key in trained and tl.forward_depth == 0 and not tl.in_optimizer:
+                tl.evaluation_forward(clock(), not module.training)
+                return EVALUATION
         if not tl.detail or tracing():
             return None
         if tl.forward_depth == 0 and probe.read_config_next_forward:
@@ -183,10 +197,16 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         tl.forward_begin(clock())
         return True
 
-    def after(token: bool, result: Any, args: tuple, kwargs: dict) -> None:
-        tl.forward_end(clock())
+    def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
+        if token is EVALUATION:
+            tl.evaluation_forward_ended(clock())
+        else:
+            tl.forward_end(clock())
 
     return before, after
+
+
+EVALUATION = "evaluation"  # forward_hooks' token for an evaluation forward
 
 
 def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
@@ -201,6 +221,8 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
             probe.end_discovery()
         if not tl.hooked:
             return None
+        if tl.evaluating:  # training went on without a forward seen (a compiled one, say)
+            tl.evaluation_ends()
         if tl.detail:
             tensor = args[0]
             if type(tensor) is plain and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
@@ -265,6 +287,14 @@ class StepTimeline:
         self.hooked = True  # the forward/backward/zero_grad wrappers look: detail or by_hand
         self.backward_end: float | None = None  # by hand: end of the open step's latest backward
         self.hand_steps = 0  # steps closed by the hand-update boundary
+        # An evaluation phase: forwards of a trained model in eval() mode or without autograd,
+        # between training forwards (evaluation_forward .. evaluation_ends).
+        self.evaluating = False
+        self.evaluation_confirmed = False  # evaluation, not a lone no-grad forward inside a step
+        self.evaluation_id = 0  # phases opened so far
+        self.evaluation_start = self.evaluation_last = 0.0
+        self.evaluation_wait = self.evaluation_last_wait = 0.0  # data_wait at both ends
+        self.evaluation_forwards = 0
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
@@ -298,6 +328,8 @@ class StepTimeline:
         self.backward_passes = 0
         self.optimizer_steps = 0
         self.skipped = 0
+        self.evaluation = 0.0  # seconds in evaluation phases, their data waits left out
+        self.evaluations = 0
 
     # --- events ---------------------------------------------------------------------------
 
@@ -335,6 +367,40 @@ class StepTimeline:
         self.moved_on(began)
         self.data_wait += ended - began
 
+    def evaluation_forward(self, now: float, eval_mode: bool) -> None:
+        """A trained model's forward in eval() mode (`eval_mode`) or without autograd: it opens
+        an evaluation phase or belongs to the open one. While one is open every forward is
+        looked at (`hooked`): the next training forward ends it."""
+        if self.step_start is None:
+            self.step_start = now  # the run's first step opens here: it holds this phase
+        if not self.evaluating:
+            self.evaluating = True
+            self.evaluation_confirmed = False
+            self.evaluation_id += 1
+            self.hooked = True
+            self.evaluation_start = self.evaluation_last = now
+            self.evaluation_wait = self.evaluation_last_wait = self.data_wait
+            self.evaluation_forwards = 0
+        self.evaluation_forwards += 1
+        # One no-grad forward in train() mode may be part of the step (an action chosen by the
+        # policy being trained, a target computed); eval() mode or a second one is evaluation.
+        if eval_mode or self.evaluation_forwards >= EVALUATION_FORWARDS:
+            self.evaluation_confirmed = True
+
+    def evaluation_forward_ended(self, now: float) -> None:
+        self.evaluation_last = now
+        self.evaluation_last_wait = self.data_wait
+
+    def evaluation_ends(self) -> None:
+        """Training goes on: an evaluation phase's time, from its first forward's start to its last
+        one's end, less the data waits inside it (they stay data wait), is left out of the step."""
+        self.evaluating = False
+        self.hooked = self.detail or self.by_hand
+        if self.evaluation_confirmed:
+            self.evaluation += max(0.0, (self.evaluation_last - self.evaluation_start)
+                                   - (self.evaluation_last_wait - self.evaluation_wait))
+            self.evaluations += 1
+
     def hand_update(self, now: float) -> None:
         """The step boundary of a loop that updates its parameters by hand: the next forward
         after a backward (ModelProbe.hand_boundary decides) closes the step at `now`."""
@@ -349,7 +415,7 @@ class StepTimeline:
         if self.by_hand:
             self.by_hand = False
             self.backward_end = None
-            self.hooked = self.detail
+            self.hooked = self.detail or self.evaluating
 
     def optimizer_skipped(self, optimizer: Any, now: float) -> None:
         """GradScaler skipped optimizer.step(): still one step of the loop."""
@@ -377,7 +443,8 @@ class StepTimeline:
             ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
         ring.records[ring.count % ring.capacity] = (
             now, self.data_wait, self.forward, self.backward, self.optimizer, self.samples,
-            self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.detail,
+            self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
+            self.evaluations, self.detail,
         )
         if self.detail or step >= self.wake_at or self.step_loss is not None:
             self._notify(step)
@@ -388,7 +455,7 @@ class StepTimeline:
             self.next_detail = self._detail_after(step + 1)
         else:
             self.detail = False
-            self.hooked = self.by_hand
+            self.hooked = self.by_hand or self.evaluating
         ring.count = step  # publish last: readers only see complete records
 
     def _detail_after(self, step: int) -> int:
@@ -420,6 +487,8 @@ class StepTimeline:
     def flush(self) -> None:
         """Close the open step at detach, ending it at its last optimizer step (by hand: at
         its last backward)."""
+        if self.evaluating:
+            self.evaluation_ends()
         if self.group and self.last_optimizer_end is not None:
             self.close(self.last_optimizer_end)
         elif self.backward_end is not None:

@@ -68,6 +68,7 @@ class ModelProbe:
         # Roots by id, held weakly: a model class may define __eq__ (and so be unhashable),
         # and the job owns its models.
         self.roots: dict[int, weakref.ref] = {}
+        self.trained: set[int] = set()  # ids of the roots seen in a training forward (train(), autograd on)
         self.timed = False  # a root was ever timed (it may be gone since: the job dropped it)
         self._patched_classes: set[type] = set()
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
@@ -77,6 +78,7 @@ class ModelProbe:
         self.discovery_hooks: list[Any] = []
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
+        self._discovery_evaluation = False  # the outermost forward discovery sees is an evaluation
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
         self.grad_enabled = torch.is_grad_enabled
         self.backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
@@ -147,7 +149,7 @@ class ModelProbe:
             return
         self.roots[key] = weakref.ref(model)
         self.timed = True
-        weakref.finalize(model, self.roots.pop, key, None)  # an id is reused once its object dies
+        weakref.finalize(model, self._forget_root, key)  # an id is reused once its object dies
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
             self._patches.add_handle(model.register_forward_hook(_RootHook(self._root_post), always_call=True))
@@ -156,6 +158,10 @@ class ModelProbe:
         if cls not in self._patched_classes:
             self._patched_classes.add(cls)
             self._patches.replace(cls, "forward", self._wrap_forward)
+
+    def _forget_root(self, key: int) -> None:
+        self.roots.pop(key, None)
+        self.trained.discard(key)
 
     def _wrap_forward(self, original):
         before, after = forward_hooks(self)  # hotpath.py
@@ -177,7 +183,17 @@ class ModelProbe:
                     # A loss module or other parameter-free callable, not a model: the model
                     # may run compiled, where these hooks never see it.
                     return
-                self.timeline.forward_begin(perf_counter())
+                timeline = self.timeline
+                # Before training starts, a forward in eval() mode or without autograd is an
+                # evaluation (a loop that evaluates at iteration 0), not the step's forward.
+                self._discovery_evaluation = not (module.training and torch.is_grad_enabled())
+                if self._discovery_evaluation:
+                    timeline.evaluation_forward(perf_counter(), not module.training)
+                else:
+                    if timeline.evaluating:
+                        timeline.evaluation_ends()
+                    self.trained.add(id(module))
+                    timeline.forward_begin(perf_counter())
                 if id(module) not in self._candidates and id(module) not in self.roots:
                     self._candidates[id(module)] = module
                     self.read_config()
@@ -195,19 +211,32 @@ class ModelProbe:
             if self._depth > 0:
                 self._depth -= 1
                 if self._depth == 0:
-                    self.timeline.forward_end(perf_counter())
+                    if self._discovery_evaluation:
+                        self.timeline.evaluation_forward_ended(perf_counter())
+                    else:
+                        self.timeline.forward_end(perf_counter())
         except Exception as exc:
             self.fail(exc)
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        """A root with its own instance-level forward (Accelerate): what forward_hooks does."""
         if not self.on:
             return
         try:
-            if not module.training and torch.is_grad_enabled():
-                self.eval_with_grad += 1
-            if self.timeline.backward_end is not None and self.timeline.forward_depth == 0:
+            timeline, grad = self.timeline, torch.is_grad_enabled()
+            if timeline.backward_end is not None and timeline.forward_depth == 0:
                 self.hand_boundary(module)  # parameters updated by hand
-            self.timeline.forward_begin(perf_counter())
+            if module.training and grad:
+                if timeline.evaluating:
+                    timeline.evaluation_ends()
+                self.trained.add(id(module))
+            else:
+                if grad:
+                    self.eval_with_grad += 1
+                if id(module) in self.trained and timeline.forward_depth == 0 and not timeline.in_optimizer:
+                    timeline.evaluation_forward(perf_counter(), not module.training)
+                    return
+            timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
                 self.read_config()
         except Exception as exc:
@@ -217,7 +246,10 @@ class ModelProbe:
         if not self.on:
             return
         try:
-            self.timeline.forward_end(perf_counter())
+            if self.timeline.evaluating and id(module) in self.trained and not (module.training and torch.is_grad_enabled()):
+                self.timeline.evaluation_forward_ended(perf_counter())
+            else:
+                self.timeline.forward_end(perf_counter())
         except Exception as exc:
             self.fail(exc)
 

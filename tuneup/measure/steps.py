@@ -2,8 +2,10 @@
 
 A step ends at an optimizer step (gradient accumulation: many backward passes, one step),
 or, in a loop with no optimizer, at the forward after a backward whose gradients were used
-(parameters updated by hand). Because a loop may step several optimizers per iteration, a step is closed lazily, when the
-next one visibly starts (hotpath.py: `StepTimeline.moved_on`, the one place this rule is
+(parameters updated by hand). Evaluation phases between training steps (forwards of a
+trained model in eval() mode or without autograd) are timed apart and left out of the
+step's time. Because a loop may step several optimizers per iteration, a step is closed
+lazily, when the next one visibly starts (hotpath.py: `StepTimeline.moved_on`, the one place this rule is
 written). `tuneup.step()` closes a step explicitly. Step windows therefore tile the timeline
 (close to close), and every counter lands in exactly one step.
 
@@ -33,6 +35,8 @@ RECORD = (
     "backward_passes",
     "optimizer_steps",
     "skipped_steps",
+    "evaluation_seconds",
+    "evaluations",
     "detailed",
 )
 CUMULATIVE = RECORD[1:-1]
@@ -61,6 +65,8 @@ def _draw(block: int, seed: int) -> int:
     x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
     x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
     return x ^ (x >> 16)
+
+
 # Side values: (name, value for a step that has none).
 LATE = (
     ("loss", math.nan),  # read from the device when ready; see loss_known in columns()
@@ -117,9 +123,11 @@ class StepRing:
         if records:
             before = self.origin if first_step == 1 else self.records[(first_step - 2) % self.capacity]
             previous = [before] + records[:-1]
-            out["step_seconds"] = [b[0] - a[0] for a, b in zip(previous, records)]
             for index, name in enumerate(CUMULATIVE, start=1):
                 out[name] = [b[index] - a[index] for a, b in zip(previous, records)]
+            # A step's time is its training: an evaluation phase inside it is reported apart.
+            out["step_seconds"] = [max(0.0, b[0] - a[0] - evaluation)
+                                   for a, b, evaluation in zip(previous, records, out["evaluation_seconds"])]
             out["detailed"] = [record[-1] for record in records]
         else:
             for name in ("step_seconds", "detailed") + CUMULATIVE:

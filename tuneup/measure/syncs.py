@@ -132,6 +132,11 @@ class SyncCounter:
         self.by_kind: dict[str, int] = {}
         self.sources: dict[tuple[str, int, str, str], int] = {}  # (file, line, function, kind)
         self.source_steps: dict[tuple[str, int, str, str], int] = {}  # sampled steps each source read on
+        # Reads inside evaluation phases (hotpath.py evaluation_forward): not the steps', counted
+        # per phase instead.
+        self.evaluation_sources: dict[tuple[str, int, str, str], int] = {}
+        self.evaluation_phases = 0  # phases with reads counted
+        self._evaluation_seen = 0  # the id of the latest of them
         self.unattributed = 0
         self.off_reason: str | None = None
         self._busy = False
@@ -222,7 +227,10 @@ class SyncCounter:
                 or timeline.in_tuneup or threading.get_ident() != self.thread_id):
             return False
         try:
-            self.record(kind, sys._getframe(2))  # _counts <- the wrapper <- the caller
+            if timeline.evaluating and timeline.evaluation_confirmed:
+                self.record_evaluation(kind, sys._getframe(2))
+            else:
+                self.record(kind, sys._getframe(2))  # _counts <- the wrapper <- the caller
         except Exception as exc:
             self.close()
             self.timeline.fail(self.name, exc)
@@ -279,6 +287,19 @@ class SyncCounter:
         else:
             self.step_unattributed += 1
 
+    def record_evaluation(self, kind: str, frame: FrameType | None) -> None:
+        """One host read inside an evaluation phase of the sampled step."""
+        phase = self.timeline.evaluation_id
+        if phase != self._evaluation_seen:
+            self._evaluation_seen = phase
+            self.evaluation_phases += 1
+        frame = user_frame(frame)
+        if frame is None:
+            return
+        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
+        if key in self.evaluation_sources or len(self.evaluation_sources) < MAX_SOURCES:
+            self.evaluation_sources[key] = self.evaluation_sources.get(key, 0) + 1
+
     # --- results ---------------------------------------------------------------------
 
     def summary(self, top: int = 10) -> dict[str, Any]:
@@ -314,7 +335,22 @@ class SyncCounter:
                 for (filename, lineno, function, kind), rate in ranked
             ],
             "unattributed_per_step": self.unattributed / sampled if sampled else None,
+            "evaluation": self._evaluation_summary(top),
             "off_reason": self.off_reason,
+        }
+
+    def _evaluation_summary(self, top: int) -> dict[str, Any] | None:
+        """Reads per evaluation phase (of the phases sampled), by source line."""
+        phases = self.evaluation_phases
+        if not phases:
+            return None
+        ranked = sorted(dict(self.evaluation_sources).items(), key=lambda item: -item[1])[:top]
+        return {
+            "phases": phases,
+            "per_phase": sum(self.evaluation_sources.values()) / phases,
+            "top_sources": [{"location": format_location(filename, lineno), "function": function, "kind": kind,
+                             "per_phase": count / phases}
+                            for (filename, lineno, function, kind), count in ranked],
         }
 
     def close(self) -> None:

@@ -128,6 +128,8 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         "losses_read": len(known_losses),
         "nonfinite_losses": sum(1 for value in known_losses if not math.isfinite(value)),
         "last_loss": known_losses[-1] if known_losses else None,
+        "evaluation_seconds": sum(columns["evaluation_seconds"]),
+        "evaluations": int(sum(columns["evaluations"])),
     }
     for part in SPLIT:
         sums[part] = sum(columns[part][i] for i in detailed)
@@ -157,6 +159,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
         "loss": loss_summary(columns, loss_context, spike_floor),
+        "evaluation": evaluation_summary(sums["evaluations"], sums["evaluation_seconds"], total_time),
         "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }
     if detailed:
@@ -186,13 +189,23 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def evaluation_summary(phases: float, seconds: float, training_seconds: float) -> dict[str, Any] | None:
+    """Evaluation phases (kept out of the step times): how many, their time, their share of
+    training plus evaluation; None when there were none."""
+    if not phases:
+        return None
+    return {"phases": int(phases), "seconds": seconds, "mean_seconds": seconds / phases,
+            "share": _ratio(seconds, seconds + training_seconds)}
+
+
 class Totals:
     """Running sums over every step since attach (constant memory), from interval summaries.
     Only ever grow: Prometheus reads them as counters, from another thread, at any time."""
 
     ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
              "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
-             "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds") + SPLIT
+             "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
+             "evaluations") + SPLIT
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
@@ -232,6 +245,7 @@ class Totals:
             "nonfinite_losses": int(sums["nonfinite_losses"]),
             "last_loss": self.last_loss,
             "dropped_steps": self.dropped_steps,
+            "evaluation": evaluation_summary(sums["evaluations"], sums["evaluation_seconds"], seconds),
         }
         for part in SPLIT:
             out[part.replace("_seconds", "_ratio")] = _ratio(sums[part], sums["detailed_seconds"])

@@ -120,7 +120,23 @@ def sync_lines(syncs: dict[str, Any]) -> list[str]:
              f"{syncs['sampled_steps']} sampled steps)"]
     for source in syncs["top_sources"][:6]:
         lines.append(f"    {read_rate(source):>8}  {source['kind']:<8} {source['location']}  in {source['function']}()")
+    evaluation = syncs.get("evaluation")
+    if isinstance(evaluation, dict) and evaluation.get("phases"):
+        lines.append(f"  in evaluation phases (not counted above): {evaluation['per_phase']:.1f} per phase "
+                     f"({evaluation['phases']} sampled)")
+        for source in evaluation.get("top_sources", [])[:3]:
+            lines.append(f"    {source['per_phase']:4.1f}/phase {source['kind']:<8} {source['location']}  "
+                         f"in {source['function']}()")
     return lines
+
+
+def evaluation_line(evaluation: dict[str, Any] | None) -> str | None:
+    """Evaluation phases, kept out of the step times."""
+    if not isinstance(evaluation, dict) or not evaluation.get("phases"):
+        return None
+    return (f"Evaluation: {evaluation['phases']} phases, {seconds(evaluation['seconds'])} in all "
+            f"({percent(evaluation.get('share'))} of training and evaluation time), "
+            f"{seconds(evaluation['mean_seconds'])} each; left out of the step times above")
 
 
 def scaler_line(scaler: dict[str, Any]) -> str:
@@ -211,6 +227,9 @@ def render(snapshot: dict[str, Any]) -> Group:
         parts.append(Text(f"Steps counted at: {boundary}"))
     parts.append(step_table(window))
     lines = sync_lines(snapshot["syncs"]) + [scaler_line(snapshot["scaler"])]
+    evaluation = evaluation_line(totals.get("evaluation"))
+    if evaluation:
+        lines.insert(0, evaluation)
     loss = window.get("loss")
     if loss:
         trend = f", trend {loss['trend']:+.0%} over the window" if loss.get("trend") is not None else ""
