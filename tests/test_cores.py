@@ -48,6 +48,7 @@ def make_columns(step_seconds, first=1, losses=None, **given):
         "forward_seconds": [0.0] * n,
         "backward_seconds": [0.0] * n,
         "optimizer_seconds": [0.0] * n,
+        "input_seconds": [0.0] * n,
         "samples": [8] * n,
         "fetches": [1] * n,
         "backward_passes": [1] * n,

@@ -32,7 +32,7 @@ from ..measure.windows import STEP_BUCKETS
 
 BASE_LABELS = ("rank", "local_rank")
 DECISIONS = ("kept", "reverted", "rolled back", "failed", "not applicable")
-PHASES = (("data_wait", "detailed_data_wait_seconds"), ("forward", "forward_seconds"),
+PHASES = (("data_wait", "detailed_data_wait_seconds"), ("input", "input_seconds"), ("forward", "forward_seconds"),
           ("backward", "backward_seconds"), ("optimizer", "optimizer_seconds"), ("other", "detailed_other_seconds"))
 
 # NVML sample field -> (metric suffix, help). Shared with the node daemon's tuneup_node_gpu_*.

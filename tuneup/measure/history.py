@@ -340,7 +340,8 @@ class RunHistory:
             rest = mean_step - wait
             for part in SPLIT:
                 name = part.replace("_seconds", "")
-                share = sums[part] / sums["detailed_seconds"] if known and sums["detailed_seconds"] else None
+                # .get: run logs from before the input part have none (0: in "other" there)
+                share = sums.get(part, 0.0) / sums["detailed_seconds"] if known and sums["detailed_seconds"] else None
                 out[name].append(share * mean_step if share is not None else None)
             split = [out[p.replace("_seconds", "")][-1] for p in SPLIT]
             out["other"].append(max(0.0, rest - sum(split)) if None not in split else rest)

@@ -116,6 +116,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     # An optimizer that already stepped in the open step closes it (a new
                     # iteration began without a DataLoader fetch).
                     tl.moved_on(now, key)
+                    tl.in_input = False  # a close here opened no input: the optimizer steps
                     # Less the forwards and backwards inside it (a closure: LBFGS).
                     tl.optimizer_start = now - tl.forward - tl.backward
                 tl.in_optimizer = True
@@ -136,6 +137,10 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 if tl.detail:
                     tl.optimizer += now - tl.forward - tl.backward - tl.optimizer_start
                     probe.read_rate(optimizer)  # the learning rate this update used
+                    # The next forward's input starts here (loops without a fetch: the step
+                    # closes at the next optimizer step, after that forward).
+                    tl.in_input = True
+                    tl.input_mark = (now, tl.data_wait, tl.optimizer + tl.evaluation)
                 if tl.loss is not None:
                     tl.step_loss, tl.loss = tl.loss, None
             except Exception as exc:
@@ -308,6 +313,12 @@ class StepTimeline:
         self.in_tuneup = False
         self.forward_start = 0.0
         self.forward_depth = 0
+        # Detail steps: the loop's time between the step's start (or its optimizer's end,
+        # whichever came later) and its first forward, less data wait and zero_grad in between:
+        # input built in the loop (get_batch, tokenizing, .to(device)). `in_input` is set from
+        # that mark to the first forward (the stack sampler looks only then).
+        self.in_input = False
+        self.input_mark = (0.0, 0.0, 0.0)  # (time, data_wait, optimizer + evaluation) at the mark
         self.optimizer_start = 0.0
         self.gpu_timer: Any = None  # CudaStepTimer once the job uses CUDA
         self.loss: Any = None  # detached loss of the latest backward
@@ -328,6 +339,7 @@ class StepTimeline:
         self.backward_passes = 0
         self.optimizer_steps = 0
         self.skipped = 0
+        self.input = 0.0  # detail steps: the loop's own time before the first forward (input_began)
         self.evaluation = 0.0  # seconds in evaluation phases, their data waits left out
         self.evaluations = 0
 
@@ -336,12 +348,21 @@ class StepTimeline:
     def forward_begin(self, now: float) -> None:
         if self.step_start is None:
             self.step_start = now
+        if self.in_input:
+            self.input_ended(now)
         if self.forward_depth == 0:
             self.forward_start = now
             self.in_optimizer = False
             if self.gpu_timer is not None:
                 self.gpu_timer.forward_started()
         self.forward_depth += 1
+
+    def input_ended(self, now: float) -> None:
+        """A detail step's first forward: the time since the mark is input, less the data wait
+        and the optimizer time (zero_grad) and evaluation phases inside it."""
+        self.in_input = False
+        began, wait, accounted = self.input_mark
+        self.input += max(0.0, now - began - (self.data_wait - wait) - (self.optimizer + self.evaluation - accounted))
 
     def forward_end(self, now: float) -> None:
         if self.forward_depth > 0:
@@ -442,7 +463,7 @@ class StepTimeline:
             start = self.step_start if self.step_start is not None else self.attached_at
             ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
         ring.records[ring.count % ring.capacity] = (
-            now, self.data_wait, self.forward, self.backward, self.optimizer, self.samples,
+            now, self.data_wait, self.forward, self.backward, self.optimizer, self.input, self.samples,
             self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
             self.evaluations, self.detail,
         )
@@ -451,10 +472,11 @@ class StepTimeline:
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
         if step + 1 >= self.next_detail:
-            self.detail = self.hooked = True
+            self.detail = self.hooked = self.in_input = True
+            self.input_mark = (now, self.data_wait, self.optimizer + self.evaluation)
             self.next_detail = self._detail_after(step + 1)
         else:
-            self.detail = False
+            self.detail = self.in_input = False
             self.hooked = self.by_hand or self.evaluating
         ring.count = step  # publish last: readers only see complete records
 

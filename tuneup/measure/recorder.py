@@ -34,6 +34,7 @@ from .model import ModelProbe
 from .objects import Tracked
 from .optimizer import CLOSURE_OPTIMIZERS, OptimizerProbe
 from .scaler import ScalerProbe
+from .stacks import InputSampler
 from .hotpath import StepTimeline
 from .syncs import SyncCounter
 from .windows import SPIKE_HISTORY, Totals, spike_floor, summarize
@@ -46,6 +47,8 @@ Warn = Callable[[str, str], None]
 Fail = Callable[[str, BaseException], None]
 Emit = Callable[[dict[str, Any]], None]
 
+
+INPUT_SAMPLING_SHARE = 0.05  # input before the forward, of the detail steps' time, that starts the stack sampler
 
 class Recorder:
     """The probes, their step-close listener, the drain into running totals, the slow
@@ -74,6 +77,7 @@ class Recorder:
         # Apply mode's turn at step closes: an object with on_close(step) and wake_at.
         self.experimenter: Any = None
         self.totals = Totals()
+        self.input_lines: InputSampler | None = None  # started once the input is worth naming
         self.system: dict[str, Any] | None = None
         self.config: dict[str, Any] | None = None
         self.framework: dict[str, Any] | None = None
@@ -99,6 +103,8 @@ class Recorder:
         """Every hot probe off (detach, a start that failed, a forked child)."""
         for probe in self.hot_probes:
             probe.on = False
+        if self.input_lines is not None:
+            self.input_lines.stop()
         self.syncs.close()
         self.calls.close()
         self.model.uninstall_discovery()
@@ -216,6 +222,7 @@ class Recorder:
         """One background tick: the closed steps drained, the slow probes sampled, the
         configuration read when it may have changed; each as an event."""
         interval = self.drain(final)
+        self._watch_input(final)
         self.system = self.sample_system(final)
         seen = self._config_inputs()
         if final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1:
@@ -285,9 +292,20 @@ class Recorder:
         event["habits"] = self.habits_summary()
         return event
 
+    def _watch_input(self, final: bool) -> None:
+        """Start the stack sampler (stacks.py) once the loop's input before the forward is
+        INPUT_SAMPLING_SHARE of the detail steps' time: it names the lines that input is."""
+        if self.input_lines is not None or final:
+            return
+        sums = self.totals.sums
+        if sums["detailed_seconds"] and sums["input_seconds"] >= INPUT_SAMPLING_SHARE * sums["detailed_seconds"]:
+            self.input_lines = InputSampler(self.timeline, self.syncs.thread_id)
+            self.input_lines.start()
+
     def habits_summary(self) -> dict[str, Any]:
         return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad,
-                    step_boundary=self.step_boundary())
+                    step_boundary=self.step_boundary(),
+                    input_lines=self.input_lines.summary() if self.input_lines is not None else None)
 
     def step_boundary(self) -> str | None:
         """How the steps were found (hotpath.py StepTimeline: the boundary rule), in words."""

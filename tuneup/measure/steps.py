@@ -30,6 +30,7 @@ RECORD = (
     "forward_seconds",
     "backward_seconds",
     "optimizer_seconds",
+    "input_seconds",
     "samples",
     "fetches",
     "backward_passes",

@@ -14,7 +14,7 @@ from bisect import bisect_left
 from statistics import median
 from typing import Any, Mapping, Sequence
 
-SPLIT = ("forward_seconds", "backward_seconds", "optimizer_seconds")
+SPLIT = ("input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]
 # A spike is a loss over 10x the median of the 8 read before it. 3x is what minibatch noise

@@ -26,7 +26,8 @@ Line = tuple[str, str, list[Point]]  # legend label, colour, data points
 WIDTH, HEIGHT = 760, 250
 LEFT, RIGHT, TOP, BOTTOM = 64, 52, 34, 40  # the plot area's margins inside the viewBox
 # Okabe-Ito colours: told apart with colour-blindness; areas are opaque (exact pixel colours).
-PARTS = (("data_wait", "data wait", "#d55e00"), ("forward", "forward", "#0072b2"),
+PARTS = (("data_wait", "data wait", "#d55e00"), ("input", "input (your loop)", "#f0e442"),
+         ("forward", "forward", "#0072b2"),
          ("backward", "backward", "#56b4e9"), ("optimizer", "optimizer", "#009e73"),
          ("other", "other (your loop)", "#a0a0a0"))
 STALL, SCALE, SKIPS, LOSS = "#d55e00", "#cc79a7", "#e69f00", "#404040"

@@ -16,8 +16,8 @@ def _rate(value: float | None, unit: str) -> str:
     return "–" if value is None else f"{value:,.1f} {unit}"
 
 
-STEP_PARTS = (("data_wait", "data wait"), ("forward", "forward"), ("backward", "backward"),
-              ("optimizer", "optimizer"), ("other", "other (your loop)"))
+STEP_PARTS = (("data_wait", "data wait"), ("input", "input (your loop)"), ("forward", "forward"),
+              ("backward", "backward"), ("optimizer", "optimizer"), ("other", "other (your loop)"))
 
 
 def step_parts(window: dict[str, Any]) -> list[tuple[str, str, float | None, float | None]]:

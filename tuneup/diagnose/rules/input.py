@@ -1,5 +1,5 @@
-"""Input pipeline: waiting for batches, pageable copies, NumPy copies, unnormalized inputs,
-and a CPU oversubscribed by loader workers and torch threads."""
+"""Input pipeline: waiting for batches, batches built in the loop, pageable copies, NumPy
+copies, unnormalized inputs, and a CPU oversubscribed by loader workers and torch threads."""
 
 from __future__ import annotations
 
@@ -77,6 +77,61 @@ def pageable_copies(facts: Facts) -> Evidence | None:
         fix="loader = DataLoader(dataset, ..., pin_memory=True)\n"
             "x = x.to(device, non_blocking=True)\ny = y.to(device, non_blocking=True)",
         gain_text="host-to-device copies overlap with compute",
+    )
+
+
+INPUT_THRESHOLD = 0.15
+
+
+@rule(
+    id="input-in-loop",
+    title="The loop builds its batches itself, on the training thread",
+    severity="medium",
+    inputs="the detail steps' time before their first forward (data wait and zero_grad left out); "
+           "the training thread's stack, sampled in that time",
+    threshold=f"input built in the loop >= {percent(INPUT_THRESHOLD)} of step time",
+    why="Batches made on the training thread (get_batch() from a memmap, tokenizing, augmenting, "
+        "generator pipelines) stop training while they are made, and a data-wait figure never shows "
+        "them: no DataLoader waits. Worker processes, or a thread that prefetches, make the next "
+        "batches while this one trains. Below 15% the gain is within what other fixes give first.",
+    doc=f"{GUIDE}#enable-async-data-loading-and-augmentation",
+)
+def input_in_loop(facts: Facts) -> Evidence | None:
+    window = facts.window
+    share = facts.need(window.get("input_ratio"), "input time (detail steps)")
+    if share < INPUT_THRESHOLD:
+        return None
+    sampled = (facts.snapshot.get("habits") or {}).get("input_lines") or {}
+    lines = sampled.get("top_lines") or []
+    where = "; ".join(f"{line['function']}() at {line['location']}"
+                      + (f" (from {line['loop_line']})" if line.get("loop_line") else "")
+                      + f", {percent(line['share'])} of {sampled['samples']} samples" for line in lines[:3])
+    observed = (f"the loop spent {seconds(window['input_seconds']['median'])} per step making its input before "
+                f"the forward: {percent(share)} of a {seconds(window['step_seconds']['median'])} step")
+    if where:
+        observed += f": {where}"
+    if window.get("fetches_per_step"):  # a DataLoader already: the work after the fetch belongs in it
+        fix = ("# move the per-batch work after `for batch in loader:` into the Dataset or collate_fn,\n"
+               "# where the loader's worker processes do it ahead of the step:\n"
+               "loader = DataLoader(dataset, batch_size=..., num_workers=4, collate_fn=make_batch, "
+               "persistent_workers=True)")
+    else:
+        fix = ("class Batches(torch.utils.data.IterableDataset):   # the loop's get_batch(), in workers\n"
+               "    def __iter__(self):\n"
+               "        while True:\n"
+               "            yield get_batch()\n"
+               "loader = DataLoader(Batches(), batch_size=None, num_workers=4, persistent_workers=True)\n"
+               "for step, (x, y) in zip(range(max_steps), loader): ...\n"
+               "# (seed each worker: torch.utils.data.get_worker_info() in get_batch)")
+    return Evidence(
+        observed=observed,
+        numbers={"input_ratio": share, "input_seconds": window["input_seconds"]["median"],
+                 "step_seconds": window["step_seconds"]["median"], "samples": sampled.get("samples"),
+                 "top_lines": lines[:5]},
+        fix=fix,
+        gain=share,
+        gain_text=f"up to {percent(share)} shorter steps (the input is made while the model trains)",
+        severity="high" if share >= 0.3 else None,
     )
 
 

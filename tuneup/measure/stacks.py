@@ -1,0 +1,136 @@
+"""Where a loop's input time goes: the training thread's stack, sampled while it builds input.
+
+The timeline measures, on detail steps, the loop's own time before the step's first forward
+(`StepTimeline.in_input`, from the step's start or its optimizer's end to the first forward,
+data wait and zero_grad left out): batches built in the loop (`get_batch()` from a memmap,
+tokenizing, generator pipelines, `.to(device)`). That says how much; this says where. A
+thread of tuneup's own wakes a few hundred times a second and, only while the training
+thread is in that stretch, reads its current frame (`sys._current_frames()`, which takes
+the GIL for a moment and walks no other thread) and counts the innermost frame of the job's
+own code, with the loop line that led there. The training thread does nothing for it.
+
+It runs only once the input is a real share of the step (the recorder starts it: see
+`Recorder.sample`), and stops at detach.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+from types import FrameType
+from typing import Any
+
+MAX_LINES = 256
+RATE_HZ = 250
+_LIBRARY_DIRS = tuple(sorted({os.path.normcase(os.path.realpath(path)) + os.sep for path in (
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"], sysconfig.get_paths()["purelib"],
+    sysconfig.get_paths()["platlib"]) if path}))
+_TUNEUP_DIR = os.path.normcase(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))) + os.sep
+# A sample inside these is not input: a DataLoader's fetch (data wait, counted already), an
+# optimizer's step, autograd, a module's call (the forward is about to begin).
+_NOT_INPUT = ("torch.utils.data", "torch.optim", "torch.autograd", "torch.nn.modules.module")
+_USER_MODULES = frozenset({"tuneup.demo"})  # ships inside tuneup, but is a job's code
+
+
+def is_library(filename: str, cache: dict[str, bool] = {}) -> bool:  # noqa: B006 - a deliberate cache
+    """Whether a code file is the standard library's, an installed package's or tuneup's."""
+    known = cache.get(filename)
+    if known is None:
+        path = os.path.normcase(os.path.realpath(filename)) if not filename.startswith("<") else filename
+        known = path.startswith(_LIBRARY_DIRS) or path.startswith(_TUNEUP_DIR) or filename.startswith("<frozen")
+        if len(cache) < 4096:
+            cache[filename] = known
+    return known
+
+
+class InputSampler:
+    """Samples the training thread's stack while the timeline says it is building input."""
+
+    name = "input_lines"
+
+    def __init__(self, timeline: Any, thread_id: int, rate_hz: float = RATE_HZ) -> None:
+        self.timeline = timeline
+        self.thread_id = thread_id
+        self.period = 1.0 / rate_hz
+        self.samples = 0  # counted while in input
+        self.lines: dict[tuple[str, int, str, str | None], int] = {}  # (file, line, function, loop line)
+        self.unattributed = 0  # samples in library code only
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tuneup-stacks", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        timeline, stop, period = self.timeline, self._stop, self.period
+        try:
+            while not stop.wait(period):
+                if timeline.in_input:
+                    frame = sys._current_frames().get(self.thread_id)
+                    if frame is not None and timeline.in_input:
+                        self.record(frame)
+        except Exception:  # never the job's problem: the figures stop growing
+            return
+
+    def record(self, frame: FrameType | None) -> None:
+        """One sample: the innermost frame of the job's own code, and the outermost one (the
+        loop's line), unless the thread is in work that is not input (_NOT_INPUT)."""
+        inner: FrameType | None = None
+        outer: FrameType | None = None
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith(_NOT_INPUT):
+                return
+            if module in _USER_MODULES or not is_library(frame.f_code.co_filename):
+                if inner is None:
+                    inner = frame
+                outer = frame
+            frame = frame.f_back
+        self.samples += 1
+        if inner is None:
+            self.unattributed += 1
+            return
+        loop = f"{outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None and outer is not inner else None
+        key = (inner.f_code.co_filename, inner.f_lineno, inner.f_code.co_name, loop)
+        if key in self.lines or len(self.lines) < MAX_LINES:
+            self.lines[key] = self.lines.get(key, 0) + 1
+        else:
+            self.unattributed += 1
+
+    def summary(self, top: int = 5) -> dict[str, Any] | None:
+        samples = self.samples
+        if not samples:
+            return None
+        from .syncs import format_location
+
+        ranked = sorted(dict(self.lines).items(), key=lambda item: -item[1])[:top]
+        return {
+            "samples": samples,
+            "top_lines": [{"location": format_location(filename, line), "function": function,
+                           "loop_line": _relative(loop), "share": count / samples}
+                          for (filename, line, function, loop), count in ranked],
+            "unattributed_share": self.unattributed / samples,
+        }
+
+
+def _relative(location: str | None) -> str | None:
+    if location is None:
+        return None
+    from .syncs import format_location
+
+    filename, _, line = location.rpartition(":")
+    return format_location(filename, int(line))
