@@ -169,6 +169,21 @@ def test_real_run_renders_findings_tables_and_plots(document):
     assert_numbers_finite(page)
 
 
+def test_the_learning_rate_is_drawn_as_the_job_ran_it(document):
+    """StepLR(step_size=50) from 0.01: 0.01, 0.001, 0.0001 over the 150 steps, held between
+    changes (the run log's end event holds the curve)."""
+    [curve] = document["runs"][0]["series"]["learning_rates"]
+    rates = [lr for _, lr in curve["curve"]]
+    assert rates == pytest.approx([0.01, 0.001, 0.0001])
+    page = Page(to_html(document))
+    tag, _ = page.by_id("plot-learning-rate")
+    assert tag == "figure"
+    [line] = [a for a in page.inside("plot-learning-rate", "polyline") if a.get("data-series") == "SGD lr"]
+    drawn = points(line)
+    assert len(drawn) == 2 * len(rates)  # a step shape: each rate held until the next change
+    assert len({y for _, y in drawn}) == 3 and [y for _, y in drawn] == sorted(y for _, y in drawn)  # falls twice
+
+
 def test_nonfinite_and_missing_values_are_left_out_of_plots(document):
     doc = copy.deepcopy(document)
     series = doc["runs"][0]["series"]

@@ -356,7 +356,23 @@ class RunHistory:
                 d["memory_used_bytes"] / d["memory_total_bytes"] for d in devices
                 if d.get("memory_used_bytes") is not None and d.get("memory_total_bytes")))
             out["gpu_power_watts"].append(_mean(d.get("power_watts") for d in devices))
+        out["learning_rates"] = _learning_rates((self.end or {}).get("learning_rates"))
         return out
+
+
+def _learning_rates(curves: Any) -> list[dict[str, Any]]:
+    """The run log's learning-rate curves ([step, lr] where it changed, per optimizer), kept
+    only where well formed (a run log may be damaged or from another version)."""
+    out = []
+    for entry in curves if isinstance(curves, list) else []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("curve"), list):
+            continue
+        points = [(point[0], point[1]) for point in entry["curve"]
+                  if isinstance(point, list) and len(point) == 2
+                  and all(isinstance(v, (int, float)) and math.isfinite(v) for v in point)]
+        if points:
+            out.append({"optimizer": str(entry.get("optimizer", "optimizer")), "curve": points})
+    return out
 
 
 def _mean(values: Iterable[float | None]) -> float | None:

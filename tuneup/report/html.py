@@ -31,6 +31,7 @@ PARTS = (("data_wait", "data wait", "#d55e00"), ("input", "input (your loop)", "
          ("backward", "backward", "#56b4e9"), ("optimizer", "optimizer", "#009e73"),
          ("other", "other (your loop)", "#a0a0a0"))
 STALL, SCALE, SKIPS, LOSS = "#d55e00", "#cc79a7", "#e69f00", "#404040"
+RATES = ("#0072b2", "#009e73", "#d55e00", "#cc79a7")  # one per optimizer
 GPU_UTILIZATION, GPU_MEMORY = "#0072b2", "#009e73"
 
 CSS = """
@@ -306,7 +307,29 @@ def _plots(run: dict[str, Any], suffix: str) -> str:
         low, high = _span(min(y for _, y in loss), max(y for _, y in loss))
         out.append(_line_plot("plot-loss", suffix, "Loss over the run", "Median finite loss of each interval.",
                               [("loss", LOSS, loss)], "step", "loss", y_range=(low, high)))
+    out.append(_rate_plot(series, suffix))
     return "".join(out)
+
+
+def _rate_plot(series: dict[str, Any], suffix: str) -> str:
+    """Each optimizer's learning rate as the job ran it (read on detail steps; the run log's
+    end event holds the curve), held between the steps where it changed."""
+    name, title = "plot-learning-rate", "Learning rate over the run"
+    curves = series.get("learning_rates") or []
+    if not curves:
+        return _note(name, suffix, title, "the curve is written when the run ends (none in this log yet)")
+    last = max(step for curve in curves for step, _ in curve["curve"])
+    lines = []
+    for index, curve in enumerate(curves):
+        points = curve["curve"]
+        held = [(points[i + 1][0] if i + 1 < len(points) else last, lr) for i, (_, lr) in enumerate(points)]
+        steps = [point for pair in zip(points, held) for point in pair]  # a step shape: held until changed
+        lines.append((f"{curve['optimizer']} lr" + (f" #{index + 1}" if len(curves) > 1 else ""),
+                      RATES[index % len(RATES)], steps))
+    peak = max(lr for _, _, points in lines for _, lr in points)
+    return _line_plot(name, suffix, title, "Each optimizer's learning rate (its first param group), read after "
+                      "the update of each detail step; a schedule whoever sets it.", lines, "step", "learning rate",
+                      y_range=_span(0.0, peak))
 
 
 def _finding(number: int, finding: dict[str, Any]) -> str:
@@ -368,6 +391,9 @@ def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
                       f"</code> in {escape(s['function'])}()</li>" for s in syncs.get("top_sources", [])[:6])
     items = [escape(summary.sync_lines(syncs)[0]) + (f"<ul>{sources}</ul>" if sources else ""),
              escape(summary.scaler_line(snapshot["scaler"]))]
+    evaluation = summary.evaluation_line((snapshot.get("totals") or {}).get("evaluation"))
+    if evaluation:
+        items.insert(0, escape(evaluation))
     loss = window.get("loss")
     if loss:
         last, trend = _finite(loss["last"]), _finite(loss.get("trend"))

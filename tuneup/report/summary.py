@@ -132,11 +132,13 @@ def sync_lines(syncs: dict[str, Any]) -> list[str]:
 
 def evaluation_line(evaluation: dict[str, Any] | None) -> str | None:
     """Evaluation phases, kept out of the step times."""
-    if not isinstance(evaluation, dict) or not evaluation.get("phases"):
+    if not isinstance(evaluation, dict) or not isinstance(evaluation.get("phases"), int) or evaluation["phases"] < 1:
         return None
-    return (f"Evaluation: {evaluation['phases']} phases, {seconds(evaluation['seconds'])} in all "
-            f"({percent(evaluation.get('share'))} of training and evaluation time), "
-            f"{seconds(evaluation['mean_seconds'])} each; left out of the step times above")
+    numbers = {key: value if isinstance(value := evaluation.get(key), (int, float)) else None
+               for key in ("seconds", "share", "mean_seconds")}
+    return (f"Evaluation: {evaluation['phases']} phases, {seconds(numbers['seconds'])} in all "
+            f"({percent(numbers['share'])} of training and evaluation time), "
+            f"{seconds(numbers['mean_seconds'])} each; left out of the step times above")
 
 
 def scaler_line(scaler: dict[str, Any]) -> str:
