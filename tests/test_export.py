@@ -116,7 +116,7 @@ def test_the_catalog_counts_what_the_loop_did(exposition):
     assert counts == sorted(counts) and buckets[-1].labels["le"] == "+Inf" and counts[-1] == 95
     # Phases: the detail steps' time, and they add up to the detail steps' whole time.
     phases = {s.labels["phase"]: s.value for s in found["tuneup_step_phase_seconds"].samples}
-    assert set(phases) == {"data_wait", "forward", "backward", "optimizer", "other"}
+    assert set(phases) == {"data_wait", "input", "forward", "backward", "optimizer", "other"}
     assert value(found, "tuneup_detail_steps_total", **base) == sums["detailed_steps"]
     assert sum(phases.values()) == pytest.approx(sums["detailed_seconds"], rel=1e-6)
     # Syncs: the loop's .item() on every sampled step.

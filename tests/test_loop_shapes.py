@@ -340,7 +340,10 @@ def test_input_lines_are_sampled_and_the_switch_interval_is_put_back(run_dir):
             if agent.recorder.input_lines is not None:
                 seen = sys.getswitchinterval()
             if time.monotonic() > deadline + 60:
-                pytest.fail("the input sampler never sampled")
+                sampler = agent.recorder.input_lines
+                pytest.fail(f"the input sampler never sampled: {sampler and (sampler.samples, sampler.failure)}, "
+                            f"totals {agent.recorder.totals.sums['input_seconds']} of "
+                            f"{agent.recorder.totals.sums['detailed_seconds']}")
     from tuneup.measure.stacks import SWITCH_INTERVAL
 
     assert seen == SWITCH_INTERVAL  # lowered while sampling ...

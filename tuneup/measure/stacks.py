@@ -68,6 +68,7 @@ class InputSampler:
         self.samples = 0  # counted while in input
         self.lines: dict[tuple[str, int, str, str | None], int] = {}  # (file, line, function, loop line)
         self.unattributed = 0  # samples in library code only
+        self.failure: str | None = None  # why sampling stopped, if it did
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._switch_interval: float | None = None  # the job's, while ours is in force
@@ -102,8 +103,8 @@ class InputSampler:
                     frame = sys._current_frames().get(self.thread_id)
                     if frame is not None and timeline.in_input:
                         self.record(frame)
-        except Exception:  # never the job's problem: the figures stop growing
-            return
+        except Exception as exc:  # never the job's problem: the figures stop growing
+            self.failure = f"{type(exc).__name__}: {exc}"
 
     def record(self, frame: FrameType | None) -> None:
         """One sample: the innermost frame of the job's own code, and the outermost one (the
@@ -111,7 +112,9 @@ class InputSampler:
         inner: FrameType | None = None
         outer: FrameType | None = None
         while frame is not None:
-            module = frame.f_globals.get("__name__", "")
+            module = frame.f_globals.get("__name__")
+            if not isinstance(module, str):
+                module = ""
             if module.startswith(_NOT_INPUT):
                 return
             if module in _USER_MODULES or not is_library(frame.f_code.co_filename):
