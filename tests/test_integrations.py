@@ -88,6 +88,29 @@ def test_hf_settings_come_from_training_arguments_and_the_fixes_speak_them(repor
     assert totals["optimizer_steps"] == 150 and totals["samples"] in (150 * 16, 151 * 16)  # one batch ahead
 
 
+# Ground truth from the examples' source (issue 12's corpus): 150 optimizer steps each; the slow
+# Dataset (1 ms a sample, 16 a batch, no workers) stalls every step; Lightning: SGD at a constant
+# lr (no scheduler), validation as the sanity check and at step 100 (val_check_interval): two
+# evaluation phases; Transformers: the Trainer reads each step's loss on the host (its NaN/inf
+# filter), a linear-decay schedule of its own. Machine-load rules are judged by issue 15's tests.
+FRAMEWORK_TRUTH = {
+    "lightning_job.py": ("SGD.step()", {"data-stall", "no-lr-schedule"}, 2),
+    "hf_trainer.py": ("AdamW.step()", {"data-stall", "host-syncs"}, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORK_TRUTH))
+def test_framework_examples_against_their_ground_truth(reports, name):
+    boundary, truth, evaluations = FRAMEWORK_TRUTH[name]
+    document = reports[name]["report"]
+    snapshot = document["runs"][0]["snapshot"]
+    assert snapshot["totals"]["steps"] == 150
+    assert snapshot["habits"]["step_boundary"] == boundary
+    assert {f["rule"] for f in document["findings"]} - {"cpu-oversubscribed"} == truth
+    evaluation = snapshot["totals"].get("evaluation")
+    assert (evaluation or {}).get("phases") == evaluations
+
+
 class Slow(Dataset):
     def __len__(self):
         return 512
