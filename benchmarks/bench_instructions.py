@@ -110,7 +110,7 @@ def main() -> None:
                 enumerate(configs.values()))))
     per_step = {name: count / args.steps for name, count in counts.items()}
     bare = per_step["bare loop"]
-    print(f"instructions per training step (callgrind), over {args.steps} steps of the {args.workload} CPU step")
+    print(f"instructions per training step (callgrind), over {args.steps} steps of the {args.workload} (CPU) workload")
     print(f"  {'configuration':<48}{'per step':>14}{'ratio':>9}{'added/step':>14}")
     for name, value in per_step.items():
         print(f"  {name:<48}{value:>14,.0f}{value / bare:>9.4f}{value - bare:>14,.0f}")

@@ -187,8 +187,6 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         if module.training and grad:
             if tl.evaluating:
                 tl.evaluation_ends()
-            if key not in trained:
-                trained.add(key)
         elif not tracing():
             if grad:
                 probe.eval_with_grad += 1
@@ -362,7 +360,9 @@ class StepTimeline:
         and the optimizer time (zero_grad) and evaluation phases inside it."""
         self.in_input = False
         began, wait, accounted = self.input_mark
-        self.input += max(0.0, now - began - (self.data_wait - wait) - (self.optimizer + self.evaluation - accounted))
+        gap = now - began - self.data_wait + wait - self.optimizer - self.evaluation + accounted
+        if gap > 0.0:
+            self.input += gap
 
     def forward_end(self, now: float) -> None:
         if self.forward_depth > 0:

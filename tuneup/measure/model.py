@@ -68,7 +68,10 @@ class ModelProbe:
         # Roots by id, held weakly: a model class may define __eq__ (and so be unhashable),
         # and the job owns its models.
         self.roots: dict[int, weakref.ref] = {}
-        self.trained: set[int] = set()  # ids of the roots seen in a training forward (train(), autograd on)
+        # Ids of the roots being trained: named ones (explicit mode), and those discovery saw in
+        # a training forward (train() mode, autograd on). Another root (a teacher, an EMA copy,
+        # a target network) is part of the step, never an evaluation.
+        self.trained: set[int] = set()
         self.timed = False  # a root was ever timed (it may be gone since: the job dropped it)
         self._patched_classes: set[type] = set()
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
@@ -148,6 +151,8 @@ class ModelProbe:
         if key in self.roots or self._patches is None:
             return
         self.roots[key] = weakref.ref(model)
+        if self.explicit:
+            self.trained.add(key)
         self.timed = True
         weakref.finalize(model, self._forget_root, key)  # an id is reused once its object dies
         if "forward" in vars(model):

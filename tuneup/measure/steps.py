@@ -19,6 +19,7 @@ The training thread writes (hotpath.py); the background thread reads `columns()`
 from __future__ import annotations
 
 import math
+import random
 from array import array
 from typing import Any
 
@@ -43,9 +44,12 @@ RECORD = (
 CUMULATIVE = RECORD[1:-1]
 EARLY_DETAIL_STEPS = 5
 SAMPLING_SEED = 0x7E1E
+# One fixed random draw per block (the table repeats after 4,096 blocks: 81,920 steps for blocks
+# of 20), so a draw costs an index, not a hash: it runs at every detail step's close.
+_DRAWS = tuple(random.Random(SAMPLING_SEED).getrandbits(30) for _ in range(4096))
 
 
-def sampled_after(step: int, every: int, seed: int = SAMPLING_SEED) -> int:
+def sampled_after(step: int, every: int) -> int:
     """The first step after `step` chosen when one step is drawn at random from each block of
     `every` steps (1..every, every+1..2*every, ...): stratified sampling. Every block gets its
     sample, so the samples are spread over the run, and no loop period can line up with them
@@ -53,19 +57,11 @@ def sampled_after(step: int, every: int, seed: int = SAMPLING_SEED) -> int:
     average over sampled steps is an unbiased estimate of the run's. The draw is a pure
     function of the block, so asking twice gives the same step."""
     block = step // every  # the block of step + 1
-    while True:
-        chosen = block * every + 1 + _draw(block, seed) % every
-        if chosen > step:
-            return chosen
-        block += 1
-
-
-def _draw(block: int, seed: int) -> int:
-    """A fixed pseudo-random number for a block (murmur3's 32-bit finalizer)."""
-    x = (block * 0x9E3779B1 + seed) & 0xFFFFFFFF
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+    chosen = block * every + 1 + _DRAWS[block & 4095] % every
+    if chosen > step:
+        return chosen
+    block += 1  # this block's draw is behind `step`: the next block's
+    return block * every + 1 + _DRAWS[block & 4095] % every
 
 
 # Side values: (name, value for a step that has none).
