@@ -289,9 +289,9 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
     assert "Evaluation: 4 phases" in report and "3.0 per phase" in report
 
 
-def test_a_lone_no_grad_forward_inside_a_step_is_not_evaluation(run_dir):
-    """An action chosen by the policy being trained (a DQN's select_action: one no_grad
-    forward in train() mode each step) is part of the step, not an evaluation phase."""
+def test_a_no_grad_forward_in_train_mode_inside_a_step_is_not_evaluation(run_dir):
+    """An action chosen by the policy being trained (a DQN's select_action: a no_grad forward
+    in train() mode each step) is part of the step, not an evaluation phase."""
     torch.manual_seed(0)
     policy = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -307,7 +307,7 @@ def test_a_lone_no_grad_forward_inside_a_step_is_not_evaluation(run_dir):
     totals = agent.snapshot()["totals"]
     assert totals["steps"] == 30
     assert totals["evaluation"] is None
-    assert agent.recorder.timeline.evaluation_id == 30  # each was looked at, none confirmed
+    assert agent.recorder.timeline.evaluation_id == 0
 
 
 # --- input built in the loop ----------------------------------------------------------------------

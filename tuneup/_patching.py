@@ -63,10 +63,11 @@ def measured(*args, **kwargs):
 # The gate is the step timeline: `hooked` is True on detail steps and, in loops that update
 # their parameters by hand, on every step (hotpath.py StepTimeline.by_hand).
 OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
-# A module's forward: a training forward (train() mode, autograd on) off hooked steps; the
-# others are looked at on every step (evaluation phases, eval() forwards with grad).
-TRAINING_OFF_DETAIL = ("_tuneup_is_compiling() or "
-                       "(not _tuneup_gate.hooked and args[0].training and _tuneup_grad_enabled())")
+# A module's forward: one in train() mode off hooked steps; one in eval() mode is looked at on
+# every step (evaluation phases, eval() forwards with grad). Autograd's state is not asked
+# here: torch.is_grad_enabled() in this test cost 4,000 instructions a step
+# (benchmarks/bench_instructions.py), so a no-grad forward in train() mode is the step's.
+TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"
 
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
@@ -93,8 +94,7 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     if gate is None:
         return posing_as(original, _MEASURED, home=home, **bindings)
     template = _MEASURED.replace("    if _tuneup_is_compiling():", f"    if {skip}:", 1)
-    return posing_as(original, template, home=home, _tuneup_gate=gate, _tuneup_grad_enabled=torch.is_grad_enabled,
-                     **bindings)
+    return posing_as(original, template, home=home, _tuneup_gate=gate, **bindings)
 
 
 def posing_as(original: Any, template: str, *, home: type | None = None, **bindings: Any) -> types.FunctionType:

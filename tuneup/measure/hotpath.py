@@ -50,7 +50,6 @@ import torch
 from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
-EVALUATION_FORWARDS = 2  # no-grad forwards in train() mode that make an evaluation phase
 
 
 # --- DataLoader: next(iterator) --------------------------------------------------------------
@@ -171,8 +170,8 @@ def zero_grad_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]
 def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
     """A root model class's forward: timed on detail steps (True), else untimed (None): not a
     root, or the model being traced (jit.trace, fx) rather than trained. A forward of a
-    trained model in eval() mode or without autograd is an evaluation forward (EVALUATION):
-    the phase it opens is timed apart, ended by the next training forward. Counts evaluation
+    trained model in eval() mode is an evaluation forward (EVALUATION): the phase it opens is
+    timed apart, ended by the next training forward (train() mode, autograd on). Counts evaluation
     forwards that build autograd graphs on the way."""
     tl, clock, roots, tracing, trained = probe.timeline, probe.clock, probe.roots, probe.tracing, probe.trained
 
@@ -181,17 +180,16 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         key = id(module)
         if key not in roots or not probe.on:
             return None
-        grad = probe.grad_enabled()
         if tl.backward_end is not None and tl.forward_depth == 0:  # parameters updated by hand
             probe.hand_boundary(module)
-        if module.training and grad:
-            if tl.evaluating:
+        if module.training:
+            if tl.evaluating and probe.grad_enabled():  # a training forward
                 tl.evaluation_ends()
         elif not tracing():
-            if grad:
+            if probe.grad_enabled():
                 probe.eval_with_grad += 1
             if key in trained and tl.forward_depth == 0 and not tl.in_optimizer:
-                tl.evaluation_forward(clock(), not module.training)
+                tl.evaluation_forward(clock())
                 return EVALUATION
         if not tl.detail or tracing():
             return None
@@ -290,14 +288,12 @@ class StepTimeline:
         self.hooked = True  # the forward/backward/zero_grad wrappers look: detail or by_hand
         self.backward_end: float | None = None  # by hand: end of the open step's latest backward
         self.hand_steps = 0  # steps closed by the hand-update boundary
-        # An evaluation phase: forwards of a trained model in eval() mode or without autograd,
-        # between training forwards (evaluation_forward .. evaluation_ends).
+        # An evaluation phase: forwards of a trained model in eval() mode between training
+        # forwards (evaluation_forward .. evaluation_ends).
         self.evaluating = False
-        self.evaluation_confirmed = False  # evaluation, not a lone no-grad forward inside a step
         self.evaluation_id = 0  # phases opened so far
         self.evaluation_start = self.evaluation_last = 0.0
         self.evaluation_wait = self.evaluation_last_wait = 0.0  # data_wait at both ends
-        self.evaluation_forwards = 0
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
@@ -388,25 +384,19 @@ class StepTimeline:
         self.moved_on(began)
         self.data_wait += ended - began
 
-    def evaluation_forward(self, now: float, eval_mode: bool) -> None:
-        """A trained model's forward in eval() mode (`eval_mode`) or without autograd: it opens
-        an evaluation phase or belongs to the open one. While one is open every forward is
-        looked at (`hooked`): the next training forward ends it."""
+    def evaluation_forward(self, now: float) -> None:
+        """A trained model's forward in eval() mode: it opens an evaluation phase or belongs to
+        the open one. While one is open every forward is looked at (`hooked`): the next
+        training forward ends it. (A forward under no_grad in train() mode is the step's own:
+        an action chosen by the policy being trained, a target computed.)"""
         if self.step_start is None:
             self.step_start = now  # the run's first step opens here: it holds this phase
         if not self.evaluating:
             self.evaluating = True
-            self.evaluation_confirmed = False
             self.evaluation_id += 1
             self.hooked = True
             self.evaluation_start = self.evaluation_last = now
             self.evaluation_wait = self.evaluation_last_wait = self.data_wait
-            self.evaluation_forwards = 0
-        self.evaluation_forwards += 1
-        # One no-grad forward in train() mode may be part of the step (an action chosen by the
-        # policy being trained, a target computed); eval() mode or a second one is evaluation.
-        if eval_mode or self.evaluation_forwards >= EVALUATION_FORWARDS:
-            self.evaluation_confirmed = True
 
     def evaluation_forward_ended(self, now: float) -> None:
         self.evaluation_last = now
@@ -417,10 +407,9 @@ class StepTimeline:
         one's end, less the data waits inside it (they stay data wait), is left out of the step."""
         self.evaluating = False
         self.hooked = self.detail or self.by_hand
-        if self.evaluation_confirmed:
-            self.evaluation += max(0.0, (self.evaluation_last - self.evaluation_start)
-                                   - (self.evaluation_last_wait - self.evaluation_wait))
-            self.evaluations += 1
+        self.evaluation += max(0.0, (self.evaluation_last - self.evaluation_start)
+                               - (self.evaluation_last_wait - self.evaluation_wait))
+        self.evaluations += 1
 
     def hand_update(self, now: float) -> None:
         """The step boundary of a loop that updates its parameters by hand: the next forward

@@ -189,15 +189,18 @@ class ModelProbe:
                     # may run compiled, where these hooks never see it.
                     return
                 timeline = self.timeline
-                # Before training starts, a forward in eval() mode or without autograd is an
-                # evaluation (a loop that evaluates at iteration 0), not the step's forward.
-                self._discovery_evaluation = not (module.training and torch.is_grad_enabled())
+                # Before training starts, a forward in eval() mode is an evaluation (a loop
+                # that evaluates at iteration 0), not the step's forward.
+                # (Once a training forward was seen, another model in eval() mode, a teacher say,
+                # is part of the step.)
+                self._discovery_evaluation = not module.training and (not self.trained or id(module) in self.trained)
                 if self._discovery_evaluation:
-                    timeline.evaluation_forward(perf_counter(), not module.training)
+                    timeline.evaluation_forward(perf_counter())
                 else:
-                    if timeline.evaluating:
-                        timeline.evaluation_ends()
-                    self.trained.add(id(module))
+                    if torch.is_grad_enabled():  # a training forward
+                        if timeline.evaluating:
+                            timeline.evaluation_ends()
+                        self.trained.add(id(module))
                     timeline.forward_begin(perf_counter())
                 if id(module) not in self._candidates and id(module) not in self.roots:
                     self._candidates[id(module)] = module
@@ -231,15 +234,16 @@ class ModelProbe:
             timeline, grad = self.timeline, torch.is_grad_enabled()
             if timeline.backward_end is not None and timeline.forward_depth == 0:
                 self.hand_boundary(module)  # parameters updated by hand
-            if module.training and grad:
-                if timeline.evaluating:
-                    timeline.evaluation_ends()
-                self.trained.add(id(module))
+            if module.training:
+                if grad:  # a training forward
+                    if timeline.evaluating:
+                        timeline.evaluation_ends()
+                    self.trained.add(id(module))
             else:
                 if grad:
                     self.eval_with_grad += 1
                 if id(module) in self.trained and timeline.forward_depth == 0 and not timeline.in_optimizer:
-                    timeline.evaluation_forward(perf_counter(), not module.training)
+                    timeline.evaluation_forward(perf_counter())
                     return
             timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
@@ -251,7 +255,7 @@ class ModelProbe:
         if not self.on:
             return
         try:
-            if self.timeline.evaluating and id(module) in self.trained and not (module.training and torch.is_grad_enabled()):
+            if self.timeline.evaluating and id(module) in self.trained and not module.training:
                 self.timeline.evaluation_forward_ended(perf_counter())
             else:
                 self.timeline.forward_end(perf_counter())

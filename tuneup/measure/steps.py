@@ -3,7 +3,7 @@
 A step ends at an optimizer step (gradient accumulation: many backward passes, one step),
 or, in a loop with no optimizer, at the forward after a backward whose gradients were used
 (parameters updated by hand). Evaluation phases between training steps (forwards of a
-trained model in eval() mode or without autograd) are timed apart and left out of the
+trained model in eval() mode) are timed apart and left out of the
 step's time. Because a loop may step several optimizers per iteration, a step is closed
 lazily, when the next one visibly starts (hotpath.py: `StepTimeline.moved_on`, the one place this rule is
 written). `tuneup.step()` closes a step explicitly. Step windows therefore tile the timeline
@@ -46,7 +46,7 @@ EARLY_DETAIL_STEPS = 5
 SAMPLING_SEED = 0x7E1E
 # One fixed random draw per block (the table repeats after 4,096 blocks: 81,920 steps for blocks
 # of 20), so a draw costs an index, not a hash: it runs at every detail step's close.
-_DRAWS = tuple(random.Random(SAMPLING_SEED).getrandbits(30) for _ in range(4096))
+_DRAWS = (lambda draw: tuple(draw(30) for _ in range(4096)))(random.Random(SAMPLING_SEED).getrandbits)
 
 
 def sampled_after(step: int, every: int) -> int:

@@ -227,7 +227,7 @@ class SyncCounter:
                 or timeline.in_tuneup or threading.get_ident() != self.thread_id):
             return False
         try:
-            if timeline.evaluating and timeline.evaluation_confirmed:
+            if timeline.evaluating:
                 self.record_evaluation(kind, sys._getframe(2))
             else:
                 self.record(kind, sys._getframe(2))  # _counts <- the wrapper <- the caller
