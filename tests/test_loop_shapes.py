@@ -332,7 +332,7 @@ def test_input_lines_are_sampled_and_the_switch_interval_is_put_back(run_dir):
     with tuneup.attach(run_dir=run_dir, interval=0.1) as agent:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline or agent.recorder.input_lines is None or agent.recorder.input_lines.samples < 20:
-            _tokenize(20_000)
+            _tokenize(100_000)  # a few ms of pure Python: longer than the sampler's switch interval
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()

@@ -117,14 +117,14 @@ def test_only_sampled_steps_are_counted(run_dir):
         train(loader, model, optimizer, steps=25, host_reads=1)
     columns = agent.recorder.timeline.ring.columns(1, 25)
     sampled = {step for step, syncs in zip(columns["step"], columns["syncs"]) if syncs >= 0}
-    # Steps 3-5, then one drawn from each block of 10 after them (6-10 if its draw is past 5,
-    # 11-20, 21-25 if the draw falls before the run ended): exactly what sample_after lists.
-    from tuneup.measure.steps import sampled_after
-
-    drawn = [step for step in (sampled_after(0, 10), sampled_after(10, 10), sampled_after(20, 10))
-             if 5 < step <= 25]
-    assert sampled == {3, 4, 5, *drawn}
-    assert 11 <= sampled_after(10, 10) <= 20
+    # Steps 3-5, then one drawn from each block of 10 after them, moved on to the first detail
+    # step from there: exactly what sample_after lists, and each a detail step.
+    counter, expected, step = agent.recorder.syncs, [], 0
+    while (step := counter.sample_after(step)) <= 25:
+        expected.append(step)
+    assert sampled == set(expected) and expected[:3] == [3, 4, 5]
+    detailed = {step for step, flag in zip(columns["step"], columns["detailed"]) if flag}
+    assert sampled <= detailed
     assert agent.snapshot()["syncs"]["sampled_steps"] == len(sampled)
 
 

@@ -21,6 +21,13 @@ the loop line after the tokenizer; at 1 ms, 78 samples, on encode() and make_bat
 while it runs the sampler lowers the switch interval to SWITCH_INTERVAL and puts it back
 when it stops (unless the job changed it meanwhile): the training thread then yields the
 GIL at most every millisecond when the sampler asks, a few hundred times a second.
+
+Input made of pure-Python stretches shorter than that stays nearly unseen: the sampler gets
+the GIL when the forward's first torch call releases it, after the stretch. Measured on a
+1.4 ms step with 1 ms of pure-Python input: 8 of 1,141 wake-ups found the thread in its
+input, against 17% of the time spent there. The input figure is exact either way (the
+timeline's clock reads); its lines are named only where the stretches are longer, as slow
+tokenizers and batch builders worth moving are.
 """
 
 from __future__ import annotations

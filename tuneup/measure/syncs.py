@@ -167,11 +167,18 @@ class SyncCounter:
 
     def sample_after(self, step: int) -> int:
         """The first sampled step after `step`: steps 3-5, then one drawn at random from each
-        block of `sample_every` (steps.py sampled_after: no loop period aliases with it)."""
+        block of `sample_every` (steps.py sampled_after: no loop period aliases with it), moved
+        on to the first detail step from there (also drawn at random): a sampled step is a
+        detail step, so the two share their wake-ups (apart, they cost 3,000 instructions a
+        step more on the 0.4 ms step: benchmarks/bench_instructions.py)."""
         for early in EARLY_SAMPLES:
             if early > step:
                 return early
-        return sampled_after(step, self.sample_every) if self.sample_every > 0 else -1
+        if self.sample_every <= 0:
+            return -1
+        drawn = sampled_after(step, self.sample_every)
+        every = self.timeline.detail_every  # (sampling more often than detail steps come: as drawn)
+        return sampled_after(drawn - 1, every) if 1 < every <= self.sample_every else drawn
 
     def turn_off(self, reason: str) -> None:
         """Stop sampling for a reason that is not a failure (e.g. torch.compile in use)."""
