@@ -1,8 +1,8 @@
 """The hot path: everything tuneup runs on every training step, in one place.
 
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
-opt.step()` calls, in order (all of it together: about 39,000 instructions per step on the
-~0.4 ms CPU step, 4.5% of it, by benchmarks/bench_instructions.py; about 480 Python
+opt.step()` calls, in order (all of it together: about 43,000 instructions per step on the
+~0.4 ms CPU step, 4.9% of it, by benchmarks/bench_instructions.py; about 520 Python
 operations of tuneup's own, each costing 60-90 ns in place there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
@@ -10,22 +10,26 @@ operations of tuneup's own, each costing 60-90 ns in place there):
                           (one record tuple into the ring; its listeners only on detail
                           steps and on the steps they asked for through `wake_at`)
     opt.zero_grad()    zero_grad_before/after   Optimizer.zero_grad: one attribute test off
-                                                detail steps (Module.zero_grad: a call)
+                                                hooked steps (Module.zero_grad: a call)
     model(x)           forward_before/after     the root class's forward: is_compiling() and
-                                                two attribute tests off detail steps, unless
-                                                the module is in eval() mode
-    loss.backward()    backward_before/after    one attribute test off detail steps
+                                                two attribute tests off hooked steps, unless
+                                                the module is in eval() mode (an evaluation
+                                                phase: evaluation_forward .. evaluation_ends)
+    loss.backward()    backward_before/after    one attribute test off hooked steps
     opt.step()         optimizer_pre/post       torch's global step hooks: a set test and a
                                                 few counters; the boundary rule for loops
                                                 without a fetch; optimizer time on detail steps
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
 On detail steps (the first five, then one drawn at random from every `detail_every`, and
-apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer, and keep the loss
-for reading at the close.
+apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer,
+the input before the first forward (input_ended), and keep the loss for reading at the close.
+`hooked`, the wrappers' gate, is True on detail steps, while an evaluation phase is open, and
+in loops that update their parameters by hand (every step: their boundary is a forward).
 
-The step boundary is one rule, `StepTimeline.moved_on`; the hooks call it only when it has
-something to do. Every hook is a closure over its probe and the timeline (no bound-method or
+The step boundary is one rule, `StepTimeline.moved_on` (for loops that update their
+parameters by hand: `hand_update`, decided by ModelProbe.hand_boundary); the hooks call it
+only when it has something to do. Every hook is a closure over its probe and the timeline (no bound-method or
 global lookups on the way), reads its clock through the probe (`probe.clock`, so a test can
 break one probe alone), and hands any error of its own to the probe's `fail` (one warning,
 the probe off), never to the job.
