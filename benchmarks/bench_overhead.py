@@ -1,6 +1,6 @@
 """Overhead of tuneup in advise mode, against the bare loop and against torch.profiler.
 
-    python benchmarks/bench_overhead.py [--rounds 15]
+    python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5]
 
 Two CPU training loops (DataLoader, MLP, a loss.item() every 10 steps): one with a step of
 about 5 ms (AdamW), one of about 0.4 ms (SGD on pre-batched data: close to the smallest full
@@ -13,6 +13,9 @@ CPU time per step (time.process_time(): it counts tuneup's own threads).
 
 torch.profiler runs continuously with schedule(wait=5, warmup=1, active=3, repeat=0) and a
 trace handler that discards the trace: the cheapest way to keep it on for a whole run.
+
+Then the start-up figure: plain `python` against `tuneup run` on a short script, and attach()
+and detach() themselves (benchmarks/bench_startup.py, whose table this prints; 0 rounds skip it).
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ CONFIGS = {"bare loop": bare, "tuneup (advise)": with_tuneup, "torch.profiler": 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--startup-rounds", type=int, default=5, help="rounds of bench_startup.py after (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core each for loop and agent thread: less noise on 2-core hosts
     print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, mean step time per run, "
@@ -150,6 +154,11 @@ def main() -> None:
                     print(f"  {name:<18}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
                           f"{(median - base) * 1e6:>10.1f} µs{statistics.median(added):>12.1f} µs"
                           f" ({q1:.1f} to {q3:.1f})")
+    if args.startup_rounds > 0:
+        from benchmarks.bench_startup import report
+
+        print("\nstart-up: python S against tuneup run S (S: a short training script)")
+        report(args.startup_rounds)
 
 
 if __name__ == "__main__":

@@ -141,9 +141,13 @@ def row(name: str, values: list[float], base: list[float] | None, unit: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    report(parser.parse_args().rounds)
+
+
+def report(rounds: int) -> None:
+    """Run the rounds and print the table (bench_overhead.py prints it too, after its own)."""
     cached = "on" if not sys.dont_write_bytecode else "off (PYTHONDONTWRITEBYTECODE: uncached modules compile at every start)"
-    print(f"python {sys.version.split()[0]}, {args.rounds} interleaved rounds (plus one warm-up), "
+    print(f"python {sys.version.split()[0]}, {rounds} interleaved rounds (plus one warm-up), "
           f"median over rounds; bytecode caching {cached}")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -156,7 +160,7 @@ def main() -> None:
             "in-process": lambda: in_process(tmp, env),
         }
         results: dict[str, list] = {name: [] for name in variants}
-        for round_ in range(args.rounds + 1):
+        for round_ in range(rounds + 1):
             order = list(variants.items())
             random.shuffle(order)
             for name, run in order:
