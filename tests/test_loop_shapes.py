@@ -74,7 +74,8 @@ def test_public_loop_shapes_against_their_ground_truth(tmp_path, program):
     from tuneup.report.sources import load
 
     steps_of, reads, boundary, required, allowed = CORPUS[program]
-    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0")
+    # Ticks every 0.2 s: the input sampler starts early in a short script, however fast it runs.
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", TUNEUP_INTERVAL="0.2")
     script = str(PROGRAMS / program)
     plain = subprocess.run([sys.executable, script], env={**env, "TUNEUP_DISABLE": "1"}, capture_output=True,
                            text=True, timeout=300)
@@ -262,6 +263,7 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
         return sum(losses) / 3
 
     with tuneup.attach(run_dir=run_dir, sync_sample_every=1) as agent:
+        began = time.perf_counter()
         for it in range(40):
             if it % 10 == 0:
                 estimate_loss()
@@ -270,6 +272,7 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
             loss.backward()
             optimizer.step()
             loss.item()
+        loop_seconds = time.perf_counter() - began
     snapshot = agent.snapshot()
     totals = snapshot["totals"]
     assert totals["steps"] == 40
@@ -278,8 +281,9 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
     # The phase runs from its first forward's start to its last one's end: inside what the
     # loop timed around all of it, and at least the two sleeps.
     assert 4 * 0.1 <= evaluation["seconds"] <= sum(spent)
-    # Kept out of the steps: no step is as long as an evaluation's sleeps.
-    assert snapshot["window"]["step_seconds"]["max"] < 0.1
+    # Kept out of the steps: the steps' time is the loop's less its evaluations, whose sleeps
+    # alone are 0.4 s (whatever the machine's speed: no step time is compared to a constant).
+    assert totals["seconds"] <= loop_seconds - evaluation["seconds"] + 1e-6
     syncs = snapshot["syncs"]
     assert syncs["per_step"] == 1.0
     # Reads are counted from step 3 on (steps 1-2 carry start-up work): the evaluations at

@@ -420,9 +420,7 @@ class StepTimeline:
         after a backward (ModelProbe.hand_boundary decides) closes the step at `now`."""
         self.backward_end = None
         self.hand_steps += 1
-        if self.step_loss is None and self.loss is not None:
-            self.step_loss, self.loss = self.loss, None
-        self.close(now)
+        self._close_marked(now)
 
     def not_by_hand(self) -> None:
         """An optimizer stepped or the loop marks its steps: no hand-update boundary from now on."""
@@ -513,9 +511,14 @@ class StepTimeline:
         """tuneup.step(): close the step now. Automatic boundaries go on working (the
         optimizers stepped so far are forgotten at every close, so none fires twice)."""
         self.not_by_hand()
+        self._close_marked(perf_counter() if now is None else now)
+
+    def _close_marked(self, now: float) -> None:
+        """Close at a boundary no optimizer step made (tuneup.step(), a hand update): the loss
+        of the latest backward is the step's."""
         if self.step_loss is None and self.loss is not None:
             self.step_loss, self.loss = self.loss, None
-        self.close(perf_counter() if now is None else now)
+        self.close(now)
 
     # --- values that arrive late (read asynchronously from the device) ----------------
 

@@ -39,6 +39,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from .syncs import format_location
+
 MAX_LINES = 256
 RATE_HZ = 250
 SWITCH_INTERVAL = 0.001  # seconds; see the module docstring
@@ -52,14 +54,17 @@ _NOT_INPUT = ("torch.utils.data", "torch.optim", "torch.autograd", "torch.nn.mod
 _USER_MODULES = frozenset({"tuneup.demo"})  # ships inside tuneup, but is a job's code
 
 
-def is_library(filename: str, cache: dict[str, bool] = {}) -> bool:  # noqa: B006 - a deliberate cache
+_LIBRARY_FILES: dict[str, bool] = {}  # is_library's answers, by code file (at most 4,096)
+
+
+def is_library(filename: str) -> bool:
     """Whether a code file is the standard library's, an installed package's or tuneup's."""
-    known = cache.get(filename)
+    known = _LIBRARY_FILES.get(filename)
     if known is None:
         path = os.path.normcase(os.path.realpath(filename)) if not filename.startswith("<") else filename
         known = path.startswith(_LIBRARY_DIRS) or path.startswith(_TUNEUP_DIR) or filename.startswith("<frozen")
-        if len(cache) < 4096:
-            cache[filename] = known
+        if len(_LIBRARY_FILES) < 4096:
+            _LIBRARY_FILES[filename] = known
     return known
 
 
@@ -73,7 +78,8 @@ class InputSampler:
         self.thread_id = thread_id
         self.period = 1.0 / rate_hz
         self.samples = 0  # counted while in input
-        self.lines: dict[tuple[str, int, str, str | None], int] = {}  # (file, line, function, loop line)
+        # (file, line, function, the loop's (file, line) or None) -> samples
+        self.lines: dict[tuple[str, int, str, tuple[str, int] | None], int] = {}
         self.unattributed = 0  # samples in library code only
         self.failure: str | None = None  # why sampling stopped, if it did
         self._stop = threading.Event()
@@ -133,7 +139,7 @@ class InputSampler:
         if inner is None:
             self.unattributed += 1
             return
-        loop = f"{outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None and outer is not inner else None
+        loop = (outer.f_code.co_filename, outer.f_lineno) if outer is not None and outer is not inner else None
         key = (inner.f_code.co_filename, inner.f_lineno, inner.f_code.co_name, loop)
         if key in self.lines or len(self.lines) < MAX_LINES:
             self.lines[key] = self.lines.get(key, 0) + 1
@@ -145,9 +151,7 @@ class InputSampler:
         samples = self.samples
         if not samples:
             return None
-        from .syncs import format_location
-
-        functions: dict[tuple[str, str, str | None], list] = {}  # -> [samples, best line, its samples]
+        functions: dict[tuple[str, str, tuple[str, int] | None], list] = {}  # -> [samples, best line, its samples]
         for (filename, line, function, loop), count in dict(self.lines).items():
             entry = functions.setdefault((filename, function, loop), [0, line, 0])
             entry[0] += count
@@ -157,16 +161,8 @@ class InputSampler:
         return {
             "samples": samples,
             "top_lines": [{"location": format_location(filename, line), "function": function,
-                           "loop_line": _relative(loop), "share": count / samples}
+                           "loop_line": format_location(*loop) if loop is not None else None,
+                           "share": count / samples}
                           for (filename, function, loop), (count, line, _) in ranked],
             "unattributed_share": self.unattributed / samples,
         }
-
-
-def _relative(location: str | None) -> str | None:
-    if location is None:
-        return None
-    from .syncs import format_location
-
-    filename, _, line = location.rpartition(":")
-    return format_location(filename, int(line))

@@ -46,7 +46,12 @@ EARLY_DETAIL_STEPS = 5
 SAMPLING_SEED = 0x7E1E
 # One fixed random draw per block (the table repeats after 4,096 blocks: 81,920 steps for blocks
 # of 20), so a draw costs an index, not a hash: it runs at every detail step's close.
-_DRAWS = (lambda draw: tuple(draw(30) for _ in range(4096)))(random.Random(SAMPLING_SEED).getrandbits)
+def _seeded_draws(count: int) -> tuple[int, ...]:
+    draws = random.Random(SAMPLING_SEED)
+    return tuple(draws.getrandbits(30) for _ in range(count))
+
+
+_DRAWS = _seeded_draws(4096)
 
 
 def sampled_after(step: int, every: int) -> int:

@@ -97,6 +97,21 @@ def _inherent_kind(frame: FrameType | None) -> str | None:
     return None
 
 
+def _source(frame: FrameType | None, kind: str) -> tuple[str, int, str, str] | None:
+    """A read's source line: (file, line, function, kind) of its user frame, if it has one."""
+    frame = user_frame(frame)
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
+
+
+def _tally(counts: dict[tuple[str, int, str, str], int], key: tuple[str, int, str, str], amount: int = 1) -> bool:
+    """Add `amount` to a source line's count; False (nothing added) when the table already
+    holds MAX_SOURCES lines and this is a new one."""
+    if key in counts or len(counts) < MAX_SOURCES:
+        counts[key] = counts.get(key, 0) + amount
+        return True
+    return False
+
+
 def format_location(filename: str, lineno: int) -> str:
     try:
         relative = os.path.relpath(filename)
@@ -155,8 +170,7 @@ class SyncCounter:
             for kind, count in self.step_kinds.items():
                 self.by_kind[kind] = self.by_kind.get(kind, 0) + count
             for key, count in self.step_sources.items():
-                if key in self.sources or len(self.sources) < MAX_SOURCES:
-                    self.sources[key] = self.sources.get(key, 0) + count
+                if _tally(self.sources, key, count):
                     self.source_steps[key] = self.source_steps.get(key, 0) + 1
                 else:
                     self.unattributed += count
@@ -284,14 +298,8 @@ class SyncCounter:
         self.calls += 1
         kind = _inherent_kind(frame) or kind  # a read torch's own code needs: not the loop's to remove
         self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
-        frame = user_frame(frame)
-        if frame is None:
-            self.step_unattributed += 1
-            return
-        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
-        if key in self.step_sources or len(self.step_sources) < MAX_SOURCES:
-            self.step_sources[key] = self.step_sources.get(key, 0) + 1
-        else:
+        key = _source(frame, kind)
+        if key is None or not _tally(self.step_sources, key):
             self.step_unattributed += 1
 
     def record_evaluation(self, kind: str, frame: FrameType | None) -> None:
@@ -300,12 +308,9 @@ class SyncCounter:
         if phase != self._evaluation_seen:
             self._evaluation_seen = phase
             self.evaluation_phases += 1
-        frame = user_frame(frame)
-        if frame is None:
-            return
-        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
-        if key in self.evaluation_sources or len(self.evaluation_sources) < MAX_SOURCES:
-            self.evaluation_sources[key] = self.evaluation_sources.get(key, 0) + 1
+        key = _source(frame, kind)
+        if key is not None:
+            _tally(self.evaluation_sources, key)
 
     # --- results ---------------------------------------------------------------------
 
