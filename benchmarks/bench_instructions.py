@@ -8,7 +8,7 @@ the cost being measured.
 The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
 SGD, a loss.item() every 10 steps; or another of its WORKLOADS, by name) runs bare and with
 tuneup attached (advise mode, no endpoint, no run log):
-200 warm-up steps, then the counted ones, between two calls of getpgrp() (nothing else calls
+200 warm-up steps (--warmup), then the counted ones, between two calls of getpgrp() (nothing else calls
 it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
 counted. The agent's background sampler is stopped: its cost is per second, not per step,
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
@@ -38,7 +38,7 @@ JOB = '''
 import os
 import sys
 
-mode, steps, checkout, root, workload = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+mode, steps, checkout, root, workload, warmup = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
 sys.path.insert(0, checkout)
 import torch
 import tuneup  # the checkout's, before bench_overhead puts this repository first on the path
@@ -56,19 +56,20 @@ if mode in ("tuneup", "apply"):
     else:  # a checkout from before ticker.py (--against)
         agent._stop.set()
         agent._thread.join()
-loop(*job, 200)
+loop(*job, warmup)
 os.getpgrp()  # callgrind dumps what came before: start-up, warm-up
 loop(*job, steps)
 os.getpgrp()  # ... and here the counted steps
 '''
 
 
-def instructions(job: Path, mode: str, steps: int, workload: str, checkout: Path, folder: Path, name: str) -> int:
+def instructions(job: Path, mode: str, steps: int, warmup: int, workload: str, checkout: Path, folder: Path,
+                 name: str) -> int:
     """Instructions of the counted steps: the dump callgrind wrote at the last getpgrp()."""
     out = folder / name
     subprocess.run(
         ["valgrind", "--tool=callgrind", "--dump-before=getpgrp", f"--callgrind-out-file={out}", sys.executable,
-         str(job), mode, str(steps), str(checkout), str(ROOT), workload],
+         str(job), mode, str(steps), str(checkout), str(ROOT), workload, str(warmup)],
         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     # One part per dump (out.1, out.2, ...; the part after the last dump is `out` itself).
     parts = sorted(folder.glob(f"{name}.*"), key=lambda path: int(path.suffix[1:]))
@@ -82,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another tuneup checkout to count beside this one")
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=200, help="steps run before counting begins (over 30)")
     parser.add_argument("--workload", default="~0.4 ms step", help="a workload of bench_overhead.py, by name")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--apply", action="store_true",
@@ -105,7 +107,7 @@ def main() -> None:
         job.write_text(JOB)
         with ThreadPoolExecutor(args.jobs) as pool:
             counts = dict(zip(configs, pool.map(
-                lambda item: instructions(job, item[1][0], args.steps, args.workload, item[1][1], Path(folder),
+                lambda item: instructions(job, item[1][0], args.steps, args.warmup, args.workload, item[1][1], Path(folder),
                                           f"run{item[0]}"),
                 enumerate(configs.values()))))
     per_step = {name: count / args.steps for name, count in counts.items()}

@@ -254,7 +254,7 @@ def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_upd
 
 def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exactly(run_dir,
                                                                                     monkeypatch):
-    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)  # a GPU without bf16
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device, index=None: False)  # a GPU without bf16
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     before = dict(vars(scaler))
     seen = {}
@@ -274,7 +274,7 @@ def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exa
 
 
 def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, monkeypatch):
-    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device, index=None: False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     state = {}
 
@@ -563,7 +563,7 @@ def test_numerics_are_left_alone_in_a_distributed_job(run_dir, monkeypatch):
 def test_revert_all_from_another_thread_lands_between_steps(run_dir, monkeypatch):
     import threading
 
-    monkeypatch.setattr(amp_action, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(amp_action, "bf16_supported", lambda device, index=None: False)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     before = dict(vars(scaler))
     state = {}

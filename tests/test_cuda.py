@@ -160,3 +160,77 @@ def test_advise_mode_keeps_cuda_numerics_bit_identical(run_dir):
     if first != second:
         pytest.skip("this GPU's kernels are not deterministic run to run")
     assert run(True) == first
+
+
+class _StarvingBatches(torch.utils.data.Dataset):
+    """Each batch takes 30 ms to make on the host: the GPU idles between steps."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, index: int):
+        time.sleep(0.03)
+        return torch.randn(128, 64), torch.randn(128, 1)
+
+
+def test_gpu_time_excludes_the_wait_for_data(run_dir):
+    # Ground truth: 30 steps, each waiting 30 ms for a batch; the step's GPU work (a small MLP
+    # on 128 rows) takes well under a millisecond. GPU time per step must not hold the wait.
+    model, _, _ = cuda_job()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(_StarvingBatches(), batch_size=None)
+    with tuneup.attach(run_dir=run_dir, detail_every=1) as agent:
+        for x, y in loader:
+            x, y = x.to(DEVICE), y.to(DEVICE)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        settle(agent)
+    window = agent.snapshot()["window"]
+    assert window["step_seconds"]["median"] >= 0.03
+    assert window["gpu_seconds"]["median"] < 0.01  # was ≈ the whole step while the end event followed the wait
+
+
+def test_explicit_synchronize_calls_are_counted(run_dir):
+    model, x, y = cuda_job()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stream = torch.cuda.current_stream()
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+        for _ in range(30):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            torch.cuda.synchronize()  # sync: device
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()  # sync: event
+            stream.synchronize()  # sync: stream
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["per_step"] == 3
+    assert set(syncs["by_kind"]) == {"cuda.synchronize", "Event.synchronize", "Stream.synchronize"}
+    source_lines, first = inspect.getsourcelines(test_explicit_synchronize_calls_are_counted)
+    expected = {str(first + i) for i, line in enumerate(source_lines) if "# sync:" in line}
+    assert {source["location"].rsplit(":", 1)[1] for source in syncs["top_sources"]} == expected
+
+
+def test_blocking_copies_are_their_own_kind(run_dir):
+    # Ground truth: per step two pageable host-to-device copies without non_blocking (x, y) and
+    # one real read (loss.item()): 2 blocking copies, 1 host sync.
+    model, _, _ = cuda_job()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x_host, y_host = torch.randn(128, 64), torch.randn(128, 1)
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+        for _ in range(30):
+            x, y = x_host.to(DEVICE), y_host.cuda()
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+    snapshot = agent.snapshot()
+    by_kind = snapshot["syncs"]["by_kind"]
+    assert by_kind.get("blocking_copy") == 2
+    assert snapshot["syncs"]["per_step"] - by_kind["blocking_copy"] == 1
+    findings = {finding["rule"]: finding for finding in agent.findings()}
+    assert findings["host-syncs"]["evidence"]["syncs_per_step"] == 1
+    assert findings["pageable-copies"]["evidence"]["blocking_copies_per_step"] == 2

@@ -221,6 +221,14 @@ def cpu_bf16_detected() -> bool:
     return _CPU_BF16_DETECTED
 
 
+def cuda_bf16(index: int | None = None) -> bool:
+    """Whether this GPU runs bf16 natively: compute capability 8.0 (Ampere) or newer.
+    torch.cuda.is_bf16_supported() is no test for it: it also says True where bf16 is only
+    emulated (V100, T4: `including_emulation=True` by default, torch/cuda/__init__.py), where
+    bf16 autocast is slower than fp32 and fp16 with a GradScaler is the reduced precision."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
 def hardware(cpu_bf16: bool | None = None) -> dict[str, Any]:
     """What the AMP and TF32 rules need: bf16 on this CPU (AVX512-BF16 or AMX: where CPU
     autocast pays off) and, once the job initialized CUDA, each GPU's compute capability.
@@ -243,7 +251,7 @@ def hardware(cpu_bf16: bool | None = None) -> dict[str, Any]:
                 "index": index,
                 "name": torch.cuda.get_device_name(index),
                 "capability": [major, minor],
-                "bf16": major >= 8,
+                "bf16": cuda_bf16(index),
                 "tensor_cores": major >= 7,
             })
     return out

@@ -140,6 +140,8 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 if tl.detail:
                     tl.optimizer += now - tl.forward - tl.backward - tl.optimizer_start
                     probe.read_rate(optimizer)  # the learning rate this update used
+                    if tl.gpu_timer is not None:  # the step's GPU work is queued up to here
+                        tl.gpu_timer.optimizer_ended()
                     # The next forward's input starts here (loops without a fetch: the step
                     # closes at the next optimizer step, after that forward).
                     tl.in_input = True
@@ -435,6 +437,8 @@ class StepTimeline:
         self.moved_on(now, id(optimizer))
         self.skipped += 1
         self.last_optimizer_end = now
+        if self.detail and self.gpu_timer is not None:
+            self.gpu_timer.optimizer_ended()
         self.group.append(id(optimizer))
         if self.loss is not None:
             self.step_loss, self.loss = self.loss, None

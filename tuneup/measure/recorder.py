@@ -203,10 +203,13 @@ class Recorder:
             self.syncs.thread_id = threading.get_ident()  # the thread that really trains
         # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
         if self.gpu_timer is None and torch.cuda.is_initialized():
-            self.gpu_timer = CudaStepTimer(self.timeline, self.model.cuda_device())
-            self.timeline.gpu_timer = self.gpu_timer
-            self.timeline.add_listener("gpu_time", self.gpu_timer.on_close)
+            self.time_gpu(CudaStepTimer(self.timeline, self.model.cuda_device()))
         self.model.read_config_next_forward = True
+
+    def time_gpu(self, timer: CudaStepTimer) -> None:
+        """GPU time per detail step from now on, by `timer`'s events."""
+        self.gpu_timer = self.timeline.gpu_timer = timer
+        self.timeline.add_listener(timer.name, timer.on_close)
 
     def flush(self) -> None:
         """The open step closes, the device values in flight are collected (detach)."""

@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .._patching import PatchSet, posing_as, quiet_dynamo
+from .copies import BLOCKING_COPY_KIND, is_blocking_copy
 from .hotpath import HOST_READ, StepTimeline
 from .steps import sampled_after
 
@@ -51,15 +52,46 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "numpy"),
     (torch.Tensor, "nonzero"),
 )
+# Explicit syncs: sync debug mode has no hook in them (it reports implicit syncs only:
+# c10/cuda/CUDAFunctions.h warn_or_error_on_sync is called from memcpy_and_sync and the like,
+# not from cudaDeviceSynchronize/cudaEventSynchronize/cudaStreamSynchronize), so they are
+# wrapped, Python functions all three (torch/cuda/__init__.py, torch/cuda/streams.py), and
+# counted on sampled steps by either backend.
+EXPLICIT_SYNCS: tuple[tuple[Any, str, str], ...] = (
+    (torch.cuda, "synchronize", "cuda.synchronize"),
+    (torch.cuda.Event, "synchronize", "Event.synchronize"),
+    (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+)
 WATCHED_KINDS = frozenset({"torch.nonzero"})  # seen by the call watch only (calls.py)
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
 
 # Frames of these modules are library code, not the line the user should change. The demo
-# job ships inside tuneup but is user code as far as its advice is concerned.
-_LIBRARY_PREFIXES = ("torch.", "tuneup.", "warnings", "contextlib", "functools")
+# job ships inside tuneup but is user code as far as its advice is concerned. The warnings
+# machinery is written in `_py_warnings` from Python 3.14 on (`warnings` re-exports it).
+_WARNING_MODULES = ("warnings", "_py_warnings")
+_LIBRARY_PREFIXES = ("torch.", "tuneup.", "contextlib", "functools") + _WARNING_MODULES
 _USER_MODULES = frozenset({"tuneup.demo"})
+
+
+def past_warnings(frame: FrameType | None) -> FrameType | None:
+    """The first frame outside the warnings machinery, whatever module holds it: by module name
+    and by file (that of the function that called showwarning: `warnings._showwarnmsg`, or
+    `_py_warnings._showwarnmsg` on 3.14)."""
+    machinery = _warnings_files()
+    while frame is not None and (frame.f_globals.get("__name__", "") in _WARNING_MODULES
+                                 or frame.f_code.co_filename in machinery):
+        frame = frame.f_back
+    return frame
+
+
+@functools.lru_cache(maxsize=1)
+def _warnings_files() -> frozenset[str]:
+    files = {getattr(warnings, "__file__", None)}
+    show = getattr(warnings, "_showwarnmsg", None)
+    files.add(getattr(getattr(show, "__code__", None), "co_filename", None))
+    return frozenset(name for name in files if name)
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
@@ -207,6 +239,8 @@ class SyncCounter:
         for owner, attribute in HOST_READS:
             kind = attribute.strip("_")
             patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
+        for owner, attribute, kind in EXPLICIT_SYNCS:
+            patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original, "sampling"))
 
     def _start(self) -> None:
         self.calls = 0
@@ -233,10 +267,13 @@ class SyncCounter:
 
     # --- CPU: count the host reads on sampled steps ----------------------------------
 
-    def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _counting(self, kind: str, original: Callable[..., Any], gate: str = "counting_reads") -> Callable[..., Any]:
+        """`original`, counted while the counter's `gate` flag is set: host reads while
+        counting_reads (the CPU backend's sampled steps), explicit syncs while sampling."""
         # Posing as the Tensor method it wraps (see posing_as): after a graph break, dynamo
         # skips its frame as it skips torch's own instead of compiling it.
-        return posing_as(original, HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
+        template = HOST_READ if gate == "counting_reads" else HOST_READ.replace(".counting_reads", f".{gate}", 1)
+        return posing_as(original, template, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
                          _tuneup_counts=functools.partial(self._counts, kind), _tuneup_is_compiling=torch.compiler.is_compiling,
                          _tuneup_quiet=quiet_dynamo)
 
@@ -271,7 +308,8 @@ class SyncCounter:
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if CUDA_SYNC_MESSAGE in str(message):
                 if threading.get_ident() == counter.thread_id and not counter.timeline.in_tuneup:
-                    counter.record("cuda_sync", sys._getframe(1))
+                    frame = past_warnings(sys._getframe(1))
+                    counter.record(BLOCKING_COPY_KIND if is_blocking_copy(user_frame(frame)) else "cuda_sync", frame)
                 return None
             return previous_show(message, category, filename, lineno, file, line)
 

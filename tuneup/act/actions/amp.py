@@ -32,7 +32,7 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from ..._patching import PatchSet, measured, posing_as
-from ...measure.config import is_compiled
+from ...measure.config import cuda_bf16, is_compiled
 from ...measure.model import tracing
 from ...measure.optimizer import CLOSURE_OPTIMIZERS
 from ..action import FASTER, Action, Change, LiveJob
@@ -78,10 +78,11 @@ def _nothing_after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
     return None
 
 
-def bf16_supported(device: str) -> bool:
-    """Whether autocast may use bf16 here. On the CPU it always runs (whether it pays is what
+def bf16_supported(device: str, index: int | None = None) -> bool:
+    """Whether autocast may use bf16 here: on a GPU, where it runs natively (measure/config.py
+    cuda_bf16; else fp16 with a GradScaler). On the CPU it always runs (whether it pays is what
     the amp-off rule, which starts this action, and the trial decide)."""
-    return device == "cpu" or torch.cuda.is_bf16_supported()
+    return device == "cpu" or cuda_bf16(index)
 
 
 class AmpChange(Change):
@@ -312,12 +313,12 @@ class Amp(Action):
         devices = {p.device.type for p in parameters}
         if len(devices) != 1 or devices - {"cpu", "cuda"}:
             return self.refuse(f"parameters on {', '.join(sorted(devices))}: autocast needs one CPU or CUDA device")
-        device = devices.pop()
+        device, index = devices.pop(), parameters[0].device.index
         closures = sorted({type(o).__name__ for o in job.optimizers.optimizers} & set(CLOSURE_OPTIMIZERS))
         if closures:
             return self.refuse(f"{', '.join(closures)} re-evaluates the model in its closure")
         scalers = [s for s in job.scalers.scalers if getattr(s, "_device", None) == device]
-        if bf16_supported(device):
+        if bf16_supported(device, index):
             enabled = [s for s in scalers if s._enabled]
             return AmpChange(job, models, device, torch.bfloat16, enabled[0] if enabled else None)
         return self._fp16(job, models, device, scalers)

@@ -4,7 +4,8 @@ copies, unnormalized inputs, and a CPU oversubscribed by loader workers and torc
 from __future__ import annotations
 
 from ..rule import Evidence, Facts, Missing, rule
-from ...format import percent, seconds
+from ...format import percent, read_rate, seconds
+from ...measure.copies import BLOCKING_COPY_KIND
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 STALL_THRESHOLD = 0.10
@@ -52,31 +53,45 @@ def data_stall(facts: Facts) -> Evidence | None:
 
 @rule(
     id="pageable-copies",
-    title="Batches are copied to the GPU from pageable memory",
+    title="Batches are copied to the GPU from pageable memory, or without non_blocking",
     severity="medium",
-    inputs="sampled batches (device, pinned) of a job training on CUDA; the loader's pin_memory",
-    threshold="a CUDA job whose sampled CPU batches are not in pinned memory",
+    inputs="sampled batches (device, pinned) of a job training on CUDA; the loader's pin_memory; "
+           "blocking host-to-device copies among the sampled steps' syncs, with their lines",
+    threshold="a CUDA job whose sampled CPU batches are not in pinned memory, or that copies to the "
+              "GPU without non_blocking=True",
     why="A copy from pageable memory is staged through a pinned buffer by the driver and "
-        "cannot overlap with compute; from pinned memory with non_blocking=True it can.",
+        "cannot overlap with compute; one without non_blocking=True also stops the host until it "
+        "is done (a sync every copy). From pinned memory with non_blocking=True it overlaps.",
     doc="https://docs.pytorch.org/docs/stable/data.html#memory-pinning",
     can_apply=True,
 )
 def pageable_copies(facts: Facts) -> Evidence | None:
     if not facts.on_cuda:
         raise Missing("a CUDA job")
+    syncs = facts.syncs
+    copies = (syncs.get("by_kind") or {}).get(BLOCKING_COPY_KIND, 0.0) if syncs.get("backend") == "cuda" else 0.0
     batches = facts.habits.get("batches") or {}
     checked = batches.get("pin_checked") or 0
-    if not checked or "cpu" not in (batches.get("devices") or ()):
-        raise Missing("sampled CPU batches")
-    pinned = batches.get("pinned") or 0
-    if pinned >= checked:
+    host_batches = checked and "cpu" in (batches.get("devices") or ())
+    if not copies and not host_batches:
+        raise Missing("sampled CPU batches or blocking copies")
+    pageable = checked - (batches.get("pinned") or 0) if host_batches else 0
+    if pageable <= 0 and not copies:
         return None
+    said = []
+    if pageable > 0:
+        said.append(f"{pageable} of {checked} sampled batches were in pageable host memory")
+    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] == BLOCKING_COPY_KIND]
+    if copies:
+        where = "; ".join(f"{s['location']} ({read_rate(s)})" for s in sources[:3])
+        said.append(f"{copies:.1f} blocking host-to-device copies per step" + (f" at {where}" if where else ""))
     return Evidence(
-        observed=f"{checked - pinned} of {checked} sampled batches were in pageable host memory",
-        numbers={"pageable_batches": checked - pinned, "sampled_batches": checked},
+        observed="; ".join(said),
+        numbers={"pageable_batches": pageable, "sampled_batches": checked, "blocking_copies_per_step": copies,
+                 "copy_sources": sources[:5]},
         fix="loader = DataLoader(dataset, ..., pin_memory=True)\n"
             "x = x.to(device, non_blocking=True)\ny = y.to(device, non_blocking=True)",
-        gain_text="host-to-device copies overlap with compute",
+        gain_text="host-to-device copies overlap with compute" + (", and stop syncing the host" if copies else ""),
     )
 
 

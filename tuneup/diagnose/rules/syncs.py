@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...measure.copies import BLOCKING_COPY_KIND
 from ...measure.syncs import GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ...format import read_rate
 from ..rule import Evidence, Facts, rule
@@ -19,7 +20,8 @@ FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each st
     inputs="host-device syncs counted on sampled steps, with their source lines",
     threshold=f">= {SYNCS_PER_STEP:g} sync per step on average",
     why="Syncs inside GradScaler.step (it reads whether gradients overflowed) and inside an optimizer's own "
-        "code (LBFGS reads its closure's loss) are not counted: the loop cannot remove them. "
+        "code (LBFGS reads its closure's loss) are not counted: the loop cannot remove them; nor are "
+        "blocking host-to-device copies (see pageable-copies). "
         "Each sync stops the host until the GPU has finished all queued work, so the host can "
         "no longer run ahead and the GPU idles while the next kernels are launched. One per step "
         "already drains the queue every step.",
@@ -28,11 +30,13 @@ FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each st
 def host_syncs(facts: Facts) -> Evidence | None:
     syncs = facts.syncs
     by_kind = syncs.get("by_kind") or {}
-    inherent = sum(by_kind.get(kind, 0.0) for kind in INHERENT_KINDS)
-    per_step = syncs["per_step"] - inherent  # torch's own reads are not the loop's to remove
+    # torch's own reads are not the loop's to remove; blocking copies have their own fix
+    # (the pageable-copies rule).
+    elsewhere = INHERENT_KINDS + (BLOCKING_COPY_KIND,)
+    per_step = syncs["per_step"] - sum(by_kind.get(kind, 0.0) for kind in elsewhere)
     if per_step < SYNCS_PER_STEP:
         return None
-    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] not in INHERENT_KINDS]
+    sources = [s for s in syncs.get("top_sources") or [] if s["kind"] not in elsewhere]
     where = "; ".join(f"{s['kind']} at {s['location']} ({read_rate(s)})" for s in sources[:3])
     on_gpu = syncs.get("backend") == "cuda"
     gain = None
