@@ -1,6 +1,6 @@
 """Overhead of tuneup in advise mode, against the bare loop and against torch.profiler.
 
-    python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5]
+    python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5] [--device cuda]
 
 Two CPU training loops (DataLoader, MLP, a loss.item() every 10 steps): one with a step of
 about 5 ms (AdamW), one of about 0.4 ms (SGD on pre-batched data: close to the smallest full
@@ -10,6 +10,10 @@ mean step time (wall time / steps, so the occasional sampled step is paid for); 
 prints the median over rounds, the ratio to the bare loop and the added time per step, and
 the median (and IQR) of the difference to the bare run of the same round; then the same for
 CPU time per step (time.process_time(): it counts tuneup's own threads).
+
+With --device cuda the same loops train on the GPU (data made on the device, a synchronize
+before each run's end time): the overhead on a real CUDA loop, where tuneup's hooks are all
+host work and the GPU timing and sync counting run for real.
 
 torch.profiler runs continuously with schedule(wait=5, warmup=1, active=3, repeat=0) and a
 trace handler that discards the trace: the cheapest way to keep it on for a whole run.
@@ -58,17 +62,19 @@ class Batches(Dataset):
         return self.x[index], self.y[index]
 
 
-def make(features, hidden, depth, batch, optimizer_class, pre_batched):
+def make(features, hidden, depth, batch, optimizer_class, pre_batched, device="cpu"):
     torch.manual_seed(0)
     layers = [nn.Linear(features, hidden), nn.ReLU()]
     for _ in range(depth - 1):
         layers += [nn.Linear(hidden, hidden), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(hidden, 1))
+    model = nn.Sequential(*layers, nn.Linear(hidden, 1)).to(device)
     optimizer = optimizer_class(model.parameters(), lr=1e-4)
     if pre_batched:
-        loader = DataLoader(Batches(64, batch, features), batch_size=None, shuffle=True)
+        batches = Batches(64, batch, features)
+        batches.x, batches.y = batches.x.to(device), batches.y.to(device)
+        loader = DataLoader(batches, batch_size=None, shuffle=True)
     else:
-        data = TensorDataset(torch.randn(batch * 64, features), torch.randn(batch * 64, 1))
+        data = TensorDataset(torch.randn(batch * 64, features, device=device), torch.randn(batch * 64, 1, device=device))
         loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
     return loader, model, optimizer
 
@@ -92,6 +98,8 @@ def loop(loader, model, optimizer, steps: int, on_step=None) -> tuple[float, flo
                 on_step()
             step += 1
             if step == steps:
+                if loss.is_cuda:
+                    torch.cuda.synchronize()  # the GPU's queued work belongs to the run
                 return time.perf_counter() - started[0], time.process_time() - started[1]
 
 
@@ -124,13 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--startup-rounds", type=int, default=5, help="rounds of bench_startup.py after (0: none)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here")
     torch.set_num_threads(1)  # one core each for loop and agent thread: less noise on 2-core hosts
-    print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, mean step time per run, "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"torch {torch.__version__} on {where}, {args.rounds} interleaved rounds, mean step time per run, "
           f"median over rounds")
     with tempfile.TemporaryDirectory() as tmp:
         for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
-            job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+            job = make(features, hidden, depth, batch, optimizer_class, pre_batched, args.device)
             steps = WARMUP_STEPS + timed
             per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
             cpu_per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
@@ -141,7 +153,7 @@ def main() -> None:
                     wall, cpu = run(job, steps, tmp)
                     per_step[name].append(wall / timed)
                     cpu_per_step[name].append(cpu / timed)
-            print(f"\n{workload} (batch {batch}, {timed} timed steps per run)")
+            print(f"\n{workload} (batch {batch}, {timed} timed steps per run{', on the GPU' if args.device == 'cuda' else ''})")
             for title, figures in (("wall time", per_step), ("CPU time", cpu_per_step)):
                 base = statistics.median(figures["bare loop"])
                 print(f"  {title:<18}{'median step':>14}{'ratio':>9}{'added/step':>13}"

@@ -5,6 +5,11 @@ module attributes (in-process tests) or FAKE_NVML_* environment variables (subpr
 FAKE_NVML_GPUS (count), FAKE_NVML_FAIL_AFTER (raise a driver error from the Nth
 utilization read on), FAKE_NVML_NO_POWER (power readings not supported), FAKE_NVML_UTILIZATION (GPU utilization
 percent of GPU 0; GPU i reads that plus i).
+
+`reset()` also takes: `mig` ({gpu index: instances}: MIG mode on those GPUs), `old_driver`
+(a driver older than the binding: the v3 process list and the clock-event reasons are missing
+symbols, the temperature struct version is unknown), `pids` (the pids the driver lists for this
+process's memory: the host's, as in a container; default this process's own).
 """
 
 from __future__ import annotations
@@ -17,13 +22,22 @@ NVML_TEMPERATURE_GPU = 0
 NVML_PCIE_UTIL_TX_BYTES = 0
 NVML_PCIE_UTIL_RX_BYTES = 1
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
+_MESSAGES = {3: "Not Supported", 6: "Not Found", 13: "Function Not Found", 15: "GPU is lost",
+             25: "Argument version mismatch", 999: "Unknown Error"}
 
 
 class NVMLError(Exception):
     def __init__(self, value: int):
-        super().__init__({3: "Not Supported", 999: "Unknown Error", 15: "GPU is lost"}.get(value, str(value)))
+        super().__init__(_MESSAGES.get(value, str(value)))
         self.value = value
+
+
+class NVMLLibraryMismatchError(Exception):
+    """nvidia-ml-py's error for an unversioned call the library cannot match (throwOnVersionMismatch)."""
 
 
 gpus = int(os.environ.get("FAKE_NVML_GPUS", "2"))
@@ -34,12 +48,16 @@ throttle_mask = 0x4 | 0x40  # sw power cap + hw thermal
 utilization_reads = 0
 initialized = False
 own_pid_memory = 512 * 2**20
+mig: dict[int, int] = {}
+old_driver = False
+pids: tuple[int, ...] | None = None
 
 
 def reset(**settings) -> None:
-    global gpus, fail_after, no_power, utilization_reads, initialized, throttle_mask
+    global gpus, fail_after, no_power, utilization_reads, initialized, throttle_mask, mig, old_driver, pids
     gpus, fail_after, no_power = settings.get("gpus", 2), settings.get("fail_after", 0), settings.get("no_power", False)
     throttle_mask = settings.get("throttle_mask", 0x4 | 0x40)
+    mig, old_driver, pids = settings.get("mig", {}), settings.get("old_driver", False), settings.get("pids")
     utilization_reads = 0
     initialized = False
 
@@ -75,11 +93,27 @@ def nvmlDeviceGetName(handle):
 
 
 def nvmlDeviceGetUUID(handle):
+    if getattr(handle, "slot", None) is not None:
+        return f"MIG-fake-{handle.index:04d}-{handle.slot}"
     return f"GPU-fake-{handle.index:04d}"
+
+
+def nvmlDeviceGetMaxMigDeviceCount(handle):
+    if handle.index not in mig:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+    return 7
+
+
+def nvmlDeviceGetMigDeviceHandleByIndex(handle, slot):
+    if slot >= mig.get(handle.index, 0):
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return _handle(SimpleNamespace(index=handle.index, slot=slot))
 
 
 def nvmlDeviceGetUtilizationRates(handle):
     global utilization_reads
+    if getattr(handle, "slot", None) is not None:
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)  # not per MIG instance
     utilization_reads += 1
     if fail_after and utilization_reads >= fail_after:
         raise NVMLError(15)
@@ -111,10 +145,14 @@ def nvmlDeviceGetMaxClockInfo(handle, clock):
 
 
 def nvmlDeviceGetTemperature(handle, sensor):
+    if old_driver:
+        raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
     return 61
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle):
+    if old_driver:
+        raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)  # the library has no such symbol
     return throttle_mask
 
 
@@ -123,7 +161,8 @@ def nvmlDeviceGetPcieThroughput(handle, counter):
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle):
-    return [
-        SimpleNamespace(pid=os.getpid(), usedGpuMemory=own_pid_memory),
+    if old_driver:
+        raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match")
+    return [SimpleNamespace(pid=pid, usedGpuMemory=own_pid_memory) for pid in (pids or (os.getpid(),))] + [
         SimpleNamespace(pid=1, usedGpuMemory=2**30),
     ]

@@ -56,3 +56,26 @@ def test_a_nonfinite_loss_under_amp_on_cuda_skips_that_update_and_rolls_back(run
     assert amp["decision"] == "rolled back" and "update was skipped" in amp["reason"], amp
     assert all(torch.equal(a, b) for a, b in zip(state["params"], state["after"]))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_amp_guards_read_is_not_blamed_on_the_users_optimizer_step(run_dir):
+    # The loop (bench_apply_cuda.run_job) reads nothing on the host; during AMP's guard period
+    # tuneup checks the gradients are finite (one device read per update): tuneup's, not a sync
+    # of the `optimizer.step()` line.
+    import inspect
+
+    from benchmarks import bench_apply_cuda
+
+    agents = []
+
+    def keep(step, loss, model, agent):
+        if not agents:
+            agents.append(agent)
+        return loss
+
+    _, records, _ = run_job("transformer", 800, "apply", run_dir, on_step=keep)
+    assert decisions(records, "amp"), records
+    lines, first = inspect.getsourcelines(bench_apply_cuda.run_job)
+    step_line = first + next(i for i, line in enumerate(lines) if "optimizer.step()" in line)
+    sources = agents[0].snapshot()["syncs"]["top_sources"]
+    assert not [s for s in sources if s["location"].endswith(f"bench_apply_cuda.py:{step_line}")], sources

@@ -9,8 +9,10 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -237,3 +239,14 @@ def test_bf16_is_chosen_by_compute_capability_not_by_emulation(monkeypatch):
         assert config.cuda_bf16(0) is native
         assert amp.bf16_supported("cuda", 0) is native
     assert amp.bf16_supported("cpu")
+
+
+def test_the_gpu_proof_says_it_needs_a_gpu_and_runs_nothing_without_one():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: the proof itself runs there")
+    done = subprocess.run([sys.executable, "benchmarks/gpu_proof.py", "--out", "/nonexistent/x.md"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["gpu_proof: no CUDA GPU here; nothing run (run it on a GPU machine)"]

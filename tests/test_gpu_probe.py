@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import tuneup
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
 from tests import fake_nvml
-from tuneup.measure.gpu import NoGpus, NvmlGpus, open_gpus
+from tuneup.measure.gpu import NoGpus, NvmlGpus, open_gpus, own_pids
 
 FAKE = "tests.fake_nvml"
 
@@ -44,7 +45,9 @@ def test_cuda_visible_devices_picks_the_gpus(monkeypatch, visible, expected):
     if not expected:
         assert isinstance(gpus, NoGpus) and "no GPU visible" in gpus.reason
     else:
-        assert [s["gpu"] for s in gpus.sample()] == expected
+        # Labelled as CUDA numbers them in this process (cuda:0, cuda:1, ...), NVML's index beside.
+        assert [d["nvml_index"] for d in gpus.devices] == expected
+        assert [s["gpu"] for s in gpus.sample()] == list(range(len(expected)))
 
 
 def test_unsupported_fields_are_none_without_a_warning():
@@ -116,8 +119,8 @@ def test_real_nvml_samples_this_gpu():
     assert sample["sm_clock_max_hz"] > 0
     x = torch.ones(1024, 1024, device="cuda")
     torch.cuda.synchronize()
-    # In a container the driver may list this process under another pid: 0, but never None.
-    assert all(isinstance(s["process_memory_bytes"], int) for s in gpus.sample())
+    # In a container the driver may list this process under another pid: unknown (None), never 0.
+    assert all(s["process_memory_bytes"] is None or s["process_memory_bytes"] > 0 for s in gpus.sample())
     del x
 
 
@@ -143,3 +146,86 @@ def test_the_agents_snapshot_is_the_rules_input_gpu_history_included(run_dir):
     # live one the exact last steps: they may hold a sample more or less).
     assert [device["gpu"] for device in from_history["gpu_history"]["devices"]] == [0, 1]
     assert {f.rule for f in evaluate(live).findings} == {f.rule for f in evaluate(from_history).findings}
+
+
+def test_a_driver_older_than_the_binding_loses_fields_not_the_probe():
+    # Missing symbols (the v3 process list before driver 510, the renamed clock-event reasons)
+    # and an unknown struct version: those fields are absent, every other one is read.
+    fake_nvml.reset(old_driver=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpus = open_gpus(FAKE)
+        assert isinstance(gpus, NvmlGpus)
+        first, again = gpus.sample()[0], gpus.sample()[0]
+    for sample in (first, again):
+        assert sample["throttle_reasons"] is None and sample["temperature_celsius"] is None
+        assert sample["process_memory_bytes"] is None
+        assert sample["utilization_ratio"] == pytest.approx(0.37) and sample["memory_used_bytes"] == 20 * 2**30
+
+
+def test_a_binding_without_a_function_loses_that_field(monkeypatch):
+    monkeypatch.delattr(fake_nvml, "nvmlDeviceGetCurrentClocksEventReasons")  # an old nvidia-ml-py
+    monkeypatch.delattr(fake_nvml, "nvmlDeviceGetPcieThroughput")
+    gpus = open_gpus(FAKE)
+    assert isinstance(gpus, NvmlGpus), getattr(gpus, "reason", "")
+    sample = gpus.sample()[0]
+    assert sample["throttle_reasons"] is None and sample["pcie_rx_bytes_per_second"] is None
+    assert sample["power_watts"] == 350.0
+
+
+def test_in_a_container_the_process_memory_is_unknown_unless_a_pid_matches(tmp_path):
+    # The driver lists the job under its host pid (48213); the container's /proc/self/status
+    # shows only the inner pid, so the figure is unknown (None), not 0 ...
+    fake_nvml.reset(pids=(48213,))
+    gpus = open_gpus(FAKE)
+    assert gpus.sample()[0]["process_memory_bytes"] is None
+    # ... and where /proc shows the outer namespace too (NSpid: outer first), it is matched.
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nPid:\t17\nNSpid:\t48213\t17\nPPid:\t1\n")
+    assert own_pids(str(status)) == {48213, 17, os.getpid()}
+    gpus.pids = own_pids(str(status))
+    assert gpus.sample()[0]["process_memory_bytes"] == fake_nvml.own_pid_memory
+    assert os.getpid() in own_pids()  # this machine's own status file parses
+
+
+def test_mig_instances_are_reported_not_no_gpu_visible(monkeypatch):
+    fake_nvml.reset(mig={1: 2})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-fake-0001-1")
+    gpus = open_gpus(FAKE)
+    assert isinstance(gpus, NvmlGpus), getattr(gpus, "reason", "")
+    (device,) = gpus.devices
+    assert device["mig"] is True and device["nvml_index"] == 1 and device["uuid"] == "MIG-fake-0001-1"
+    (sample,) = gpus.sample()
+    assert sample["gpu"] == 0 and sample["memory_total_bytes"] == 80 * 2**30
+    assert sample["utilization_ratio"] is None  # not per instance
+
+
+def test_devices_are_labelled_as_cuda_numbers_them(monkeypatch):
+    # CUDA_DEVICE_ORDER=FASTEST_FIRST on a machine of two kinds: CUDA's cuda:0 is NVML's 1.
+    gpus = open_gpus(FAKE)
+    gpus.match_cuda(["fake-0001", "fake-0000"])  # torch's UUIDs by ordinal (no GPU- prefix)
+    assert [(d["nvml_index"], d["gpu"]) for d in gpus.devices] == [(0, 1), (1, 0)]
+    assert [s["gpu"] for s in gpus.sample()] == [1, 0]
+    assert [s["utilization_ratio"] for s in gpus.sample()] == [pytest.approx(0.37), pytest.approx(0.38)]
+
+
+@pytest.mark.gpu
+def test_nvml_devices_carry_the_cuda_ordinal_of_this_process(run_dir):
+    from tuneup.measure.gpu import cuda_uuids
+
+    model = torch.nn.Linear(64, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
+        for _ in range(20):
+            optimizer.zero_grad()
+            model(torch.randn(8, 64, device="cuda")).sum().backward()
+            optimizer.step()
+        agent.ticker.tick()
+    snapshot = agent.snapshot()
+    uuids = cuda_uuids()
+    for device in snapshot["system"]["gpu"]["devices"]:
+        assert device["uuid"].lower().removeprefix("gpu-").removeprefix("mig-") == uuids[device["gpu"]].lower()
+    allocator = {d["device"] for d in snapshot["system"]["memory"]["devices"]}
+    assert allocator <= {d["gpu"] for d in snapshot["system"]["gpu"]["devices"]}
+    own = [s["process_memory_bytes"] for s in snapshot["system"]["gpu"]["samples"]]
+    assert all(value is None or value > 0 for value in own)  # unknown in a container, never 0

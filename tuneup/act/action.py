@@ -76,12 +76,19 @@ class LiveJob:
         self._run(self.after_update, optimizer)
 
     def _run(self, guards: tuple[Callable[[Any], None], ...], optimizer: Any) -> None:
-        for guard in guards:
-            try:
-                guard(optimizer)
-            except Exception as exc:  # never into the job's optimizer.step()
-                if self.guard_failed is not None:
-                    self.guard_failed(exc)
+        # tuneup's own work: a read a guard makes (AMP's finite check) is no sync of the job's
+        # (the syncs probe skips reads while in_tuneup, on either backend).
+        timeline = self.timeline
+        prior, timeline.in_tuneup = timeline.in_tuneup, True
+        try:
+            for guard in guards:
+                try:
+                    guard(optimizer)
+                except Exception as exc:  # never into the job's optimizer.step()
+                    if self.guard_failed is not None:
+                        self.guard_failed(exc)
+        finally:
+            timeline.in_tuneup = prior
 
     def finding(self, *rules: str) -> dict[str, Any] | None:
         """The first of these rules' current findings, if any fires."""

@@ -103,11 +103,14 @@ def gpu_families(prefix: str, samples: list[dict[str, Any]], families: Families)
 
 
 def gpu_info(prefix: str, devices: list[dict[str, Any]], families: Families) -> Metric:
-    info = InfoMetricFamily(f"{prefix}", "The GPU's model and UUID (join with DCGM's UUID label)",
+    info = InfoMetricFamily(f"{prefix}", "The GPU's model and UUID (join with DCGM's UUID label); `gpu` is "
+                            "its CUDA ordinal in the job, nvml_index NVML's (and DCGM's) number for it",
                             labels=families.names + ["gpu"])
     for device in devices:
         info.add_metric(families.values + [str(device["gpu"])],
-                        {"name": str(device.get("name") or ""), "uuid": str(device.get("uuid") or "")})
+                        {"name": str(device.get("name") or ""), "uuid": str(device.get("uuid") or ""),
+                         "nvml_index": str(device.get("nvml_index", device["gpu"])),
+                         "mig": "true" if device.get("mig") else "false"})
     return info
 
 

@@ -3,8 +3,28 @@
 
 The NVML binding is a module with pynvml's functions (nvidia-ml-py's `pynvml` by default,
 a fake with the same functions in tests: TUNEUP_NVML_MODULE names it). No driver ⇒
-`NoGpus` with the reason; a field the GPU doesn't support is None; any other NVML error
-propagates so the agent can turn the probe off with one warning.
+`NoGpus` with the reason.
+
+Each field is read on its own. A driver older or newer than the binding lacks functions or
+changed their structs: nvidia-ml-py raises NVMLError(FUNCTION_NOT_FOUND) for a symbol the
+library lacks (pynvml.py `_nvmlGetFunctionPointer`), NVMLLibraryMismatchError for an
+unversioned call it cannot match (`throwOnVersionMismatch`: nvmlDeviceGetComputeRunningProcesses
+is the v3 call, absent before driver 510), ARGUMENT_VERSION_MISMATCH for a struct version the
+driver does not know; an old binding lacks the Python function itself (AttributeError). Any of
+those, "not supported" and "no permission" make that field absent (None) from then on, never the
+probe. Any other NVML error (the GPU is lost, the driver went away) propagates so the agent turns
+the probe off with one warning.
+
+Devices are labelled `gpu` by their CUDA ordinal in this process, as torch and the allocator
+series name them (NVML's index is another numbering: CUDA_VISIBLE_DEVICES picks and reorders,
+CUDA_DEVICE_ORDER may sort by speed). Until the job initializes CUDA, the ordinal is the
+device's place in CUDA_VISIBLE_DEVICES; from then on each device is matched to torch's by UUID
+(`match_cuda`). MIG instances named in CUDA_VISIBLE_DEVICES are found under their GPU and
+sampled on their own handle (memory; the rest is not supported per instance).
+
+This process's own GPU memory is matched by pid. NVML lists processes with the host's pids; in
+a container the job has another one, so every pid of this process in the pid namespaces that
+/proc/self/status `NSpid` shows is tried, and no match reads as unknown (None), not 0.
 """
 
 from __future__ import annotations
@@ -13,9 +33,14 @@ import importlib
 import os
 from typing import Any
 
-# NVML return codes that mean "this GPU cannot tell you that": the field stays None.
+# NVML return codes that mean "this GPU or driver cannot tell you that": the field stays None.
 _NOT_SUPPORTED = 3
 _NO_PERMISSION = 4
+_NOT_FOUND = 6
+_FUNCTION_NOT_FOUND = 13
+_ARGUMENT_VERSION_MISMATCH = 25
+_DEPRECATED = 26
+FIELD_ABSENT = frozenset({_NOT_SUPPORTED, _NO_PERMISSION, _FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, _DEPRECATED})
 
 # nvmlClocksEventReasons bits (nvml.h); idle and application-clock settings are not throttling.
 THROTTLE_REASONS = {
@@ -27,6 +52,8 @@ THROTTLE_REASONS = {
     0x0000000000000010: "sync_boost",
     0x0000000000000100: "display_clocks",
 }
+# The clock-reasons call was renamed (Throttle -> Event) in newer NVML; either may be missing.
+_CLOCK_REASONS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
 
 
 class NoGpus:
@@ -43,93 +70,169 @@ class NoGpus:
         pass
 
 
+def field_absent(exc: BaseException) -> bool:
+    """Whether an error of an NVML call means the field cannot be read here (see the module
+    docstring), rather than that NVML failed."""
+    return (isinstance(exc, AttributeError) or type(exc).__name__ == "NVMLLibraryMismatchError"
+            or getattr(exc, "value", None) in FIELD_ABSENT)
+
+
+def own_pids(status_file: str = "/proc/self/status") -> frozenset[int]:
+    """This process's pid in every pid namespace /proc/self/status lists (NSpid: from the
+    namespace /proc was mounted in, inward), and os.getpid()."""
+    pids = {os.getpid()}
+    try:
+        with open(status_file, encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    pids.update(int(part) for part in line.split()[1:] if part.isdigit())
+                    break
+    except OSError:
+        pass
+    return frozenset(pids)
+
+
+def cuda_uuids() -> list[str]:
+    """The UUID of each CUDA device of this process, by ordinal (torch's device properties;
+    call only once the job initialized CUDA: this never initializes it)."""
+    import torch
+
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def _uuid_key(uuid: Any) -> str:
+    """A UUID as NVML ("GPU-..." / "MIG-...") and torch (bare) write it, compared alike."""
+    text = str(_text(uuid) or "").strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text
+
+
 class NvmlGpus:
     available = True
     reason = None
 
     def __init__(self, nvml: Any, every_device: bool = False) -> None:
         self.nvml = nvml
-        self.pid = os.getpid()
-        # Renamed in newer NVML; the old name remains as an alias in older bindings.
-        self._clock_reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons"
-        )
-        self._unsupported: set[tuple[int, str]] = set()
-        self.handles: list[tuple[int, Any]] = []
+        self.pids = own_pids()
+        self._absent: set[tuple[int, str]] = set()  # (nvml index, field) that cannot be read here
+        # (label, nvml index, handle) per device, and what is known of each: replaced whole,
+        # never changed in place (match_cuda on the training thread, sample() on the agent's).
+        self.handles: list[tuple[int, int, Any]] = []
         self.devices: list[dict[str, Any]] = []
-        indices = list(range(nvml.nvmlDeviceGetCount())) if every_device else self._visible_indices()
-        for index in indices:
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            self.handles.append((index, handle))
-            self.devices.append(
-                {
-                    "gpu": index,
-                    "name": _text(self._field(index, "name", nvml.nvmlDeviceGetName, handle)),
-                    "uuid": _text(self._field(index, "uuid", nvml.nvmlDeviceGetUUID, handle)),
-                }
-            )
+        found = [(i, nvml.nvmlDeviceGetHandleByIndex(i), False) for i in range(nvml.nvmlDeviceGetCount())] \
+            if every_device else self._visible()
+        for ordinal, (index, handle, mig) in enumerate(found):
+            self.handles.append((ordinal, index, handle))
+            self.devices.append({
+                "gpu": ordinal,
+                "nvml_index": index,
+                "name": _text(self._field(index, "name", "nvmlDeviceGetName", handle)),
+                "uuid": _text(self._field(index, "uuid", "nvmlDeviceGetUUID", handle)),
+                "mig": mig,
+            })
 
-    def _visible_indices(self) -> list[int]:
-        count = self.nvml.nvmlDeviceGetCount()
+    def _visible(self) -> list[tuple[int, Any, bool]]:
+        """(nvml index, handle, is a MIG instance) of each device CUDA_VISIBLE_DEVICES leaves
+        this process, in its order (which is CUDA's ordinal order)."""
+        nvml = self.nvml
+        count = nvml.nvmlDeviceGetCount()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is None:
-            return list(range(count))
-        indices: list[int] = []
-        uuids = None
+            return [(i, nvml.nvmlDeviceGetHandleByIndex(i), False) for i in range(count)]
+        found: list[tuple[int, Any, bool]] = []
+        uuids: dict[str, tuple[int, Any, bool]] | None = None
         for entry in (part.strip() for part in visible.split(",")):
             if not entry:
                 continue
             if entry.isdigit():
                 if int(entry) >= count:
                     break  # CUDA stops at the first invalid entry too
-                indices.append(int(entry))
+                found.append((int(entry), nvml.nvmlDeviceGetHandleByIndex(int(entry)), False))
                 continue
             if uuids is None:
-                uuids = {
-                    _text(self.nvml.nvmlDeviceGetUUID(self.nvml.nvmlDeviceGetHandleByIndex(i))): i
-                    for i in range(count)
-                }
-            match = [i for uuid, i in uuids.items() if uuid.startswith(entry) or entry.startswith(uuid)]
+                uuids = self._by_uuid(count)
+            key = _uuid_key(entry.split("/", 1)[0])
+            match = [device for uuid, device in uuids.items() if uuid.startswith(key)]
             if not match:
                 break
-            indices.append(match[0])
-        return indices
+            found.append(match[0])
+        return found
 
-    def _field(self, index: int, name: str, read: Any, *args: Any) -> Any:
-        if (index, name) in self._unsupported:
+    def _by_uuid(self, count: int) -> dict[str, tuple[int, Any, bool]]:
+        """Every GPU and MIG instance by UUID (compared as _uuid_key writes it)."""
+        nvml = self.nvml
+        devices: dict[str, tuple[int, Any, bool]] = {}
+        for index in range(count):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            devices[_uuid_key(nvml.nvmlDeviceGetUUID(handle))] = (index, handle, False)
+            slots = self._field(index, "mig_slots", "nvmlDeviceGetMaxMigDeviceCount", handle) or 0
+            for slot in range(slots):
+                try:
+                    instance = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except Exception as exc:
+                    if getattr(exc, "value", None) == _NOT_FOUND or field_absent(exc):
+                        continue  # an empty slot
+                    raise
+                devices[_uuid_key(nvml.nvmlDeviceGetUUID(instance))] = (index, instance, True)
+        return devices
+
+    def match_cuda(self, cuda_uuids: list[str]) -> None:
+        """Label each device by the CUDA ordinal whose UUID it has (torch's
+        get_device_properties(i).uuid, i = 0, 1, ...), once the job initialized CUDA; a device
+        torch does not list keeps its label."""
+        ordinals = {_uuid_key(uuid): ordinal for ordinal, uuid in enumerate(cuda_uuids)}
+        labels = [ordinals.get(_uuid_key(device["uuid"]), device["gpu"]) for device in self.devices]
+        if len(set(labels)) != len(labels):
+            return  # not one to one: keep the labels we have
+        self.devices = [{**device, "gpu": label} for device, label in zip(self.devices, labels)]
+        self.handles = [(label, index, handle) for label, (_, index, handle) in zip(labels, self.handles)]
+
+    def _field(self, index: int, name: str, function: str | tuple[str, ...], *args: Any) -> Any:
+        if (index, name) in self._absent:
             return None
         try:
+            read = self._function(function)
             return read(*args)
         except Exception as exc:
-            if getattr(exc, "value", None) in (_NOT_SUPPORTED, _NO_PERMISSION):
-                self._unsupported.add((index, name))
+            if field_absent(exc):
+                self._absent.add((index, name))
                 return None
             raise
 
+    def _function(self, names: str | tuple[str, ...]) -> Any:
+        for name in (names,) if isinstance(names, str) else names:
+            function = getattr(self.nvml, name, None)
+            if function is not None:
+                return function
+        raise AttributeError(f"the NVML binding has no {' or '.join((names,) if isinstance(names, str) else names)}")
+
+    def _constant(self, name: str, default: int) -> int:
+        return getattr(self.nvml, name, default)
+
     def sample(self) -> list[dict[str, Any]]:
-        nvml = self.nvml
         samples = []
-        for index, handle in self.handles:
-            field = self._field
-            utilization = field(index, "utilization", nvml.nvmlDeviceGetUtilizationRates, handle)
-            memory = field(index, "memory", nvml.nvmlDeviceGetMemoryInfo, handle)
-            power_mw = field(index, "power", nvml.nvmlDeviceGetPowerUsage, handle)
-            limit_mw = field(index, "power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            sm_clock = field(index, "sm_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM)
-            sm_max = field(index, "sm_clock_max", nvml.nvmlDeviceGetMaxClockInfo, handle, nvml.NVML_CLOCK_SM)
-            temperature = field(
-                index, "temperature", nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU
-            )
-            reasons = field(index, "throttle", self._clock_reasons, handle)
-            rx_kb = field(index, "pcie_rx", nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
-            tx_kb = field(index, "pcie_tx", nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
-            processes = field(index, "processes", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
-            own = None
-            if processes is not None:
-                own = sum(p.usedGpuMemory or 0 for p in processes if p.pid == self.pid) or 0
+        field = self._field
+        sm = self._constant("NVML_CLOCK_SM", 1)
+        for label, index, handle in self.handles:
+            utilization = field(index, "utilization", "nvmlDeviceGetUtilizationRates", handle)
+            memory = field(index, "memory", "nvmlDeviceGetMemoryInfo", handle)
+            power_mw = field(index, "power", "nvmlDeviceGetPowerUsage", handle)
+            limit_mw = field(index, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", handle)
+            sm_clock = field(index, "sm_clock", "nvmlDeviceGetClockInfo", handle, sm)
+            sm_max = field(index, "sm_clock_max", "nvmlDeviceGetMaxClockInfo", handle, sm)
+            temperature = field(index, "temperature", "nvmlDeviceGetTemperature", handle,
+                                self._constant("NVML_TEMPERATURE_GPU", 0))
+            reasons = field(index, "throttle", _CLOCK_REASONS, handle)
+            rx_kb = field(index, "pcie_rx", "nvmlDeviceGetPcieThroughput", handle,
+                          self._constant("NVML_PCIE_UTIL_RX_BYTES", 1))
+            tx_kb = field(index, "pcie_tx", "nvmlDeviceGetPcieThroughput", handle,
+                          self._constant("NVML_PCIE_UTIL_TX_BYTES", 0))
+            processes = field(index, "processes", "nvmlDeviceGetComputeRunningProcesses", handle)
             samples.append(
                 {
-                    "gpu": index,
+                    "gpu": label,
                     "utilization_ratio": utilization.gpu / 100 if utilization is not None else None,
                     "memory_utilization_ratio": utilization.memory / 100 if utilization is not None else None,
                     "memory_used_bytes": memory.used if memory is not None else None,
@@ -142,10 +245,20 @@ class NvmlGpus:
                     "throttle_reasons": _reasons(reasons),
                     "pcie_rx_bytes_per_second": rx_kb * 1024 if rx_kb is not None else None,
                     "pcie_tx_bytes_per_second": tx_kb * 1024 if tx_kb is not None else None,
-                    "process_memory_bytes": own,
+                    "process_memory_bytes": self._own_memory(processes),
                 }
             )
         return samples
+
+    def _own_memory(self, processes: Any) -> int | None:
+        """This process's device memory: None (unknown) when NVML lists it under no pid of ours
+        (a container's pid namespace) or cannot say how much (WDDM, some MIG setups)."""
+        if processes is None:
+            return None
+        own = [p.usedGpuMemory for p in processes if p.pid in self.pids]
+        if not own or any(used is None for used in own):
+            return None
+        return sum(own)
 
     def close(self) -> None:
         try:

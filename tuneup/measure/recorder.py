@@ -25,7 +25,7 @@ import torch
 from .calls import CallWatch
 from .config import read_config
 from .device_values import DeviceValues, raw_item
-from .gpu import open_gpus
+from .gpu import NvmlGpus, cuda_uuids, open_gpus
 from .gpu_time import CudaStepTimer
 from .habits import HabitsProbe
 from .loader import LoaderProbe
@@ -204,6 +204,8 @@ class Recorder:
         # is_initialized() alone: is_available() would initialize the CUDA driver in a CPU job.
         if self.gpu_timer is None and torch.cuda.is_initialized():
             self.time_gpu(CudaStepTimer(self.timeline, self.model.cuda_device()))
+            if isinstance(self.gpus, NvmlGpus):  # NVML's devices named as torch numbers them
+                self.gpus.match_cuda(cuda_uuids())
         self.model.read_config_next_forward = True
 
     def time_gpu(self, timer: CudaStepTimer) -> None:

@@ -1,0 +1,111 @@
+"""The GPU proof, in one command: every `gpu`-marked test and the CUDA benchmarks, one report.
+
+    python benchmarks/gpu_proof.py [--out gpu-proof.md] [--budget 540]
+
+On a CUDA machine this runs, each in its own process with its share of the time budget:
+  1. `python -m pytest -m gpu`: the real CUDA and NVML paths (sync counting, GPU time per step,
+     blocking copies, explicit synchronize calls, NVML device identity, the allocator, apply
+     mode's AMP / cudnn.benchmark / pin_memory on a conv net and a transformer);
+  2. benchmarks/bench_cuda_sync_tracing.py: the cost of the sync-tracing mechanisms;
+  3. benchmarks/bench_overhead.py --device cuda: tuneup's overhead on a real CUDA loop;
+  4. benchmarks/bench_apply_cuda.py: apply mode's decisions and speed-ups.
+It writes one markdown report (the device, driver, CUDA, torch and Python versions, then each
+part's outcome and figures as printed) and prints where. Exit status 0 when every test passed
+and every part finished, 1 otherwise; 2 without a GPU (nothing run). The default budget fits
+the device tool's 10-minute limit on one H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (title, command, share of the budget)
+PARTS = (
+    ("gpu-marked tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"], 0.45),
+    ("sync tracing mechanisms", [sys.executable, "benchmarks/bench_cuda_sync_tracing.py"], 0.10),
+    ("overhead on a CUDA loop", [sys.executable, "benchmarks/bench_overhead.py", "--device", "cuda", "--rounds", "7",
+                                 "--startup-rounds", "0"], 0.20),
+    ("apply mode on CUDA jobs", [sys.executable, "benchmarks/bench_apply_cuda.py", "--steps", "800"], 0.25),
+)
+TAIL = 6000  # characters of each part's output kept in the report
+
+
+def environment() -> list[tuple[str, str]]:
+    import torch
+
+    rows = [("torch", torch.__version__), ("CUDA (torch built with)", str(torch.version.cuda)),
+            ("Python", platform.python_version()), ("host", platform.node())]
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        rows.append((f"cuda:{index}", f"{torch.cuda.get_device_name(index)}, compute capability {major}.{minor}"))
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            rows.append(("driver", driver.decode() if isinstance(driver, bytes) else str(driver)))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # the report says so; the tests will too
+        rows.append(("driver", f"unknown: NVML did not answer ({type(exc).__name__}: {exc})"))
+    return rows
+
+
+def run(command: list[str], timeout: float) -> tuple[int | None, str, float]:
+    """(exit status or None when it ran out of time, its output, seconds)."""
+    began = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout + done.stderr, time.monotonic() - began
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return None, out, time.monotonic() - began
+
+
+def pytest_counts(output: str) -> str:
+    match = re.findall(r"^=*\s*(.*(?:passed|failed|error|skipped).*?)\s*=*$", output, re.MULTILINE)
+    return match[-1] if match else "no summary line"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-proof.md"))
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all parts together")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_proof: no CUDA GPU here; nothing run (run it on a GPU machine)", file=sys.stderr)
+        return 2
+    lines = ["# tuneup GPU proof", "", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "", "| | |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in environment()]
+    ok = True
+    for title, command, share in PARTS:
+        status, output, seconds = run(command, args.budget * share)
+        finished = status is not None
+        if title == "gpu-marked tests":
+            outcome = pytest_counts(output) + ("" if finished else " (ran out of time)")
+            passed = status == 0
+        else:
+            outcome = "finished" if status == 0 else ("ran out of time" if not finished else f"failed (exit {status})")
+            passed = status == 0
+        ok = ok and passed
+        print(f"{title}: {outcome} in {seconds:.0f} s", flush=True)
+        lines += ["", f"## {title}: {outcome} ({seconds:.0f} s)", "", f"`{' '.join(command[1:])}`", "", "```",
+                  output[-TAIL:].rstrip(), "```"]
+    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"report: {args.out.resolve()}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
