@@ -12,7 +12,7 @@ import torch
 from benchmarks.bench_apply_cuda import run_job
 
 pytestmark = pytest.mark.gpu
-DECIDED = {"kept", "reverted", "rolled back"}
+DECIDED = {"kept", "reverted", "rolled back", "set at start"}
 
 
 def decisions(records, action):
@@ -79,3 +79,19 @@ def test_the_amp_guards_read_is_not_blamed_on_the_users_optimizer_step(run_dir):
     step_line = first + next(i for i, line in enumerate(lines) if "optimizer.step()" in line)
     sources = agents[0].snapshot()["syncs"]["top_sources"]
     assert not [s for s in sources if s["location"].endswith(f"bench_apply_cuda.py:{step_line}")], sources
+
+
+def test_cudnn_benchmark_is_set_before_the_first_convolution_on_the_gpu(run_dir):
+    torch.backends.cudnn.benchmark = False
+    seen = []
+
+    def first_conv(step, loss, model, agent):
+        if not seen:
+            seen.append(torch.backends.cudnn.benchmark)
+        return loss
+
+    _, records, _ = run_job("conv net", 200, "apply", run_dir, on_step=first_conv)
+    [cudnn] = [r for r in records if r["action"] == "cudnn-benchmark"]
+    assert cudnn["decision"] == "set at start" and cudnn["applied_step"] == 1, records
+    assert seen == [True]  # on during the first step's convolutions
+    assert torch.backends.cudnn.benchmark is False  # detach put the job's setting back

@@ -250,3 +250,94 @@ def test_the_gpu_proof_says_it_needs_a_gpu_and_runs_nothing_without_one():
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["gpu_proof: no CUDA GPU here; nothing run (run it on a GPU machine)"]
+
+
+# --- the torch the package declares at its floor (2.3): autocast read without a device argument ----
+
+def test_autocast_is_read_on_torch_2_3s_api(monkeypatch):
+    # torch 2.3 has torch.is_autocast_enabled() without arguments (CUDA's) and no
+    # get_autocast_dtype; the CPU's state has functions of its own. Stand-ins with 2.3's
+    # signatures, over this torch's state.
+    from tuneup.measure.model import read_autocast
+
+    cuda_enabled = torch.is_autocast_enabled
+
+    def is_autocast_enabled():  # 2.3: CUDA's autocast only
+        return cuda_enabled("cuda")
+
+    def read_as_on_2_3():
+        with monkeypatch.context() as patched:  # only while reading: torch.autocast itself uses this torch's API
+            patched.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+            patched.delattr(torch, "get_autocast_dtype")
+            return read_autocast()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # this torch deprecates the 2.3 names
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert read_as_on_2_3() == {"cpu": "bfloat16", "cuda": None}
+        assert read_as_on_2_3() == {"cpu": None, "cuda": None}
+
+
+# --- cudnn.benchmark: set at start, where it works -------------------------------------------------
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(dim=(2, 3)))
+
+
+def conv_run(run_dir, monkeypatch, sizes, steps=40):
+    """A conv net trained in apply mode (cudnn-benchmark only), its parameters standing for a
+    GPU's (no GPU here: the flag is a flag either way). Returns (agent, benchmark seen by the
+    first convolution, benchmark after detach)."""
+    from tuneup.act.actions import cudnn_benchmark
+
+    monkeypatch.setattr(cudnn_benchmark, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.manual_seed(0)
+    model = ConvNet()
+    seen = []
+    model.conv.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.cudnn.benchmark))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(4, 3, sizes[i % len(sizes)], sizes[i % len(sizes)]), torch.zeros(4, dtype=torch.long))
+               for i in range(steps)]
+    loader = DataLoader(batches, batch_size=None)  # images of these sizes, in turn
+    with tuneup.attach(mode="apply", run_dir=run_dir, actions=("cudnn-benchmark",), detail_every=1) as agent:
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return agent, seen[0], torch.backends.cudnn.benchmark
+
+
+def test_cudnn_benchmark_is_set_before_the_first_convolution_and_kept_for_static_shapes(run_dir, monkeypatch):
+    agent, first, after = conv_run(run_dir, monkeypatch, sizes=[16])
+    assert first is True  # the first convolution already ran with the autotuner on
+    (record,) = [r for r in agent.actions() if r["action"] == "cudnn-benchmark"]
+    assert record["decision"] == "set at start" and record["applied_step"] == 1
+    assert record["after"] == {"cudnn.benchmark": True}
+    assert "first time it runs" in record["reason"]
+    assert after is False  # detach put the job's setting back
+
+
+def test_cudnn_benchmark_is_rolled_back_when_the_shapes_vary(run_dir, monkeypatch):
+    agent, first, after = conv_run(run_dir, monkeypatch, sizes=[8, 12, 16, 20, 24], steps=60)
+    assert first is True
+    (record,) = [r for r in agent.actions() if r["action"] == "cudnn-benchmark"]
+    assert record["decision"] == "rolled back"
+    assert "input shapes vary" in record["reason"]
+    assert after is False
+
+
+def test_cudnn_benchmark_mid_run_is_not_tried_and_says_why():
+    # The finding means convolutions already ran with it off: a trial would change nothing.
+    from tuneup.act.actions.cudnn_benchmark import CudnnBenchmark
+
+    action = CudnnBenchmark()
+    job = SimpleNamespace(finding=lambda *rules: {"rule": "cudnn-benchmark-off"})
+    assert action.propose(job, None) is None
+    assert action.done and "changes nothing" in action.not_applicable and "first convolution" in action.not_applicable

@@ -123,6 +123,7 @@ class Change:
     # Whether it can change the loss: a DataLoader change serves the same batches in the same
     # order, so its trial's loss is the job's own and says nothing about the change.
     affects_numerics: bool = True
+    at_start_reason: str | None = None  # a change made before the first step (Experimenter.at_start): why then
 
     def __init__(self) -> None:
         self.before: dict[str, Any] = {}

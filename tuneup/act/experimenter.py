@@ -96,7 +96,41 @@ class Experimenter:
 
         job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler)
         ids = allowed if allowed is not None else tuple(ACTIONS)
-        return cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
+        experimenter = cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
+        models = recorder.model
+        models.before_training = experimenter.at_start
+        if models.explicit and recorder.timeline.ring.count == 0:  # named models: no discovery to wait for
+            for model in models.root_models():
+                experimenter.at_start(model)
+        return experimenter
+
+    def at_start(self, model: Any) -> None:
+        """Before `model`'s first training forward: the changes that only work from the start
+        (cudnn.benchmark: actions' `at_start`), applied now, recorded as set at start, and kept
+        while their `check()` finds nothing against them."""
+        if not (self.on and self.accepting):
+            return
+        with self._lock:
+            try:
+                for action in self.actions:
+                    start = getattr(action, "at_start", None)
+                    change = start(self.job, model) if start is not None and not action.done else None
+                    if action.not_applicable is not None:
+                        self._note(action, "not applicable", action.not_applicable)
+                        action.not_applicable = None
+                    if change is None:
+                        continue
+                    step = self.job.timeline.ring.count + 1
+                    record = self._record(change, action, step)
+                    change.apply()
+                    record.update(decision="set at start", criterion="kept while its check finds nothing against it",
+                                  reason="it only works from the start: " + (change.at_start_reason or
+                                                                             "set before the job's first step"),
+                                  applied_at=time.time())
+                    self.applied.append((change, action, record))
+                    self._emit(record)
+            except Exception as exc:
+                self._fail(exc)
 
     def publish(self, findings: list[dict[str, Any]], system: dict[str, Any] | None,
                 config: dict[str, Any] | None) -> None:

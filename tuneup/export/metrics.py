@@ -31,7 +31,7 @@ from ..measure.gpu import THROTTLE_REASONS
 from ..measure.windows import STEP_BUCKETS
 
 BASE_LABELS = ("rank", "local_rank")
-DECISIONS = ("kept", "reverted", "rolled back", "failed", "not applicable")
+DECISIONS = ("kept", "set at start", "reverted", "rolled back", "failed", "not applicable")
 PHASES = (("data_wait", "detailed_data_wait_seconds"), ("input", "input_seconds"), ("forward", "forward_seconds"),
           ("backward", "backward_seconds"), ("optimizer", "optimizer_seconds"), ("other", "detailed_other_seconds"))
 

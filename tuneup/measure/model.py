@@ -36,13 +36,26 @@ from .hotpath import StepTimeline, backward_hooks, forward_hooks
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+# torch < 2.4 has no device argument: is_autocast_enabled() is CUDA's, the CPU's and both
+# dtypes have functions of their own (deprecated from 2.4 on, with a warning: used only there).
+_LEGACY_AUTOCAST = {
+    "cpu": ("is_autocast_cpu_enabled", "get_autocast_cpu_dtype"),
+    "cuda": ("is_autocast_enabled", "get_autocast_gpu_dtype"),
+}
+
+
 def read_autocast() -> dict[str, str | None]:
     """{device: dtype name or None} for the autocast state of the calling thread."""
     state: dict[str, str | None] = {}
     for device in _AUTOCAST_DEVICES:
         try:
-            enabled = torch.is_autocast_enabled(device)
-            dtype = torch.get_autocast_dtype(device) if enabled else None
+            try:
+                enabled = torch.is_autocast_enabled(device)
+                dtype = torch.get_autocast_dtype(device) if enabled else None
+            except (TypeError, AttributeError):  # torch 2.3: no device argument
+                is_enabled, get_dtype = (getattr(torch, name) for name in _LEGACY_AUTOCAST[device])
+                enabled = is_enabled()
+                dtype = get_dtype() if enabled else None
         except (TypeError, RuntimeError, AttributeError):
             continue
         state[device] = str(dtype).replace("torch.", "") if dtype is not None else None
@@ -85,6 +98,9 @@ class ModelProbe:
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
         self.grad_enabled = torch.is_grad_enabled
         self.backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
+        # Apply mode's start-time changes (act/experimenter.py at_start), called with a model
+        # discovery finds in a training forward, before its first module runs; handles its own errors.
+        self.before_training: Any = None
         # Loops that update parameters by hand: one parameter's gradient as the latest backward
         # left it (weakly: the job frees it at will), to tell an update from accumulation.
         self._watched: weakref.ref | None = None
@@ -205,6 +221,8 @@ class ModelProbe:
                 if id(module) not in self._candidates and id(module) not in self.roots:
                     self._candidates[id(module)] = module
                     self.read_config()
+                    if self.before_training is not None and not self._discovery_evaluation:
+                        self.before_training(module)  # before the model's first module runs
             self._depth += 1
             if len(self.leaf_order) < 10_000 and next(module.children(), None) is None:
                 if not self.roots:

@@ -93,7 +93,7 @@ def net_change(actions: list[dict[str, Any]]) -> str | None:
 
 def changes_group(actions: list[dict[str, Any]]) -> Group:
     """Apply mode's changes for a terminal: one line each, the decision first."""
-    styles = {"kept": "bold green", "rolled back": "bold red", "failed": "bold red", "trying": "bold yellow"}
+    styles = {"kept": "bold green", "set at start": "bold green", "rolled back": "bold red", "failed": "bold red", "trying": "bold yellow"}
     parts: list[Any] = [Text("Changes tuneup made (apply mode)", style="bold")]
     for record, (number, change, _, before, after, _, why) in zip(actions, change_rows(actions)):
         decision, note = _decision(record)

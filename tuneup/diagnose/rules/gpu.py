@@ -177,7 +177,8 @@ def gpu_unused(facts: Facts) -> Evidence | None:
     threshold="a CUDA job with convolutions, cudnn.benchmark off, and <= 2 distinct batch shapes over >= 5 sampled batches",
     why="With static shapes, cuDNN's autotuner picks the fastest convolution algorithm once "
         "per shape; with shapes that keep changing it re-tunes each time, hence the shape check "
-        "(2 allows a smaller last batch).",
+        "(2 allows a smaller last batch). It must be set before the first convolution: cuDNN keeps "
+        "the algorithm it chose for each shape already seen, whatever the flag says later.",
     doc="https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html#enable-cudnn-auto-tuner",
     can_apply=True,
 )
@@ -197,6 +198,7 @@ def cudnn_benchmark_off(facts: Facts) -> Evidence | None:
                  "cudnn.benchmark=False",
         numbers={"convolutions": convolutions, "distinct_shapes": batches.get("distinct_shapes"),
                  "sampled_batches": batches.get("inspected")},
-        fix="torch.backends.cudnn.benchmark = True   # before the training loop",
-        gain_text="faster convolutions (the autotuner's pick), often 10-30% of their time",
+        fix="torch.backends.cudnn.benchmark = True   # at start, before the first convolution\n"
+            "# (set later it changes nothing for the shapes already run; tuneup run --apply sets it at start)",
+        gain_text="faster convolutions (the autotuner's pick), often 10-30% of their time, from the next run",
     )
