@@ -115,8 +115,31 @@ def test_pageable_copies(cpu_snapshot):
     s = on_cuda(cpu_snapshot)
     s["habits"]["batches"]["pinned"] = 0
     found = fired(s)["pageable-copies"]
-    assert found.evidence == {"pageable_batches": 10, "sampled_batches": 10}
+    assert found.evidence == {"pageable_batches": 10, "sampled_batches": 10, "blocking_copies_per_step": 0.0,
+                              "copy_sources": []}
     assert "pin_memory=True" in found.fix and found.can_apply
+
+
+def test_blocking_copies_go_to_pageable_copies_not_host_syncs(cpu_snapshot):
+    # A CUDA loop with pinned batches, copied without non_blocking (2 per step: x and y), and
+    # one real read (loss.item()) per step.
+    s = on_cuda(cpu_snapshot)
+    copy_line = {"location": "train.py:41", "function": "train", "kind": "blocking_copy", "per_step": 2.0,
+                 "steps": 8, "out_of": 8}
+    read_line = {"location": "train.py:46", "function": "train", "kind": "cuda_sync", "per_step": 1.0,
+                 "steps": 8, "out_of": 8}
+    s["syncs"].update(per_step=3.0, by_kind={"blocking_copy": 2.0, "cuda_sync": 1.0}, sampled_steps=8,
+                      top_sources=[copy_line, read_line])
+    found = fired(s)
+    copies = found["pageable-copies"]
+    assert copies.evidence["blocking_copies_per_step"] == 2.0 and copies.evidence["pageable_batches"] == 0
+    assert "train.py:41" in copies.observed and "non_blocking=True" in copies.fix
+    syncs = found["host-syncs"]
+    assert syncs.evidence["syncs_per_step"] == 1.0
+    assert [source["location"] for source in syncs.evidence["top_sources"]] == ["train.py:46"]
+    # Copies alone are no host-syncs finding.
+    s["syncs"].update(per_step=2.0, by_kind={"blocking_copy": 2.0}, top_sources=[copy_line])
+    assert "host-syncs" not in fired(s) and "pageable-copies" in fired(s)
 
 
 def test_cudnn_benchmark_off_needs_convolutions_and_static_shapes(cpu_snapshot):
