@@ -75,7 +75,9 @@ def test_public_loop_shapes_against_their_ground_truth(tmp_path, program):
 
     steps_of, reads, boundary, required, allowed = CORPUS[program]
     # Ticks every 0.2 s: the input sampler starts early in a short script, however fast it runs.
-    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", TUNEUP_INTERVAL="0.2")
+    # The CPU's bf16 units pinned absent: amp-off is judged from the hardware, not the loop.
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", TUNEUP_INTERVAL="0.2",
+                    TUNEUP_CPU_BF16="0")
     script = str(PROGRAMS / program)
     plain = subprocess.run([sys.executable, script], env={**env, "TUNEUP_DISABLE": "1"}, capture_output=True,
                            text=True, timeout=300)

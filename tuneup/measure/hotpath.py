@@ -142,10 +142,12 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     probe.read_rate(optimizer)  # the learning rate this update used
                     if tl.gpu_timer is not None:  # the step's GPU work is queued up to here
                         tl.gpu_timer.optimizer_ended()
-                    # The next forward's input starts here (loops without a fetch: the step
-                    # closes at the next optimizer step, after that forward).
-                    tl.in_input = True
-                    tl.input_mark = (now, tl.data_wait, tl.optimizer + tl.evaluation)
+                    # Loops without a fetch: the next forward's input starts here (their step
+                    # closes at the next optimizer step, after that forward). A loop that
+                    # fetches marks it at the close instead (what runs between is not input).
+                    if not tl.fetches:
+                        tl.in_input = True
+                        tl.input_mark = (now, tl.data_wait, tl.optimizer + tl.evaluation)
                 if tl.loss is not None:
                     tl.step_loss, tl.loss = tl.loss, None
             except Exception as exc:
