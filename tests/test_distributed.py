@@ -71,7 +71,7 @@ def test_a_straggling_rank_is_found_live_and_named_at_the_end(tmp_path):
     finally:
         job.kill()
     assert job.returncode == 0, err[-2000:]
-    assert "tuneup: summary across 2 ranks" in err and "straggler: rank 1 spends" in err
+    assert "tuneup: summary across 2 ranks" in err and "straggler: rank 1 (node 0, " in err
     assert err.count("tuneup: summary across") == 1  # rank 0 only
     # One run directory for the node's ranks: each rank's log, and rank 0's summary of all.
     run = tmp_path / "run"
@@ -111,3 +111,75 @@ def test_a_rank_that_dies_ends_the_job_without_a_hang(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "run" / "events-rank0.jsonl").read_text().splitlines()
               if line.strip()]
     assert any(e["event"] == "steps" for e in events)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def two_nodes(tmp_path, *args):
+    """Two torchrun launchers on this machine, as two nodes of 2 ranks each (static rendezvous on
+    loopback): node 1 holds ranks 2 and 3. Each node has its own run directory and registry."""
+    port = free_port()
+    launchers = []
+    for node in (0, 1):
+        env = child_env(TUNEUP_REGISTRY_DIR=str(tmp_path / f"agents{node}"), TUNEUP_INTERVAL="0.2",
+                        TUNEUP_RUN_DIR=str(tmp_path / f"run{node}"), TUNEUP_PORT="0")
+        launchers.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "-m", "tuneup", "run", JOB, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path))
+    return launchers
+
+
+def test_two_nodes_name_the_slow_rank_on_the_other_node_and_their_run_dirs_merge(tmp_path):
+    # Ground truth: 4 ranks, 2 per node; rank 3 (node 1) sleeps 10 ms a step outside the backward.
+    launchers = two_nodes(tmp_path, "--steps", "800", "--slow-rank", "3", "--delay", "0.01")
+    try:
+        results = [launcher.communicate(timeout=240) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    err0 = results[0][1]
+    assert "tuneup: summary across 4 ranks" in err0 and "straggler: rank 3 (node 1, " in err0
+    assert "tuneup: summary across" not in results[1][1]  # rank 0 only, on node 0
+    ranks = [json.loads(line) for line in (tmp_path / "run0" / "events-rank0.jsonl").read_text().splitlines()
+             if '"event": "ranks"' in line or '"event":"ranks"' in line]
+    assert len(ranks) == 1 and ranks[0]["topology"]["nodes"] == 2 and ranks[0]["topology"]["assumed"] is False
+    assert sorted((r["run"]["rank"], r["run"]["node"]) for r in ranks[0]["ranks"]) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert sorted(p.name for p in (tmp_path / "run1").glob("events-rank*.jsonl")) == ["events-rank2.jsonl",
+                                                                                      "events-rank3.jsonl"]
+    report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(tmp_path / "run0"), str(tmp_path / "run1"),
+                             "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    document = json.loads(report.stdout)
+    assert sorted(run["rank"] for run in document["runs"]) == [0, 1, 2, 3]
+    straggler = next(f for f in document["findings"] if f["rule"] == "rank-straggler")
+    assert straggler["evidence"]["rank"] == 3
+
+
+def test_a_killed_node_tears_down_without_hanging_anyone(tmp_path):
+    began = time.monotonic()
+    launchers = two_nodes(tmp_path, "--steps", "100000")
+    try:
+        wait_for(lambda: len(discovery.live_agents(tmp_path / "agents1")) == 2 or None, timeout=120)
+        launchers[1].send_signal(signal.SIGKILL)  # the whole node 1 launcher, then its workers
+        for entry in discovery.live_agents(tmp_path / "agents1"):
+            try:
+                os.kill(entry["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launchers[0].communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("node 0 hung after node 1 was killed")
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert launchers[0].returncode != 0
+    assert time.monotonic() - began < 240

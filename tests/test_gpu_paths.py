@@ -148,9 +148,12 @@ def test_explicit_synchronize_calls_are_counted_at_their_line(run_dir, monkeypat
     # Ground truth: 30 steps, each calling torch.cuda.synchronize() once (the line marked
     # below) after its update, as timing code in public training scripts does. Without a GPU
     # the call itself is replaced by a Python function of the same signature (torch's own is
-    # a Python function too: torch/cuda/__init__.py), installed before attach.
+    # a Python function too: torch/cuda/__init__.py), installed before attach. tuneup replaces
+    # nothing: the call watch notes the calls of that function's code on its watched steps.
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    namespace = {"__name__": "torch.cuda", "calls": calls}  # torch's module, as the real one's frame says
+    exec("def synchronize(device=None):\n    calls.append(device)\n", namespace)
+    monkeypatch.setattr(torch.cuda, "synchronize", namespace["synchronize"])
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -160,14 +163,14 @@ def test_explicit_synchronize_calls_are_counted_at_their_line(run_dir, monkeypat
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
             torch.cuda.synchronize()  # the sync
-    assert len(calls) == 30  # every call reached the original
+    assert len(calls) == 30  # every call reached it: nothing stood in between
+    assert torch.cuda.synchronize.__code__ is not None and agent.recorder.calls.watched_steps >= 3
     syncs = agent.snapshot()["syncs"]
-    assert syncs["by_kind"] == {"cuda.synchronize": 1.0}
+    assert syncs["by_kind"] == {"cuda.synchronize": 1.0}  # per watched step
     (source,) = syncs["top_sources"]
     lines, first = inspect.getsourcelines(test_explicit_synchronize_calls_are_counted_at_their_line)
     expected = first + next(i for i, line in enumerate(lines) if "# the sync" in line)
     assert source["location"].endswith(f"test_gpu_paths.py:{expected}")
-    assert torch.cuda.synchronize is not calls.append  # put back at detach (monkeypatch's stand-in)
 
 
 # --- blocking host-to-device copies, told from the line -----------------------------------------

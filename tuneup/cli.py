@@ -102,8 +102,9 @@ def _check_rules(ids: list[str]) -> tuple[str, ...]:
 
 @app.command()
 def report(
-    target: str = typer.Argument(..., help="A run directory, a run log file, or the URL of a live agent or "
-                                 "node daemon."),
+    targets: list[str] = typer.Argument(..., metavar="TARGET",
+                                        help="A run directory, a run log file, or the URL of a live agent or node "
+                                             "daemon; several: one job's run directories from its nodes, merged."),
     format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
@@ -113,15 +114,16 @@ def report(
     Against a node daemon's URL: every job running on that node."""
     from .report.document import build
     from .report.render import FORMATS, render_document
-    from .report.sources import ReportSourceError, load_jobs
+    from .report.sources import ReportSourceError, load_merged
 
     if format not in FORMATS:
         raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
     silenced = _check_rules(silence)
     try:
-        jobs = load_jobs(target)
+        jobs = load_merged(targets)
     except ReportSourceError as exc:
         raise UserError(str(exc)) from None
+    target = " + ".join(targets)
     if format == "html" and len(jobs) > 1:
         raise UserError(f"{target} serves {len(jobs)} jobs and an html report shows one: pass one job's URL "
                         f"({'; '.join(source.split(', ')[0] for _, source in jobs)})")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from ..measure.ranks import RankExchange, compact
+from ..measure.ranks import FLEET_WAIT_FACTOR, RankExchange, compact
 
 FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
 RANKS_WAIT = 2.0  # seconds detach waits for one store operation
@@ -69,15 +69,14 @@ class LiveDiagnosis:
         try:
             if snapshot is None:
                 snapshot = state.history.snapshot(state.window_steps)
-            peers = ranks.peer_snapshots() if ranks.rank == 0 else []
+            peers = ranks.peer_snapshots(include_self=True) if ranks.rank == 0 else []  # rows name their node
             state.evaluation = evaluate(snapshot, ranks=peers, silence=self.silence)
         except Exception as exc:
             self.warn("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
             return
         found = state.findings()
         if not final and ranks.connect():
-            ranks.publish(compact(snapshot, found, final=False))
-            ranks.gather()  # rank 0 only; read at the next evaluation
+            ranks.exchange(compact(snapshot, found, final=False))  # rank 0's reads: at the next evaluation
         current = tuple((f["rule"], f["severity"]) for f in found)
         if current != self._logged:
             self._logged = current
@@ -98,16 +97,16 @@ class LiveDiagnosis:
     def _finish(self) -> None:
         ranks, state = self.ranks, self.state
         snapshot = state.history.snapshot(state.window_steps)
-        store_up = ranks.group_alive()  # the job may have destroyed its process group already
-        if store_up:
-            ranks.publish(compact(snapshot, state.findings(), final=True), wait=RANKS_WAIT)
+        if ranks.group_alive():  # the job may have destroyed its process group already
+            # Every rank publishes; node leaders wait for their ranks, rank 0 for the nodes.
+            ranks.exchange(compact(snapshot, state.findings(), final=True),
+                           wait=RANKS_WAIT + FLEET_WAIT_FACTOR * RANKS_FINAL_WAIT, final_within=RANKS_FINAL_WAIT)
         if ranks.rank != 0:
             return
-        if store_up:
-            ranks.gather(wait=RANKS_WAIT + RANKS_FINAL_WAIT, final_within=RANKS_FINAL_WAIT)
         self.run(snapshot, final=True)  # across every rank's final summary
         found = state.findings()
-        everyone = [compact(snapshot, found, final=True)] + ranks.peer_snapshots()
+        everyone = ranks.peer_snapshots(include_self=True) or [compact(snapshot, found, final=True)]
         self.emit({"event": "ranks", "time": time.time(), "world_size": ranks.world_size, "ranks": everyone,
-                   "findings": [f for f in found if f["rule"] == "rank-straggler"]})
+                   "topology": ranks.topology_summary(),
+                   "findings": [f for f in found if f["rule"] in ("rank-straggler", "node-straggler")]})
         self.print_ranks(everyone, ranks.world_size, found, state.run_dir if state.run_log else None)

@@ -1,7 +1,9 @@
 """Calls of torch functions that tuneup must not replace, seen on a few watched steps.
 
 `torch.tensor(ndarray)` copies (the numpy-copies rule), `torch.nonzero(...)` host reads (the
-syncs probe's CPU backend) and gradient clipping (`clip_grad_norm_`/`clip_grad_value_`, the
+syncs probe's CPU backend), explicit syncs (`torch.cuda.synchronize()`, `Event.synchronize()`,
+`Stream.synchronize()`: sync debug mode never reports them; dynamo resolves the first by
+identity) and gradient clipping (`clip_grad_norm_`/`clip_grad_value_`, the
 no-grad-clipping rule) happen in calls of torch functions that torch's own front-ends resolve
 by identity or compile from source, so no wrapper may stand in for them:
 - TorchScript keys builtins by `id()` (torch/jit/_builtins.py: `_builtin_table[id(builtin)]`,
@@ -21,7 +23,7 @@ acts on the calling thread alone) notes the calls as they happen:
   `c_return`/`c_exception`: no other call ever sees it, and no compiled region runs under it
   (dynamo guards on the mode stack: torch/_dynamo/guards.py make_torch_function_mode_stack_guard);
 - `c_call` of `torch.nonzero`: a host read (the output's size lives on the device);
-- `call` of the clipping functions' code objects.
+- `call` of the clipping functions' and the explicit syncs' code objects.
 
 A watched step costs its Python calls a profile event each (1.1-2x the step on this kind of
 CPU host), so steps 3-5 are watched, then the gap to the next watched step is chosen so that
@@ -31,6 +33,7 @@ job's own cProfile, torch.profiler's Python tracer) keeps its place: that step g
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import threading
@@ -52,11 +55,20 @@ _TENSOR = torch.tensor
 _NONZERO = torch.nonzero
 
 
+def _sync_codes() -> dict[Any, str]:
+    """The code objects of the explicit syncs (syncs.py EXPLICIT_SYNC_KINDS), by kind."""
+    codes = {}
+    for function, kind in ((torch.cuda.synchronize, "cuda.synchronize"), (torch.cuda.Event.synchronize, "Event.synchronize"),
+                           (torch.cuda.Stream.synchronize, "Stream.synchronize")):
+        code = getattr(inspect.unwrap(function), "__code__", None)
+        if code is not None:
+            codes[code] = kind
+    return codes
+
+
 def _clip_codes() -> frozenset:
     """The code objects that run when a job clips gradients (unwrapped from torch's no_grad
     decorator, whose wrapper code every decorated function shares)."""
-    import inspect
-
     from torch.nn.utils import clip_grad
 
     codes = set()
@@ -114,6 +126,8 @@ class CallWatch:
         self._profile = None
         self._handler_code = _ArrayData.__torch_function__.__code__
         self._clip = _clip_codes()
+        self._syncs = _sync_codes()
+        self.explicit_syncs = 0  # counted, for the syncs probe's figures
 
     def install(self) -> None:
         try:
@@ -195,6 +209,7 @@ class CallWatch:
         timeline = self.timeline
         syncs = self.syncs
         clip = self._clip
+        explicit = self._syncs
         handler = self._handler_code
         mode = self._mode
 
@@ -217,6 +232,10 @@ class CallWatch:
                 elif event == "call":
                     if frame.f_code in clip:
                         watch.clip_calls += 1
+                    elif frame.f_code in explicit and syncs.sampling and not (
+                            timeline.in_loader or timeline.in_optimizer or timeline.in_tuneup or syncs._busy):
+                        watch.explicit_syncs += 1
+                        syncs.record(explicit[frame.f_code], frame)  # attributed past torch's frames
                 elif arg is _TENSOR and watch._pushed and frame.f_code is not handler:  # c_return, c_exception
                     watch._pop_mode()
                     if watch._failure is not None:

@@ -1,10 +1,24 @@
-"""The other ranks of a distributed job, without collectives.
+"""The other ranks of a distributed job, without collectives, in two levels: ranks, then nodes.
 
 Each rank's agent publishes a compact summary of its rolling window into the process group's
 key-value store (the TCPStore that torchrun or init_process_group set up: plain TCP to one
 server, never a gloo/NCCL collective, never on the training thread), every few seconds and
-once more at the end; rank 0 reads the others' from there. That is what the cross-rank rules
-(rank-straggler) read live on rank 0, and what rank 0's end-of-run summary across ranks shows.
+once more at the end, under its node's prefix. Each node's local rank 0 reads its node's ranks
+and publishes one node summary (every rank's figures in a few columns); global rank 0 reads the
+node summaries only. That is what the cross-rank rules (rank-straggler, node-straggler) read
+live on rank 0, and what rank 0's end-of-run summary across ranks shows.
+
+Cost, per exchange (every FINDINGS_EVERY_TICKS ticks, ~5 s): every rank one `set` of its
+summary (under 1 KB); a node leader `check` + `get` of its node's ranks and one `set`; rank 0
+one `check` + `get` per node. So rank 0's store operations grow with the number of nodes, not
+ranks, and the bytes it reads are the node summaries: under NODE_ROW_BUDGET bytes per rank
+(measured by benchmarks/bench_rank_exchange.py; ~80). No cap on the world size.
+
+Nodes come from torchrun's environment (GROUP_RANK: the node's number, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE: the number of nodes). Without it (mp.spawn, a plain
+init_process_group) the job is taken as one node when it has at most FLAT_RANKS ranks, else as
+groups of ASSUMED_NODE_RANKS consecutive ranks, and says so (`topology["assumed"]`): a slow
+"node" is then not reported, as it is no machine.
 
 Every store operation runs on this module's own daemon thread: a store that hangs (its
 server gone) can delay neither the training loop nor the agent's sampler, and detach waits
@@ -14,13 +28,54 @@ for it at most a few seconds.
 from __future__ import annotations
 
 import json
+import math
+import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
-KEY = "tuneup/rank/{rank}"
-MAX_PEERS = 1024  # rank 0 reads at most this many ranks' summaries
+RANK_KEY = "tuneup/node/{node}/rank/{local}"
+NODE_KEY = "tuneup/node/{node}"
+FLAT_RANKS = 64  # without torchrun's topology, up to this many ranks are taken as one node
+ASSUMED_NODE_RANKS = 8
+FLEET_WAIT_FACTOR = 1.5  # rank 0 waits this many times a leader's wait for the final node summaries
+NODE_ROW_BUDGET = 160  # bytes per rank in a node summary (the budget the benchmark checks)
+# A rank's row in a node summary, in this order (compact: columns, not keys per rank).
+ROW = ("rank", "local_rank", "pid", "steps", "step", "backward", "data_wait", "stall", "rate", "samples_rate",
+       "time", "final", "findings")
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    node: int
+    local_rank: int
+    local_world_size: int
+    nodes: int
+    assumed: bool  # no launcher said which ranks share a machine
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, environ: Mapping[str, str] = os.environ) -> "Topology":
+        def number(name: str) -> int | None:
+            try:
+                return int(environ[name])
+            except (KeyError, ValueError):
+                return None
+
+        local, local_world, node, nodes = (number(name) for name in
+                                           ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+        if None not in (local, local_world, node) and local_world > 0:
+            nodes = nodes if nodes and nodes > 0 else math.ceil(world_size / local_world)
+            return cls(rank, world_size, node, local, local_world, nodes, False)
+        size = world_size if world_size <= FLAT_RANKS else ASSUMED_NODE_RANKS
+        return cls(rank, world_size, rank // size, rank % size, size, math.ceil(world_size / size), True)
+
+    @property
+    def leader(self) -> bool:
+        return self.local_rank == 0
 
 
 def default_store() -> tuple[Any, int, int] | None:
@@ -50,17 +105,82 @@ def compact(snapshot: dict[str, Any], findings: list[dict[str, Any]], final: boo
     }
 
 
+def _median(distribution: Any) -> float | None:
+    return distribution.get("median") if isinstance(distribution, dict) else None
+
+
+def node_summary(node: int, summaries: list[dict[str, Any]], expected: int, assumed: bool = False) -> dict[str, Any]:
+    """One node's ranks (their compact summaries) as a node summary: a row per rank (ROW).
+    `assumed`: the node is a group of ranks, not known to be a machine (see Topology)."""
+    rows = []
+    hosts = set()
+    for summary in summaries:
+        run, window = summary.get("run") or {}, summary.get("window") or {}
+        hosts.add(run.get("host"))
+        rows.append([run.get("rank"), run.get("local_rank"), run.get("pid"), window.get("steps"),
+                     _median(window.get("step_seconds")), _median(window.get("backward_seconds")),
+                     _median(window.get("data_wait_seconds")), window.get("stall_ratio"),
+                     window.get("steps_per_second"), window.get("samples_per_second"),
+                     round(summary.get("time") or 0.0, 1), bool(summary.get("final")),
+                     [f["rule"] for f in summary.get("findings") or []]])
+    return {"node": node, "assumed": assumed, "hosts": sorted(str(h) for h in hosts if h), "expected": expected,
+            "rows": rows,
+            "run_id": next((s["run"].get("run_id") for s in summaries if (s.get("run") or {}).get("run_id")), None),
+            "time": time.time(), "final": len(rows) >= expected and all(row[11] for row in rows)}
+
+
+def expand(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A node summary's rows as per-rank summaries (the shape the rules and the rank table read)."""
+    host = summary["hosts"][0] if len(summary.get("hosts") or ()) == 1 else None
+    out = []
+    for row in summary.get("rows") or []:
+        values = dict(zip(ROW, row))
+        out.append({
+            # A group of ranks no launcher placed is no machine: the rules then go by host.
+            "run": {"rank": values["rank"], "local_rank": values["local_rank"],
+                    "node": None if summary.get("assumed") else summary["node"],
+                    "host": host, "pid": values["pid"], "run_id": summary.get("run_id")},
+            "window": {"steps": values["steps"],
+                       "step_seconds": {"median": values["step"]} if values["step"] is not None else None,
+                       "backward_seconds": {"median": values["backward"]} if values["backward"] is not None else None,
+                       "data_wait_seconds": {"median": values["data_wait"]} if values["data_wait"] is not None else None,
+                       "stall_ratio": values["stall"], "steps_per_second": values["rate"],
+                       "samples_per_second": values["samples_rate"]},
+            "findings": [{"rule": rule} for rule in values["findings"] or ()],
+            "time": values["time"],
+            "final": values["final"],
+        })
+    return out
+
+
 class RankExchange:
-    def __init__(self, warn: Callable[[str, str], None]) -> None:
+    def __init__(self, warn: Callable[[str, str], None], store: Any = None, rank: int | None = None,
+                 world_size: int = 0, environ: Mapping[str, str] = os.environ) -> None:
+        """`store`/`rank`/`world_size`: given (a simulation, a test), or found in the job's
+        default process group by connect()."""
         self.warn = warn
+        self.environ = environ
         self.store: Any = None
         self.rank: int | None = None
         self.world_size = 0
-        self.peers: dict[int, dict[str, Any]] = {}  # rank -> its latest summary (rank 0 only)
+        self.topology: Topology | None = None
+        self.own: dict[str, Any] | None = None  # this rank's latest summary
+        self.local: dict[int, dict[str, Any]] = {}  # node leader: its node's ranks' summaries, by local rank
+        self.nodes: dict[int, dict[str, Any]] = {}  # rank 0: node summaries, by node
         self.last_read: float | None = None
+        self.operations = 0  # store calls made (the benchmark's figure)
+        self.bytes_read = 0
         self._work: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.on = True
+        if store is not None:
+            self._use(store, rank or 0, world_size)
+
+    def _use(self, store: Any, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.topology = Topology.of(rank, world_size, self.environ)
+        self._thread = threading.Thread(target=self._serve, name="tuneup-ranks", daemon=True)
+        self._thread.start()
 
     @property
     def active(self) -> bool:
@@ -71,9 +191,7 @@ class RankExchange:
         if self.store is None and self.on:
             found = default_store()
             if found is not None:
-                self.store, self.rank, self.world_size = found
-                self._thread = threading.Thread(target=self._serve, name="tuneup-ranks", daemon=True)
-                self._thread.start()
+                self._use(*found)
         return self.active
 
     def group_alive(self) -> bool:
@@ -106,34 +224,94 @@ class RankExchange:
         self._work.put((job, done))
         return done.wait(wait) if wait is not None else True
 
-    def publish(self, summary: dict[str, Any], wait: float | None = None) -> bool:
-        payload = json.dumps(summary, default=str).encode()
-        return self._run(lambda: self.store.set(KEY.format(rank=self.rank), payload), wait)
+    # --- the store, counted ----------------------------------------------------------
 
-    def gather(self, wait: float | None = None, final_within: float = 0.0) -> bool:
-        """Rank 0: read every other rank's latest summary (those published so far); with
-        `final_within`, keep reading up to that long for every rank's final one."""
-        if self.rank != 0:
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self.operations += 1
+        self.store.set(key, json.dumps(value, default=str, separators=(",", ":")).encode())
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        self.operations += 2
+        if not self.store.check([key]):  # never blocks: get() would wait for the key
+            return None
+        raw = self.store.get(key)
+        self.bytes_read += len(raw)
+        return json.loads(raw)
+
+    # --- one exchange ----------------------------------------------------------------
+
+    def exchange(self, summary: dict[str, Any], wait: float | None = None, final_within: float = 0.0) -> bool:
+        """Publish this rank's summary; a node leader then gathers its node and publishes the
+        node's summary; rank 0 then reads every node's. With `final_within` (the end of the
+        run), leaders and rank 0 keep reading up to that long for every final summary."""
+        topology = self.topology
+        if topology is None:
             return False
+        self.own = summary
 
-        def read() -> None:
-            deadline = time.monotonic() + final_within
+        def run() -> None:
+            self._set(RANK_KEY.format(node=topology.node, local=topology.local_rank), summary)
+            if not topology.leader:
+                return
+            began = time.monotonic()
+            deadline = began + final_within  # a leader's wait for its ranks' final summaries
             while True:
-                for rank in range(1, min(self.world_size, MAX_PEERS)):
-                    key = KEY.format(rank=rank)
-                    if self.store.check([key]):  # never blocks: get() would wait for the key
-                        self.peers[rank] = json.loads(self.store.get(key))
-                self.last_read = time.time()
-                ranks = range(1, min(self.world_size, MAX_PEERS))
-                if all(self.peers.get(r, {}).get("final") for r in ranks) or time.monotonic() >= deadline:
-                    return
+                self._gather_node()
+                if self._node_done() or time.monotonic() >= deadline:
+                    break
                 time.sleep(0.2)
+            mine = node_summary(topology.node, [self.local[i] for i in sorted(self.local)], topology.local_world_size,
+                                topology.assumed)
+            if topology.rank == 0:
+                self.nodes[topology.node] = mine
+            else:
+                self._set(NODE_KEY.format(node=topology.node), mine)
+                return
+            deadline = began + FLEET_WAIT_FACTOR * final_within  # the leaders' waits come first
+            while True:
+                self._gather_nodes()
+                if all((self.nodes.get(n) or {}).get("final") for n in range(topology.nodes)) \
+                        or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+            self.last_read = time.time()
 
-        return self._run(read, wait)
+        return self._run(run, wait)
 
-    def peer_snapshots(self) -> list[dict[str, Any]]:
-        """The other ranks' summaries in the shape the rules read (run, window)."""
-        return [dict(summary) for _, summary in sorted(self.peers.items())]
+    def _gather_node(self) -> None:
+        topology = self.topology
+        self.local[topology.local_rank] = self.own
+        for local in range(topology.local_world_size):
+            if local != topology.local_rank and not (self.local.get(local) or {}).get("final"):
+                found = self._get(RANK_KEY.format(node=topology.node, local=local))
+                if found is not None:
+                    self.local[local] = found
+
+    def _node_done(self) -> bool:
+        expected = self.topology.local_world_size
+        return len(self.local) >= expected and all(s.get("final") for s in self.local.values())
+
+    def _gather_nodes(self) -> None:
+        for node in range(self.topology.nodes):
+            if node != self.topology.node and not (self.nodes.get(node) or {}).get("final"):
+                found = self._get(NODE_KEY.format(node=node))
+                if found is not None:
+                    self.nodes[node] = found
+
+    # --- what rank 0 knows --------------------------------------------------------------
+
+    def peer_snapshots(self, include_self: bool = False) -> list[dict[str, Any]]:
+        """Every rank's summary heard (this one's too, with `include_self`: its row carries its
+        node) in the shape the rules read (run, window), from the node summaries (rank 0 only)."""
+        rows = [row for node in sorted(self.nodes) for row in expand(self.nodes[node])]
+        return [row for row in rows if include_self or row["run"]["rank"] != self.rank]
+
+    def topology_summary(self) -> dict[str, Any] | None:
+        topology = self.topology
+        if topology is None:
+            return None
+        return {"nodes": topology.nodes, "ranks_per_node": topology.local_world_size, "assumed": topology.assumed,
+                "nodes_heard": len(self.nodes)}
 
     def close(self, wait: float = 1.0) -> None:
         """Stop the worker and let go of the store: the job's process group owns it, and a

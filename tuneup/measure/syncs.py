@@ -54,15 +54,12 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
 )
 # Explicit syncs: sync debug mode has no hook in them (it reports implicit syncs only:
 # c10/cuda/CUDAFunctions.h warn_or_error_on_sync is called from memcpy_and_sync and the like,
-# not from cudaDeviceSynchronize/cudaEventSynchronize/cudaStreamSynchronize), so they are
-# wrapped, Python functions all three (torch/cuda/__init__.py, torch/cuda/streams.py), and
-# counted on sampled steps by either backend.
-EXPLICIT_SYNCS: tuple[tuple[Any, str, str], ...] = (
-    (torch.cuda, "synchronize", "cuda.synchronize"),
-    (torch.cuda.Event, "synchronize", "Event.synchronize"),
-    (torch.cuda.Stream, "synchronize", "Stream.synchronize"),
-)
-WATCHED_KINDS = frozenset({"torch.nonzero"})  # seen by the call watch only (calls.py)
+# not from cudaDeviceSynchronize/cudaEventSynchronize/cudaStreamSynchronize). The three are
+# Python functions (torch/cuda/__init__.py, torch/cuda/streams.py): the call watch notes calls of
+# their code (calls.py), as it does torch.nonzero's, rather than replacing them: dynamo resolves
+# torch.cuda.synchronize by identity (torch/_dynamo/variables/torch.py handle_synchronize).
+EXPLICIT_SYNC_KINDS = ("cuda.synchronize", "Event.synchronize", "Stream.synchronize")
+WATCHED_KINDS = frozenset({"torch.nonzero", *EXPLICIT_SYNC_KINDS})  # seen by the call watch only (calls.py)
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
@@ -239,8 +236,6 @@ class SyncCounter:
         for owner, attribute in HOST_READS:
             kind = attribute.strip("_")
             patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
-        for owner, attribute, kind in EXPLICIT_SYNCS:
-            patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original, "sampling"))
 
     def _start(self) -> None:
         self.calls = 0
@@ -267,13 +262,10 @@ class SyncCounter:
 
     # --- CPU: count the host reads on sampled steps ----------------------------------
 
-    def _counting(self, kind: str, original: Callable[..., Any], gate: str = "counting_reads") -> Callable[..., Any]:
-        """`original`, counted while the counter's `gate` flag is set: host reads while
-        counting_reads (the CPU backend's sampled steps), explicit syncs while sampling."""
+    def _counting(self, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         # Posing as the Tensor method it wraps (see posing_as): after a graph break, dynamo
         # skips its frame as it skips torch's own instead of compiling it.
-        template = HOST_READ if gate == "counting_reads" else HOST_READ.replace(".counting_reads", f".{gate}", 1)
-        return posing_as(original, template, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
+        return posing_as(original, HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
                          _tuneup_counts=functools.partial(self._counts, kind), _tuneup_is_compiling=torch.compiler.is_compiling,
                          _tuneup_quiet=quiet_dynamo)
 

@@ -51,6 +51,29 @@ def load_jobs(target: str) -> list[JobRuns]:
     return jobs
 
 
+def load_merged(targets: list[str]) -> list[JobRuns]:
+    """One job from several targets: the run directories (or logs, or agents) of one job's
+    nodes, merged into one job's ranks. A single target: its jobs (load_jobs)."""
+    if len(targets) == 1:
+        return load_jobs(targets[0])
+    histories: list[RunHistory] = []
+    seen: dict[Any, str] = {}
+    for target in targets:
+        jobs = load_jobs(target)
+        if len(jobs) != 1:
+            raise ReportSourceError(f"{target} holds {len(jobs)} jobs: merge one job's run directories, one per node "
+                                    "(or report that target alone)")
+        for history in jobs[0][0]:
+            rank = (history.run or {}).get("rank")
+            if rank is not None and rank in seen:
+                raise ReportSourceError(f"rank {rank} is in both {seen[rank]} and {target}: these are not one job's "
+                                        "nodes (give each node's run directory once)")
+            seen[rank] = target
+            histories.append(history)
+    histories.sort(key=_rank_order)
+    return [(histories, " + ".join(targets))]
+
+
 def daemon_base(url: str) -> str:
     """A node daemon's URL without the /api/run a user may have given."""
     return url.rstrip("/").removesuffix("/api/run")

@@ -4,6 +4,7 @@ straggling ranks."""
 from __future__ import annotations
 
 from statistics import median
+from typing import Any
 
 from ...format import percent, seconds
 from ..rule import Evidence, Facts, Missing, rule
@@ -78,11 +79,41 @@ def own_time(snapshot: dict) -> float | None:
     return step - backward if backward is not None else step
 
 
+def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict]]:
+    """Each rank's own time, and its summary (the last one given for a rank wins: rank 0's row
+    from the exchange names its node, its full snapshot does not)."""
+    summaries: dict[int, dict] = {}
+    for s in [facts.snapshot, *facts.ranks]:
+        rank = (s.get("run") or {}).get("rank")
+        if rank is not None:
+            summaries[rank] = s
+    if len(summaries) < 2:
+        raise Missing("two or more ranks")
+    times = {rank: own_time(s) for rank, s in summaries.items()}
+    times = {rank: value for rank, value in times.items() if value is not None}
+    if len(times) < 2:
+        raise Missing("per-rank step times")
+    return times, summaries
+
+
+def _where(summary: dict) -> str:
+    run = summary.get("run") or {}
+    parts = ([f"node {run['node']}"] if run.get("node") is not None else []) + ([str(run["host"])] if run.get("host") else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _node(summary: dict) -> Any:
+    """A rank's node: as the exchange numbered it, else its host (run logs read after the run)."""
+    run = summary.get("run") or {}
+    return run["node"] if run.get("node") is not None else run.get("host")
+
+
 @rule(
     id="rank-straggler",
     title="One rank is slower than the others",
     severity="high",
-    inputs="per-rank step time (less the backward, which holds the all-reduce wait) from every rank's run log",
+    inputs="per-rank step time (less the backward, which holds the all-reduce wait), from every rank: the node "
+           "summaries live, the run logs after",
     threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks, and >= "
               f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more",
     why="Every all-reduce waits for the slowest rank, so the whole job runs at its pace; 15% is "
@@ -91,26 +122,74 @@ def own_time(snapshot: dict) -> float | None:
     doc="https://docs.pytorch.org/docs/stable/notes/ddp.html",
 )
 def rank_straggler(facts: Facts) -> Evidence | None:
-    ranks = [s for s in [facts.snapshot, *facts.ranks] if (s.get("run") or {}).get("rank") is not None]
-    if len(ranks) < 2:
-        raise Missing("two or more ranks")
-    times = {s["run"]["rank"]: own_time(s) for s in ranks}
-    times = {rank: value for rank, value in times.items() if value is not None}
-    if len(times) < 2:
-        raise Missing("per-rank step times")
+    times, summaries = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
     if not middle or times[slowest] <= STRAGGLER_FACTOR * middle or times[slowest] - middle < STRAGGLER_MIN_SECONDS:
         return None
     excess = times[slowest] - middle
-    slow = next(s for s in ranks if s["run"]["rank"] == slowest)
+    slow = summaries[slowest]
+    node = (slow.get("run") or {}).get("node")
     step = (slow.get("window") or {}).get("step_seconds", {}).get("median") or times[slowest]
+    slow_ranks = sorted(rank for rank, value in times.items() if value > STRAGGLER_FACTOR * middle
+                        and value - middle >= STRAGGLER_MIN_SECONDS)
     return Evidence(
-        observed=f"rank {slowest} spends {seconds(times[slowest])} per step outside the all-reduce, "
-                 f"{percent(excess / middle)} more than the median rank ({seconds(middle)})",
-        numbers={"rank": slowest, "rank_seconds": times[slowest], "median_seconds": middle,
-                 "per_rank_seconds": {str(k): v for k, v in sorted(times.items())}},
+        observed=f"rank {slowest}{_where(slow)} spends {seconds(times[slowest])} per step outside the all-reduce, "
+                 f"{percent(excess / middle)} more than the median rank ({seconds(middle)})"
+                 + (f"; {len(slow_ranks)} ranks are that slow" if len(slow_ranks) > 1 else ""),
+        numbers={"rank": slowest, "node": node, "rank_seconds": times[slowest], "median_seconds": middle,
+                 "slow_ranks": slow_ranks[:64], "ranks_compared": len(times),
+                 # Every rank's figure where there are few; at fleet size the slow ones only.
+                 "per_rank_seconds": {str(k): v for k, v in sorted(times.items())
+                                      if len(times) <= 64 or k in slow_ranks[:64]}},
         fix=f"# look at rank {slowest}'s own report: its data wait, its host (CPU load, GPU clocks),\n"
             "# and uneven work (variable-length batches: bucket by length or pad)",
         gain=min(1.0, excess / step),  # every rank's step is the slowest rank's
+    )
+
+
+@rule(
+    id="node-straggler",
+    title="One machine's ranks are all slower than the others",
+    severity="high",
+    inputs="per-rank own time (step less backward) with each rank's node, from the node summaries",
+    threshold=f"every rank of a node > {STRAGGLER_FACTOR:g}x the median rank of the other nodes, and >= "
+              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more; nodes as the launcher (torchrun) placed the ranks",
+    why="When all of a machine's ranks are slow alike, the cause is the machine (a throttled or hot "
+        "chassis, a slow NIC or PCIe link, a noisy neighbour, a different GPU model), not the work "
+        "the ranks were given: fix or replace that node, or leave it out.",
+    doc="https://docs.pytorch.org/docs/stable/elastic/run.html",
+)
+def node_straggler(facts: Facts) -> Evidence | None:
+    times, summaries = _rank_times(facts)
+    nodes: dict[Any, list[int]] = {}
+    for rank in times:
+        node = _node(summaries[rank])
+        if node is not None:
+            nodes.setdefault(node, []).append(rank)
+    if len(nodes) < 2:
+        raise Missing("ranks on two or more nodes")
+    slow: list[tuple[float, Any, float]] = []  # (excess, node, the other nodes' median)
+    for node, ranks in nodes.items():
+        others = [times[r] for n, rs in nodes.items() if n != node for r in rs]
+        middle = median(others)
+        fastest = min(times[r] for r in ranks)
+        if middle and fastest > STRAGGLER_FACTOR * middle and fastest - middle >= STRAGGLER_MIN_SECONDS:
+            slow.append((fastest - middle, node, middle))
+    if not slow or len(slow) * 2 > len(nodes):
+        return None  # none, or half the nodes or more: no one machine stands out
+    excess, node, middle = max(slow, key=lambda entry: entry[0])
+    ranks = sorted(nodes[node])
+    host = (summaries[ranks[0]].get("run") or {}).get("host")
+    node_median = median(times[r] for r in ranks)
+    step = max(((summaries[r].get("window") or {}).get("step_seconds") or {}).get("median") or 0 for r in ranks)
+    return Evidence(
+        observed=f"every rank of node {node}{f' ({host})' if host and host != node else ''} is slow: its {len(ranks)} ranks spend "
+                 f"{seconds(node_median)} per step outside the all-reduce (the fastest {seconds(middle + excess)}), "
+                 f"against {seconds(middle)} for the median rank of the other nodes",
+        numbers={"node": node, "host": host, "ranks": ranks[:64], "node_median_seconds": node_median,
+                 "others_median_seconds": middle, "slow_nodes": [n for _, n, _ in sorted(slow, key=lambda entry: -entry[0])]},
+        fix=f"# node {node}: compare its GPUs' clocks and throttle reasons, temperatures and PCIe/NIC\n"
+            "# throughput with another node's (tuneup report of one of its ranks); drain or replace it",
+        gain=min(1.0, excess / step) if step else None,
     )

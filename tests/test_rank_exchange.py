@@ -1,0 +1,133 @@
+"""The two-level rank exchange (measure/ranks.py) against a real TCPStore on loopback: ranks
+publish under their node, node leaders publish one summary each, rank 0 reads the nodes only.
+The ranks are simulated (one RankExchange each, with its own store connection and the
+environment torchrun would give it); the real torchrun path is tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.distributed import TCPStore
+
+from tuneup.diagnose import evaluate
+from tuneup.measure.ranks import RankExchange, Topology, compact
+from tuneup.report.ranks import rank_summary
+
+
+def snapshot(rank: int, local: int, step: float = 0.010, backward: float = 0.004, host: str = "node-a"):
+    return {"run": {"rank": rank, "local_rank": local, "run_id": "r", "host": host, "pid": 1000 + rank},
+            "window": {"steps": 100, "step_seconds": {"median": step}, "backward_seconds": {"median": backward},
+                       "data_wait_seconds": {"median": 0.0}, "stall_ratio": 0.0, "steps_per_second": 1 / step,
+                       "samples_per_second": 32 / step}}
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=__import__("datetime").timedelta(seconds=10))
+    yield server
+
+
+def fleet(store, nodes: int, per_node: int, environ=None):
+    exchanges = []
+    for rank in range(nodes * per_node):
+        env = environ(rank) if environ else {"LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                                             "GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes)}
+        client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=__import__("datetime").timedelta(seconds=10))
+        exchanges.append(RankExchange(lambda *a: None, store=client, rank=rank, world_size=nodes * per_node,
+                                      environ=env))
+    return exchanges
+
+
+def one_round(exchanges, times, final=False, skip=()):
+    """Every rank publishes (rank 0 last: it reads what the leaders published)."""
+    order = sorted(exchanges, key=lambda e: (e.rank == 0, e.topology.leader))
+    for exchange in order:
+        if exchange.rank in skip:
+            continue
+        step, backward = times(exchange.rank)
+        summary = compact(snapshot(exchange.rank, exchange.topology.local_rank, step, backward,
+                                   host=f"host-{exchange.topology.node}"), [], final)
+        assert exchange.exchange(summary, wait=30, final_within=0.6 if final else 0.0)
+
+
+def close_all(exchanges):
+    for exchange in exchanges:
+        exchange.close()
+
+
+def test_rank_0_reads_nodes_not_ranks_and_names_a_straggler_with_its_node(store):
+    # Ground truth: 4 nodes of 8 ranks; every rank spends 6 ms outside the backward, rank 13
+    # (node 1, local rank 5) 9 ms.
+    exchanges = fleet(store, nodes=4, per_node=8)
+    try:
+        one_round(exchanges, lambda r: (0.013, 0.004) if r == 13 else (0.010, 0.004))
+        rank0 = exchanges[0]
+        before = rank0.operations
+        one_round(exchanges, lambda r: (0.013, 0.004) if r == 13 else (0.010, 0.004))
+        # Its own node's 7 other ranks (check + get each), 3 other nodes (check + get), its own set.
+        assert rank0.operations - before == 2 * 7 + 2 * 3 + 1
+        peers = rank0.peer_snapshots(include_self=True)
+        assert sorted(p["run"]["rank"] for p in peers) == list(range(32))
+        found = {f.rule: f for f in evaluate(snapshot(0, 0, host="host-0"), ranks=peers).findings}
+        straggler = found["rank-straggler"]
+        assert straggler.evidence["rank"] == 13 and straggler.evidence["node"] == 1
+        assert "rank 13 (node 1, host-1)" in straggler.observed
+        assert "node-straggler" not in found
+    finally:
+        close_all(exchanges)
+
+
+def test_a_slow_node_is_its_own_finding(store):
+    exchanges = fleet(store, nodes=4, per_node=4)
+    try:
+        times = lambda r: (0.014, 0.004) if r // 4 == 2 else (0.010, 0.004)  # noqa: E731 - node 2 all slow
+        one_round(exchanges, times)
+        one_round(exchanges, times)
+        peers = exchanges[0].peer_snapshots(include_self=True)
+        found = {f.rule: f for f in evaluate(snapshot(0, 0), ranks=peers).findings}
+        node = found["node-straggler"]
+        assert node.evidence["node"] == 2 and node.evidence["ranks"] == [8, 9, 10, 11]
+        assert "every rank of node 2 (host-2)" in node.observed
+    finally:
+        close_all(exchanges)
+
+
+def test_final_exchange_waits_a_bounded_time_for_a_rank_that_never_reports(store):
+    exchanges = fleet(store, nodes=2, per_node=4)
+    try:
+        one_round(exchanges, lambda r: (0.010, 0.004))
+        began = time.monotonic()
+        one_round(exchanges, lambda r: (0.010, 0.004), final=True, skip={6})  # rank 6 died
+        assert time.monotonic() - began < 10
+        rows = exchanges[0].peer_snapshots(include_self=True)
+        finals = {row["run"]["rank"]: row["final"] for row in rows}
+        assert finals[6] is False and all(finals[r] for r in finals if r != 6)
+        table = rank_summary(rows, 8, [])
+        assert "last heard" in table.splitlines()[2 + 6] and "no straggler" in table
+    finally:
+        close_all(exchanges)
+
+
+def test_without_torchruns_topology_a_large_job_is_grouped_and_said_to_be(store):
+    topology = Topology.of(200, 512, environ={})
+    assert (topology.node, topology.local_rank, topology.local_world_size, topology.nodes, topology.assumed) == \
+        (25, 0, 8, 64, True)
+    assert Topology.of(5, 16, environ={}).nodes == 1  # small: one node
+    torchrun = Topology.of(13, 32, environ={"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
+                                              "GROUP_WORLD_SIZE": "4"})
+    assert (torchrun.node, torchrun.local_rank, torchrun.nodes, torchrun.assumed) == (1, 5, 4, False)
+
+
+def test_the_rank_table_has_a_line_per_node_at_fleet_size():
+    rows = []
+    for rank in range(512):
+        row = compact(snapshot(rank, rank % 8, 0.020 if rank == 300 else 0.010, host=f"host-{rank // 8}"), [], True)
+        row["run"]["node"] = rank // 8
+        rows.append(row)
+    found = evaluate(rows[0], ranks=rows[1:]).findings
+    table = rank_summary(rows, 512, [f.to_dict() for f in found])
+    lines = table.splitlines()
+    assert len(lines) == 1 + 1 + 64 + 1  # title, header, a line per node, the straggler
+    assert any(line.split()[0] == "37" and "(rank 300)" in line for line in lines[2:66])
+    assert lines[-1].startswith("  straggler: rank 300 (node 37, host-37)")
