@@ -30,7 +30,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     none of is still found automatically). Attaching again returns the same agent.
 
     Options (keyword, or the TUNEUP_* variable `ENVIRONMENT_VARIABLES` names; the README's
-    table says what each does): mode, actions, run_dir, log, log_max_bytes, interval,
+    table says what each does): mode, actions, run_dir, log, log_max_bytes, log_shared, interval,
     sync_sample_every, detail_every, window_steps, gpu, nvml_module, disable, serve, host, port,
     push_gateway, push_interval, push_job, silence, cpu_bf16.
     """

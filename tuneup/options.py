@@ -160,6 +160,7 @@ class Options:
     run_dir: Path | None = None
     log: bool = True
     log_max_bytes: int = 64 * 1024 * 1024
+    log_shared: bool = False  # run directories 0750 and logs 0640 (the group reads them) instead of 0700/0600
     interval: float = 1.0
     sync_sample_every: int = 20
     detail_every: int = 4
@@ -194,6 +195,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "run_dir": ("TUNEUP_RUN_DIR", _path_or_none),
     "log": ("TUNEUP_LOG", _bool),
     "log_max_bytes": ("TUNEUP_LOG_MAX_BYTES", _int_in(64 * 1024, 1 << 40)),
+    "log_shared": ("TUNEUP_LOG_SHARED", _bool),
     "interval": ("TUNEUP_INTERVAL", _float_in(0.05, 60.0)),
     "sync_sample_every": ("TUNEUP_SYNC_SAMPLE_EVERY", _int_in(0, 1_000_000)),
     "detail_every": ("TUNEUP_DETAIL_EVERY", _int_in(1, 1_000_000)),

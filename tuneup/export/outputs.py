@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import redact
 from ..options import Options, agent_port, default_run_dir
 from . import discovery
 from .runlog import RunLog, log_name
@@ -87,7 +88,7 @@ class Outputs:
         state.history.add(header)
         if not options.log:
             return
-        log = RunLog(self.run_dir / log_name(state.rank), options.log_max_bytes, header)
+        log = RunLog(self.run_dir / log_name(state.rank), options.log_max_bytes, header, shared=options.log_shared)
         if log.open():
             self.run_log = log
             state.run_log = state.history.source = str(log.path)
@@ -173,4 +174,7 @@ def job_group(run_id: str) -> str:
 
 
 def options_dict(options: Options) -> dict[str, Any]:
-    return {name: (str(value) if isinstance(value, Path) else value) for name, value in vars(options).items()}
+    """The options as the run log records them: URLs' credentials hidden (redact.py)."""
+    _, literals = redact.listed()
+    return {name: redact.text(str(value), literals) if isinstance(value, (str, Path)) else value
+            for name, value in vars(options).items()}

@@ -15,6 +15,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, push_to_gateway
 
+from .. import redact
+
 TIMEOUT = 5.0
 FINAL_TIMEOUT = 2.0  # detach must not hold up the end of the job
 
@@ -47,7 +49,7 @@ class Pusher:
                             timeout=timeout)
         except Exception as exc:
             self.failures += 1
-            self.warn("push", f"cannot push metrics to the Pushgateway at {self.gateway} "
+            self.warn("push", f"cannot push metrics to the Pushgateway at {redact.url(self.gateway)} "
                               f"({type(exc).__name__}: {exc}); training goes on and pushing keeps trying "
                               "(check TUNEUP_PUSH_GATEWAY)")
             return False

@@ -55,20 +55,27 @@ def _encode(event: dict[str, Any]) -> bytes:
 
 
 class RunLog:
-    """Single writer (the agent's background thread, then detach)."""
+    """Single writer (the agent's background thread, then detach). The run directory is made
+    0700 and the log 0600 (the job's command line and figures are its owner's business on a
+    machine several users share); `shared` makes them 0750/0640 for a group that analyses runs
+    together (the `log_shared` option). The umask may narrow these further, never widen them."""
 
-    def __init__(self, path: Path, max_bytes: int, header: dict[str, Any]) -> None:
+    def __init__(self, path: Path, max_bytes: int, header: dict[str, Any], shared: bool = False) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self.header = header
+        self.modes = (0o750, 0o640) if shared else (0o700, 0o600)  # (directory, file)
         self.error: str | None = None
         self._file: Any = None
         self._size = 0
 
+    def _open_file(self) -> Any:
+        return os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, self.modes[1]), "ab")
+
     def open(self) -> bool:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=self.modes[0])
+            self._file = self._open_file()
             self._size = self._file.tell()
         except OSError as exc:
             self._failed(exc)
@@ -93,7 +100,7 @@ class RunLog:
     def _rotate(self) -> None:
         self._file.close()
         os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-        self._file = open(self.path, "ab")
+        self._file = self._open_file()
         line = _encode(dict(self.header, continued=True))
         self._file.write(line)
         self._size = len(line)

@@ -8,12 +8,22 @@ Served by the standard library's WSGI server on a daemon thread, one thread per 
 (as prometheus-client's own start_http_server does), bound to 127.0.0.1 unless asked. A
 busy port is reported once and the agent serves on a free port instead, so the job goes on
 and the registry still tells the CLI and the node daemon where to find it.
+
+Every endpoint (the agent's and the node daemon's) is read-only and answers only requests
+addressed to this machine (`guarded`): GET and HEAD, else 405 with `Allow`; a `Host` header
+that names another machine gets 403, as Jupyter and TensorBoard answer it, so a web page the
+user opens cannot read the endpoints through DNS rebinding (its requests carry the attacker's
+host name). Allowed: loopback names, IP addresses (DNS cannot rebind an address), the address
+the endpoint is bound to, this machine's host name, and the names in TUNEUP_ALLOWED_HOSTS
+(comma-separated: a Kubernetes service name that Prometheus scrapes, say). No CORS headers.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
+import os
 import selectors
 import socket
 import socketserver
@@ -25,6 +35,63 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from .runlog import json_safe
 
 RunPayload = Callable[[], dict[str, Any]]
+METHODS = ("GET", "HEAD")
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port and brackets, lower case."""
+    name = header.strip().lower()
+    if name.startswith("["):  # [::1]:9477
+        return name[1:name.find("]")] if "]" in name else name[1:]
+    if name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    return name.rstrip(".")
+
+
+def allowed_host(header: str | None, bound: str, extra: Iterable[str] = ()) -> bool:
+    """Whether a request's Host header names this machine (see the module docstring)."""
+    if not header:
+        return True  # a client that sends none is no browser: every browser sends it
+    name = _host_name(header)
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    known = {bound.lower(), socket.gethostname().lower(), *(host.strip().lower() for host in extra)}
+    return name in known - {""}
+
+
+def guarded(app: Callable, bound: str) -> Callable:
+    """`app`, read-only and for this machine's names only (see the module docstring)."""
+    extra = tuple(part for part in os.environ.get("TUNEUP_ALLOWED_HOSTS", "").split(",") if part.strip())
+
+    def guard(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in METHODS:
+            body = f"tuneup endpoints are read-only: {method} is not served (use GET)\n".encode()
+            start_response("405 Method Not Allowed", [("Allow", ", ".join(METHODS)), ("Content-Length", str(len(body))),
+                                                      ("Content-Type", "text/plain; charset=utf-8")])
+            return [body]
+        host = environ.get("HTTP_HOST")
+        if not allowed_host(host, bound, extra):
+            body = (f"tuneup: Host {host!r} is not this machine: refused (DNS rebinding protection; "
+                    "add the name to TUNEUP_ALLOWED_HOSTS if it is yours)\n").encode()
+            start_response("403 Forbidden", [("Content-Length", str(len(body))),
+                                             ("Content-Type", "text/plain; charset=utf-8")])
+            return [body]
+        answer = app(environ, start_response)
+        if method == "HEAD":  # the GET's status and headers, no body
+            close = getattr(answer, "close", None)
+            if close is not None:
+                close()
+            return []
+        return answer
+
+    return guard
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -63,12 +130,13 @@ class HttpEndpoint:
         """Listen on host:port, or (with `fallback`) on a free port when that one is taken.
         Returns a note for the user when the requested port was busy."""
         note = None
+        app = guarded(self.app, host)
         try:
-            self._server = make_server(host, port, self.app, _ThreadingServer, _QuietHandler)
+            self._server = make_server(host, port, app, _ThreadingServer, _QuietHandler)
         except OSError as exc:
             if not fallback or exc.errno != errno.EADDRINUSE or port == 0:
                 raise
-            self._server = make_server(host, 0, self.app, _ThreadingServer, _QuietHandler)
+            self._server = make_server(host, 0, app, _ThreadingServer, _QuietHandler)
             note = (f"port {port} on {host} is in use (another job?); serving on port "
                     f"{self._server.server_port} instead (set TUNEUP_PORT to choose one)")
         self.url = f"http://{_url_host(host)}:{self._server.server_port}"

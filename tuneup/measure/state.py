@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
+from .. import redact
 from .._warning import TuneupWarning
 from .history import RunHistory
 
@@ -56,7 +57,8 @@ def run_info(mode: str) -> dict[str, Any]:
         "local_rank": env_rank("LOCAL_RANK"),
         "world_size": env_rank("WORLD_SIZE"),
         # Attached at interpreter start-up (`tuneup run -m pkg`), sys.argv[0] is still "-m".
-        "argv": list(sys.orig_argv[1:] if sys.argv[:1] == ["-m"] and hasattr(sys, "orig_argv") else sys.argv),
+        # Credentials hidden here, before anything stores or serves it (redact.py).
+        "argv": redact.argv(sys.orig_argv[1:] if sys.argv[:1] == ["-m"] and hasattr(sys, "orig_argv") else sys.argv),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "mode": mode,
