@@ -17,14 +17,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tuneup
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 
 EXAMPLES = ROOT / "examples"
 
 
 def run_example(name, *args, timeout=180):
+    # The CPU's bf16 units pinned absent: amp-off is judged from the hardware, not the loop.
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                            timeout=timeout, cwd=ROOT)
+                            timeout=timeout, cwd=ROOT, env=child_env(TUNEUP_CPU_BF16="0"))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
