@@ -65,8 +65,9 @@ def test_rank_0_reads_nodes_not_ranks_and_names_a_straggler_with_its_node(store)
         rank0 = exchanges[0]
         before = rank0.operations
         one_round(exchanges, lambda r: (0.013, 0.004) if r == 13 else (0.010, 0.004))
-        # Its own node's 7 other ranks (check + get each), 3 other nodes (check + get), its own set.
-        assert rank0.operations - before == 2 * 7 + 2 * 3 + 1
+        # Its own set; its node's 7 other ranks, then the 3 other nodes: each list one check()
+        # and one multi_get() once every key exists, however many ranks and nodes there are.
+        assert rank0.operations - before == 1 + 2 + 2
         peers = rank0.peer_snapshots(include_self=True)
         assert sorted(p["run"]["rank"] for p in peers) == list(range(32))
         found = {f.rule: f for f in evaluate(snapshot(0, 0, host="host-0"), ranks=peers).findings}
@@ -131,3 +132,18 @@ def test_the_rank_table_has_a_line_per_node_at_fleet_size():
     assert len(lines) == 1 + 1 + 64 + 1  # title, header, a line per node, the straggler
     assert any(line.split()[0] == "37" and "(rank 300)" in line for line in lines[2:66])
     assert lines[-1].startswith("  straggler: rank 300 (node 37, host-37)")
+
+
+def test_the_median_of_the_other_nodes_is_exact_with_ties():
+    import random
+    import statistics
+    from collections import Counter
+
+    from tuneup.diagnose.rules.distributed import _median_without
+
+    generator = random.Random(7)
+    for _ in range(500):
+        values = sorted(generator.choice([generator.random(), 0.5, 0.25]) for _ in range(generator.randint(3, 40)))
+        removed = sorted(generator.sample(values, generator.randint(1, len(values) - 2)))
+        rest = list((Counter(values) - Counter(removed)).elements())
+        assert _median_without(values, removed) == pytest.approx(statistics.median(rest))

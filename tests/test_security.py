@@ -109,10 +109,9 @@ def test_a_secret_on_the_command_line_reaches_no_output(tmp_path, pushgateway):
             get(daemon_url + "/api/agents")))
         outputs["daemon /api/run"] = get(daemon_url + "/api/run")
         outputs["daemon /metrics"] = get(daemon_url + "/metrics")
-        jobs = json.loads(outputs["daemon /api/agents"])
-        paths = {entry.get("path") for entry in (jobs.get("agents") or jobs.get("jobs") or []) if isinstance(entry, dict)}
-        for path in filter(None, paths):
-            outputs[f"daemon {path}"] = get(daemon_url + path.rstrip("/") + "/api/run")
+        paths = [job["path"] for job in json.loads(outputs["daemon /api/run"])["jobs"]]
+        assert paths == [f"/jobs/{agent['run_id']}"]
+        outputs["daemon /jobs/<id>/api/run"] = get(daemon_url + paths[0] + "/api/run")
         live = subprocess.run([sys.executable, "-m", "tuneup", "report", url, "--format", "json"], capture_output=True,
                               text=True, env=env, timeout=60)
         outputs["report URL json"] = live.stdout + live.stderr

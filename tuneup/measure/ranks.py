@@ -9,10 +9,12 @@ node summaries only. That is what the cross-rank rules (rank-straggler, node-str
 live on rank 0, and what rank 0's end-of-run summary across ranks shows.
 
 Cost, per exchange (every FINDINGS_EVERY_TICKS ticks, ~5 s): every rank one `set` of its
-summary (under 1 KB); a node leader `check` + `get` of its node's ranks and one `set`; rank 0
-one `check` + `get` per node. So rank 0's store operations grow with the number of nodes, not
-ranks, and the bytes it reads are the node summaries: under NODE_ROW_BUDGET bytes per rank
-(measured by benchmarks/bench_rank_exchange.py; ~80). No cap on the world size.
+summary (under 1 KB); a node leader reads its node's ranks and makes one `set`; rank 0 reads
+the node summaries. Once every key exists a read of many keys is two store operations (`check`
+of the list, then `multi_get`: one round trip); until then one `check` + `get` per key present.
+So rank 0's store work grows with the number of nodes, not ranks, and the bytes it reads are
+the node summaries: under NODE_ROW_BUDGET bytes per rank (benchmarks/bench_rank_exchange.py
+measures ~100). No cap on the world size.
 
 Nodes come from torchrun's environment (GROUP_RANK: the node's number, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE: the number of nodes). Without it (mp.spawn, a plain
@@ -238,6 +240,28 @@ class RankExchange:
         self.bytes_read += len(raw)
         return json.loads(raw)
 
+    def _get_many(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The keys that exist, read. When all do (the usual case once every rank has
+        published), two store operations in all: check() of the list, then multi_get()
+        (torch >= 2.5: a single round trip); else one key at a time, skipping the missing ones
+        (multi_get, like get, would wait for them)."""
+        if not keys:
+            return {}
+        multi_get = getattr(self.store, "multi_get", None)
+        if multi_get is not None:
+            self.operations += 1
+            if self.store.check(keys):
+                self.operations += 1
+                raws = multi_get(keys)
+                self.bytes_read += sum(len(raw) for raw in raws)
+                return {key: json.loads(raw) for key, raw in zip(keys, raws)}
+        found = {}
+        for key in keys:
+            value = self._get(key)
+            if value is not None:
+                found[key] = value
+        return found
+
     # --- one exchange ----------------------------------------------------------------
 
     def exchange(self, summary: dict[str, Any], wait: float | None = None, final_within: float = 0.0) -> bool:
@@ -281,22 +305,20 @@ class RankExchange:
     def _gather_node(self) -> None:
         topology = self.topology
         self.local[topology.local_rank] = self.own
-        for local in range(topology.local_world_size):
-            if local != topology.local_rank and not (self.local.get(local) or {}).get("final"):
-                found = self._get(RANK_KEY.format(node=topology.node, local=local))
-                if found is not None:
-                    self.local[local] = found
+        wanted = {RANK_KEY.format(node=topology.node, local=local): local for local in range(topology.local_world_size)
+                  if local != topology.local_rank and not (self.local.get(local) or {}).get("final")}
+        for key, value in self._get_many(list(wanted)).items():
+            self.local[wanted[key]] = value
 
     def _node_done(self) -> bool:
         expected = self.topology.local_world_size
         return len(self.local) >= expected and all(s.get("final") for s in self.local.values())
 
     def _gather_nodes(self) -> None:
-        for node in range(self.topology.nodes):
-            if node != self.topology.node and not (self.nodes.get(node) or {}).get("final"):
-                found = self._get(NODE_KEY.format(node=node))
-                if found is not None:
-                    self.nodes[node] = found
+        wanted = {NODE_KEY.format(node=node): node for node in range(self.topology.nodes)
+                  if node != self.topology.node and not (self.nodes.get(node) or {}).get("final")}
+        for key, value in self._get_many(list(wanted)).items():
+            self.nodes[wanted[key]] = value
 
     # --- what rank 0 knows --------------------------------------------------------------
 
