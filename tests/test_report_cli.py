@@ -243,3 +243,20 @@ def test_doctor_and_rules(monkeypatch):
 
 def test_docs_rules_md_is_current():
     assert (ROOT / "docs" / "rules.md").read_text() == rules_markdown(), "regenerate: tuneup rules -f markdown > docs/rules.md"
+
+
+def test_merging_run_directories_refuses_what_is_not_one_jobs_nodes(finished_run, tmp_path):
+    one_line_error(tuneup("report", str(finished_run), str(finished_run)), "given twice")
+    one_line_error(tuneup("report", str(finished_run), str(tmp_path / "missing")), "no run directory")
+    # Two ranks of the same number in two directories: not one job's nodes.
+    import shutil
+
+    first, second = tmp_path / "node0", tmp_path / "node1"
+    for folder in (first, second):
+        shutil.copytree(finished_run, folder)
+        for log in folder.glob("events*.jsonl"):
+            lines = log.read_text().splitlines()
+            header = json.loads(lines[0])
+            header["rank"] = 0
+            log.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
+    one_line_error(tuneup("report", str(first), str(second)), "rank 0 is in both")

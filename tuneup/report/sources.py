@@ -56,6 +56,12 @@ def load_merged(targets: list[str]) -> list[JobRuns]:
     nodes, merged into one job's ranks. A single target: its jobs (load_jobs)."""
     if len(targets) == 1:
         return load_jobs(targets[0])
+    seen_targets: set[str] = set()
+    for target in targets:
+        key = target.rstrip("/") if is_url(target) else str(Path(target).resolve())
+        if key in seen_targets:
+            raise ReportSourceError(f"{target} is given twice: give each node's run directory once")
+        seen_targets.add(key)
     histories: list[RunHistory] = []
     seen: dict[Any, str] = {}
     for target in targets:
