@@ -38,6 +38,32 @@ def child_env(*, session: bool = False, **variables: str | None) -> dict[str, st
     return env
 
 
+def free_port() -> int:
+    """A loopback port free right now (for a server a test starts itself)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    """Poll `predicate` (a connection refused counts as not yet) until it returns something
+    true, which is returned; fails the test after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, free_port, wait_for
 from tuneup.export import discovery
 
 JOB = str(ROOT / "examples" / "torchrun_ddp.py")
@@ -33,19 +33,6 @@ def samples(url, name):
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
     return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError("timed out")
 
 
 def both_ranks(folder):
@@ -111,14 +98,6 @@ def test_a_rank_that_dies_ends_the_job_without_a_hang(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "run" / "events-rank0.jsonl").read_text().splitlines()
               if line.strip()]
     assert any(e["event"] == "steps" for e in events)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def two_nodes(tmp_path, *args):

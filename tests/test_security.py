@@ -14,25 +14,18 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROGRAMS, child_env
+from tests.conftest import PROGRAMS, child_env, free_port, wait_for
 from tuneup import redact
 from tuneup.export import discovery
 
 SECRETS = ("SECRET123", "SECRET456", "SECRET789", "SECRETVALUE")
 ARGS = ["--secs", "10", "--api-key=SECRET123", "--token", "SECRET456", "--data",
         "https://user:SECRET789@example.com/x", "positional-SECRETVALUE"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get(url: str) -> str:
@@ -47,19 +40,6 @@ def request(url: str, method: str = "GET", host: str | None = None) -> tuple[int
     connection.request(method, "/api/run", headers={"Host": host} if host else {})
     response = connection.getresponse()
     return response.status, dict(response.getheaders()), response.read().decode(errors="replace")
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError("timed out")
 
 
 def start(command: list[str], env: dict) -> subprocess.Popen:

@@ -97,6 +97,11 @@ def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict]]:
     return times, summaries
 
 
+def _too_slow(value: float, middle: float) -> bool:
+    """The straggler criterion: over STRAGGLER_FACTOR x the median, and STRAGGLER_MIN_SECONDS more."""
+    return bool(middle) and value > STRAGGLER_FACTOR * middle and value - middle >= STRAGGLER_MIN_SECONDS
+
+
 def _where(summary: dict) -> str:
     run = summary.get("run") or {}
     parts = ([f"node {run['node']}"] if run.get("node") is not None else []) + ([str(run["host"])] if run.get("host") else [])
@@ -126,14 +131,13 @@ def rank_straggler(facts: Facts) -> Evidence | None:
     times, summaries = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
-    if not middle or times[slowest] <= STRAGGLER_FACTOR * middle or times[slowest] - middle < STRAGGLER_MIN_SECONDS:
+    if not _too_slow(times[slowest], middle):
         return None
     excess = times[slowest] - middle
     slow = summaries[slowest]
     node = (slow.get("run") or {}).get("node")
     step = (slow.get("window") or {}).get("step_seconds", {}).get("median") or times[slowest]
-    slow_ranks = sorted(rank for rank, value in times.items() if value > STRAGGLER_FACTOR * middle
-                        and value - middle >= STRAGGLER_MIN_SECONDS)
+    slow_ranks = sorted(rank for rank, value in times.items() if _too_slow(value, middle))
     return Evidence(
         observed=f"rank {slowest}{_where(slow)} spends {seconds(times[slowest])} per step outside the all-reduce, "
                  f"{percent(excess / middle)} more than the median rank ({seconds(middle)})"
@@ -193,7 +197,7 @@ def node_straggler(facts: Facts) -> Evidence | None:
     for node, ranks in nodes.items():
         middle = _median_without(everyone, sorted(times[r] for r in ranks))
         fastest = min(times[r] for r in ranks)
-        if middle and fastest > STRAGGLER_FACTOR * middle and fastest - middle >= STRAGGLER_MIN_SECONDS:
+        if _too_slow(fastest, middle):
             slow.append((fastest - middle, node, middle))
     if not slow or len(slow) * 2 > len(nodes):
         return None  # none, or half the nodes or more: no one machine stands out
