@@ -208,8 +208,8 @@ class CallWatch:
         watch = self
         timeline = self.timeline
         syncs = self.syncs
-        clip = self._clip
-        explicit = self._syncs
+        # Code objects whose calls are noted: None for the clipping functions, else the sync kind.
+        noted = {**dict.fromkeys(self._clip), **self._syncs}
         handler = self._handler_code
         mode = self._mode
 
@@ -230,12 +230,15 @@ class CallWatch:
                         watch.nonzero_reads += 1
                         syncs.record("torch.nonzero", frame)
                 elif event == "call":
-                    if frame.f_code in clip:
-                        watch.clip_calls += 1
-                    elif frame.f_code in explicit and syncs.sampling and not (
-                            timeline.in_loader or timeline.in_optimizer or timeline.in_tuneup or syncs._busy):
-                        watch.explicit_syncs += 1
-                        syncs.record(explicit[frame.f_code], frame)  # attributed past torch's frames
+                    # Every Python call of the watched step comes here: one lookup for the rest.
+                    if frame.f_code in noted:
+                        kind = noted[frame.f_code]
+                        if kind is None:
+                            watch.clip_calls += 1
+                        elif syncs.sampling and not (timeline.in_loader or timeline.in_optimizer
+                                                     or timeline.in_tuneup or syncs._busy):
+                            watch.explicit_syncs += 1
+                            syncs.record(kind, frame)  # attributed past torch's frames
                 elif arg is _TENSOR and watch._pushed and frame.f_code is not handler:  # c_return, c_exception
                     watch._pop_mode()
                     if watch._failure is not None:
