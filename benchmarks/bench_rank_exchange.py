@@ -103,7 +103,7 @@ def two_levels(port: int, world: int, straggler: int | None, slow_node: int | No
         tracemalloc.start()
         began = time.perf_counter()
         rank0.exchange(payloads[0], wait=120)
-        view = rank0.peer_snapshots(include_self=True)
+        view = rank0.peer_snapshots()
         elapsed = time.perf_counter() - began
         memory = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()

@@ -18,15 +18,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PROGRAMS, child_env
+from tests.conftest import PROGRAMS, child_env, free_port
 from tuneup.export import discovery
 from tuneup.export.daemon import NodeDaemon
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def environment(registry_dir, **extra):

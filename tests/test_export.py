@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tuneup
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tuneup.options import TuneupWarning
 
 DOCS = (ROOT / "docs" / "metrics.md").read_text()
@@ -212,12 +212,6 @@ def test_an_unwritable_registry_is_one_warning_and_the_job_goes_on(run_dir, tmp_
     ours = [str(w.message) for w in caught if issubclass(w.category, TuneupWarning)]
     assert len(ours) == 1 and "cannot announce" in ours[0] and "TUNEUP_REGISTRY_DIR" in ours[0]
     assert agent.snapshot()["totals"]["steps"] == 20
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture

@@ -68,7 +68,7 @@ def test_rank_0_reads_nodes_not_ranks_and_names_a_straggler_with_its_node(store)
         # Its own set; its node's 7 other ranks, then the 3 other nodes: each list one check()
         # and one multi_get() once every key exists, however many ranks and nodes there are.
         assert rank0.operations - before == 1 + 2 + 2
-        peers = rank0.peer_snapshots(include_self=True)
+        peers = rank0.peer_snapshots()
         assert sorted(p["run"]["rank"] for p in peers) == list(range(32))
         found = {f.rule: f for f in evaluate(snapshot(0, 0, host="host-0"), ranks=peers).findings}
         straggler = found["rank-straggler"]
@@ -85,7 +85,7 @@ def test_a_slow_node_is_its_own_finding(store):
         times = lambda r: (0.014, 0.004) if r // 4 == 2 else (0.010, 0.004)  # noqa: E731 - node 2 all slow
         one_round(exchanges, times)
         one_round(exchanges, times)
-        peers = exchanges[0].peer_snapshots(include_self=True)
+        peers = exchanges[0].peer_snapshots()
         found = {f.rule: f for f in evaluate(snapshot(0, 0), ranks=peers).findings}
         node = found["node-straggler"]
         assert node.evidence["node"] == 2 and node.evidence["ranks"] == [8, 9, 10, 11]
@@ -101,7 +101,7 @@ def test_final_exchange_waits_a_bounded_time_for_a_rank_that_never_reports(store
         began = time.monotonic()
         one_round(exchanges, lambda r: (0.010, 0.004), final=True, skip={6})  # rank 6 died
         assert time.monotonic() - began < 10
-        rows = exchanges[0].peer_snapshots(include_self=True)
+        rows = exchanges[0].peer_snapshots()
         finals = {row["run"]["rank"]: row["final"] for row in rows}
         assert finals[6] is False and all(finals[r] for r in finals if r != 6)
         table = rank_summary(rows, 8, [])

@@ -69,7 +69,7 @@ class LiveDiagnosis:
         try:
             if snapshot is None:
                 snapshot = state.history.snapshot(state.window_steps)
-            peers = ranks.peer_snapshots(include_self=True) if ranks.rank == 0 else []  # rows name their node
+            peers = ranks.peer_snapshots() if ranks.rank == 0 else []  # rows name their node
             state.evaluation = evaluate(snapshot, ranks=peers, silence=self.silence)
         except Exception as exc:
             self.warn("rules", f"advice rules stopped after an internal error: {type(exc).__name__}: {exc}")
@@ -105,7 +105,7 @@ class LiveDiagnosis:
             return
         self.run(snapshot, final=True)  # across every rank's final summary
         found = state.findings()
-        everyone = ranks.peer_snapshots(include_self=True) or [compact(snapshot, found, final=True)]
+        everyone = ranks.peer_snapshots() or [compact(snapshot, found, final=True)]
         self.emit({"event": "ranks", "time": time.time(), "world_size": ranks.world_size, "ranks": everyone,
                    "topology": ranks.topology_summary(),
                    "findings": [f for f in found if f["rule"] in ("rank-straggler", "node-straggler")]})

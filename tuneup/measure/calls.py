@@ -45,7 +45,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .hotpath import StepTimeline
-from .syncs import MAX_SOURCES, SyncCounter, format_location, user_frame
+from .syncs import EXPLICIT_SYNC_KINDS, MAX_SOURCES, SyncCounter, format_location, user_frame
 
 EARLY_WATCHES = (3, 4, 5)  # steps 1-2 carry one-off start-up work
 WATCH_BUDGET = 0.001  # the watched steps' extra time, as a share of the training time
@@ -56,10 +56,10 @@ _NONZERO = torch.nonzero
 
 
 def _sync_codes() -> dict[Any, str]:
-    """The code objects of the explicit syncs (syncs.py EXPLICIT_SYNC_KINDS), by kind."""
+    """The code objects of the explicit syncs, each with its kind (syncs.py EXPLICIT_SYNC_KINDS, in order)."""
     codes = {}
-    for function, kind in ((torch.cuda.synchronize, "cuda.synchronize"), (torch.cuda.Event.synchronize, "Event.synchronize"),
-                           (torch.cuda.Stream.synchronize, "Stream.synchronize")):
+    functions = (torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize)
+    for function, kind in zip(functions, EXPLICIT_SYNC_KINDS, strict=True):
         code = getattr(inspect.unwrap(function), "__code__", None)
         if code is not None:
             codes[code] = kind
@@ -116,7 +116,6 @@ class CallWatch:
         self.numpy_copy_seconds = 0.0
         self.numpy_sources: dict[str, int] = {}
         self.clip_calls = 0
-        self.nonzero_reads = 0  # counted host reads, for the syncs probe's figures
         self._started_at = 0.0
         self._usual = 0.0  # seconds of an unwatched step, when the watched one began
         self._mode: _ArrayData | None = None
@@ -127,7 +126,6 @@ class CallWatch:
         self._handler_code = _ArrayData.__torch_function__.__code__
         self._clip = _clip_codes()
         self._syncs = _sync_codes()
-        self.explicit_syncs = 0  # counted, for the syncs probe's figures
 
     def install(self) -> None:
         try:
@@ -227,7 +225,6 @@ class CallWatch:
                             watch._pushed = True
                     elif arg is _NONZERO and syncs.counting_reads and not (
                             timeline.in_loader or timeline.in_optimizer or timeline.in_tuneup or syncs._busy):
-                        watch.nonzero_reads += 1
                         syncs.record("torch.nonzero", frame)
                 elif event == "call":
                     # Every Python call of the watched step comes here: one lookup for the rest.
@@ -237,7 +234,6 @@ class CallWatch:
                             watch.clip_calls += 1
                         elif syncs.sampling and not (timeline.in_loader or timeline.in_optimizer
                                                      or timeline.in_tuneup or syncs._busy):
-                            watch.explicit_syncs += 1
                             syncs.record(kind, frame)  # attributed past torch's frames
                 elif arg is _TENSOR and watch._pushed and frame.f_code is not handler:  # c_return, c_exception
                     watch._pop_mode()

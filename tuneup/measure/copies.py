@@ -26,7 +26,7 @@ import torch
 
 BLOCKING_COPY_KIND = "blocking_copy"
 _COPY_METHODS = frozenset({"to", "cuda", "copy_"})
-_calls: dict[tuple[Any, int], tuple[str, str | None, bool] | None] = {}  # (code, lasti): the call there
+_calls: dict[tuple[Any, int], tuple[str | None, bool] | None] = {}  # (code, lasti): the copy call there
 _MAX_CALLS = 1024
 
 
@@ -43,7 +43,7 @@ def is_blocking_copy(frame: FrameType | None) -> bool:
             _calls[key] = call
     if call is None:
         return False
-    method, host_name, to_cpu = call
+    host_name, to_cpu = call
     if to_cpu:
         return False
     if host_name is None:
@@ -56,9 +56,9 @@ def is_blocking_copy(frame: FrameType | None) -> bool:
     return not isinstance(device, torch.device) or device.type == "cpu"
 
 
-def _call_at(frame: FrameType) -> tuple[str, str | None, bool] | None:
-    """(method, the name whose tensor is copied from or None, whether the target is the CPU)
-    of the copy call `frame` is executing; None if it is not one."""
+def _call_at(frame: FrameType) -> tuple[str | None, bool] | None:
+    """(the name whose tensor is copied from or None, whether the target is the CPU) of the
+    copy call `frame` is executing; None if it is not one."""
     positions = getattr(frame.f_code, "co_positions", None)
     if positions is None or frame.f_lasti < 0:
         return None  # Python 3.10: no position table
@@ -84,9 +84,9 @@ def _call_at(frame: FrameType) -> tuple[str, str | None, bool] | None:
     method = node.func.attr
     if method == "copy_":
         source = node.args[0] if node.args else None
-        return method, source.id if isinstance(source, ast.Name) else None, False
+        return (source.id if isinstance(source, ast.Name) else None), False
     receiver = node.func.value
-    return method, receiver.id if isinstance(receiver, ast.Name) else None, method == "to" and _names_cpu(node)
+    return (receiver.id if isinstance(receiver, ast.Name) else None), method == "to" and _names_cpu(node)
 
 
 def _names_cpu(call: ast.Call) -> bool:

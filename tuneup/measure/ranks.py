@@ -322,11 +322,10 @@ class RankExchange:
 
     # --- what rank 0 knows --------------------------------------------------------------
 
-    def peer_snapshots(self, include_self: bool = False) -> list[dict[str, Any]]:
-        """Every rank's summary heard (this one's too, with `include_self`: its row carries its
-        node) in the shape the rules read (run, window), from the node summaries (rank 0 only)."""
-        rows = [row for node in sorted(self.nodes) for row in expand(self.nodes[node])]
-        return [row for row in rows if include_self or row["run"]["rank"] != self.rank]
+    def peer_snapshots(self) -> list[dict[str, Any]]:
+        """Every rank's summary heard, this one's too (its row carries its node), in the shape
+        the rules read (run, window), from the node summaries (rank 0 only)."""
+        return [row for node in sorted(self.nodes) for row in expand(self.nodes[node])]
 
     def topology_summary(self) -> dict[str, Any] | None:
         topology = self.topology
