@@ -6,7 +6,10 @@
 Every rank is measured and serves its own endpoint (port 9477 + local rank, labelled with
 its rank); the ranks share one run directory; rank 0 reads the others' summaries through
 the job's store (no collective) and at the end prints a summary across ranks naming the
-straggler: --slow-rank R makes rank R do --delay seconds of extra host work per step.
+straggler: --slow-rank R makes rank R do --delay seconds of extra host work per step, before
+its forward, or with --slow-in backward inside its backward (a slower GPU, say): there whole
+step times and backward times come out equal across ranks, and only the other ranks' wait in
+DDP's all-reduce (measured by DDP's own timers) tells which rank is slow.
 """
 
 import argparse
@@ -22,7 +25,22 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--delay", type=float, default=0.01)
+parser.add_argument("--slow-in", choices=("host", "backward"), default="host")
 args = parser.parse_args()
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes --delay seconds longer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(args.delay)
+        return grad
+
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -37,9 +55,13 @@ step = epoch = 0
 while step < args.steps:
     sampler.set_epoch(epoch)
     for x, y in loader:
-        if rank == args.slow_rank:
+        slow = rank == args.slow_rank
+        if slow and args.slow_in == "host":
             time.sleep(args.delay)  # a slower host, outside the backward's all-reduce
-        loss = nn.functional.mse_loss(model(x), y)
+        out = model(x)
+        if slow and args.slow_in == "backward":
+            out = SlowBackward.apply(out)  # its backward runs first, before any gradient is ready
+        loss = nn.functional.mse_loss(out, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -404,7 +404,7 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
     assert logged[-1]["undone"]["reason"] == "detach" and logged[1]["speedup"] == kept["speedup"]
     families = {f.name: f for f in text_string_to_metric_families(scraped["text"])}
     rank = {"rank": "0", "local_rank": "0"}  # every tuneup_ series carries the job's rank
-    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in rank))): s.value
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in (*rank, "training_job")))): s.value
                for f in families.values() for s in f.samples if all(s.labels.get(k) == v for k, v in rank.items())}
     assert samples[("tuneup_apply_decisions_total", (("action", "dataloader"), ("decision", "kept")))] == 1
     assert samples[("tuneup_apply_changes_in_effect", (("action", "dataloader"),))] >= 1

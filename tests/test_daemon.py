@@ -253,10 +253,11 @@ def test_ranks_on_one_node_listen_on_a_port_each(tmp_path):
                 busy = probe.connect_ex(("127.0.0.1", 9477 + rank)) == 0
             assert url.endswith(f":{9477 + rank}") or busy
             text = wait_for(lambda: stepping(url))
-            assert samples(text, "tuneup_step_seconds_count")[0].labels == {"rank": str(rank), "local_rank": str(rank)}
-        # The daemon groups the two ranks as one job (same torchrun rendezvous).
+            labels = samples(text, "tuneup_step_seconds_count")[0].labels
+            assert labels == {"rank": str(rank), "local_rank": str(rank), "training_job": "29600"}
+        # The daemon groups the two ranks as one job (same rendezvous), as their series do.
         groups = {entry["group"] for entry in discovery.live_agents(folder)}
-        assert len(groups) == 1
+        assert groups == {"29600"}
     finally:
         for process in processes:
             process.kill()

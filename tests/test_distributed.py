@@ -73,6 +73,22 @@ def test_a_straggling_rank_is_found_live_and_named_at_the_end(tmp_path):
     assert straggler["evidence"]["rank"] == 1
 
 
+def test_a_rank_slow_in_its_backward_is_named_by_the_wait_ddp_measures(tmp_path):
+    # Ground truth: rank 1 sleeps 15 ms inside its backward, before any gradient is ready. The
+    # all-reduce evens the ranks out: both ranks' steps and backwards last the same, and rank 0
+    # waits the 15 ms in the all-reduce. Only that wait tells the ranks apart.
+    job = torchrun(tmp_path, "--steps", "300", "--slow-rank", "1", "--slow-in", "backward", "--delay", "0.015")
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-2000:]
+    assert "straggler: rank 1 (node 0, " in err and "in DDP's all-reduce it waits" in err
+    events = [json.loads(line) for line in (tmp_path / "run" / "events-rank0.jsonl").read_text().splitlines()]
+    ranks = next(e for e in events if e["event"] == "ranks")
+    waits = {r["run"]["rank"]: r["ddp"]["allreduce_wait_seconds"] for r in ranks["ranks"]}
+    assert waits[0] - waits[1] >= 0.015 / 2  # the sleep, less scheduling noise on a shared machine
+    evidence = ranks["findings"][0]["evidence"]
+    assert evidence["rank"] == 1 and evidence["basis"] == "allreduce_wait"
+
+
 def test_ranks_at_the_same_pace_have_no_straggler(tmp_path):
     job = torchrun(tmp_path, "--steps", "300")
     out, err = job.communicate(timeout=120)

@@ -15,11 +15,14 @@ from tuneup.measure.ranks import RankExchange, Topology, compact
 from tuneup.report.ranks import rank_summary
 
 
-def snapshot(rank: int, local: int, step: float = 0.010, backward: float = 0.004, host: str = "node-a"):
+def snapshot(rank: int, local: int, step: float = 0.010, backward: float = 0.004, host: str = "node-a",
+             wait: float | None = None):
+    """A rank's snapshot; `wait`: its all-reduce wait as DDP's timers give it (measure/ddp.py)."""
     return {"run": {"rank": rank, "local_rank": local, "run_id": "r", "host": host, "pid": 1000 + rank},
             "window": {"steps": 100, "step_seconds": {"median": step}, "backward_seconds": {"median": backward},
                        "data_wait_seconds": {"median": 0.0}, "stall_ratio": 0.0, "steps_per_second": 1 / step,
-                       "samples_per_second": 32 / step}}
+                       "samples_per_second": 32 / step},
+            "system": {"ddp": {"allreduce_wait_seconds": wait}} if wait is not None else {}}
 
 
 @pytest.fixture
@@ -45,9 +48,9 @@ def one_round(exchanges, times, final=False, skip=()):
     for exchange in order:
         if exchange.rank in skip:
             continue
-        step, backward = times(exchange.rank)
+        step, backward, *wait = times(exchange.rank)
         summary = compact(snapshot(exchange.rank, exchange.topology.local_rank, step, backward,
-                                   host=f"host-{exchange.topology.node}"), [], final)
+                                   host=f"host-{exchange.topology.node}", wait=wait[0] if wait else None), [], final)
         assert exchange.exchange(summary, wait=30, final_within=0.6 if final else 0.0)
 
 
@@ -90,6 +93,33 @@ def test_a_slow_node_is_its_own_finding(store):
         node = found["node-straggler"]
         assert node.evidence["node"] == 2 and node.evidence["ranks"] == [8, 9, 10, 11]
         assert "every rank of node 2 (host-2)" in node.observed
+    finally:
+        close_all(exchanges)
+
+
+def test_a_rank_slow_in_its_backward_is_named_by_the_others_allreduce_wait(store):
+    # Ground truth: 2 nodes of 4 ranks, DDP. Rank 6 computes its backward 5 ms slower; the
+    # all-reduce evens the ranks out, so every rank's step (12 ms) and backward (8 ms) are the
+    # same, and the 5 ms show only as the other ranks' wait in the all-reduce (5.2 ms; rank 6
+    # itself 0.2 ms). Step less backward cannot tell; step less the wait can.
+    exchanges = fleet(store, nodes=2, per_node=4)
+    try:
+        one_round(exchanges, lambda r: (0.012, 0.008, 0.0002 if r == 6 else 0.0052))
+        peers = exchanges[0].peer_snapshots()
+        assert {p["run"]["rank"]: p["ddp"]["allreduce_wait_seconds"] for p in peers}[6] == pytest.approx(0.0002)
+        own = snapshot(0, 0, 0.012, 0.008, host="host-0", wait=0.0052)
+        straggler = {f.rule: f for f in evaluate(own, ranks=peers).findings}["rank-straggler"]
+        assert straggler.evidence["rank"] == 6 and straggler.evidence["basis"] == "allreduce_wait"
+        assert straggler.evidence["rank_seconds"] == pytest.approx(0.0118)
+        assert straggler.evidence["others_allreduce_wait_seconds"] == pytest.approx(0.0052)
+        assert "in DDP's all-reduce it waits 200 µs per step, the other ranks 5.2 ms" in straggler.observed
+        table = rank_summary(peers, 8, [])
+        assert "all-reduce" in table.splitlines()[1]
+        assert table.splitlines()[2 + 6].split()[3:7] == ["12.0", "ms", "11.8", "ms"]
+        # Without the waits (no DDP timers) the same figures show no straggler: the old basis.
+        one_round(exchanges, lambda r: (0.012, 0.008))
+        blind = evaluate(snapshot(0, 0, 0.012, 0.008, host="host-0"), ranks=exchanges[0].peer_snapshots())
+        assert "rank-straggler" not in {f.rule for f in blind.findings}
     finally:
         close_all(exchanges)
 

@@ -32,7 +32,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     Options (keyword, or the TUNEUP_* variable `ENVIRONMENT_VARIABLES` names; the README's
     table says what each does): mode, actions, run_dir, log, log_max_bytes, log_shared, interval,
     sync_sample_every, detail_every, window_steps, gpu, nvml_module, disable, serve, host, port,
-    push_gateway, push_interval, push_job, silence, cpu_bf16.
+    push_gateway, push_interval, push_job, training_job, silence, cpu_bf16.
     """
     from .integrations import framework_of, install
 

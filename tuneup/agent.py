@@ -39,7 +39,7 @@ class Agent:
         self.options = options
         self.enabled = inert_reason is None
         self.inert_reason = inert_reason
-        self.run_info = run_info(options.mode)
+        self.run_info = run_info(options.mode, options.training_job)
         self.state = RunState(self.run_info, options.window_steps)
         self._on_detach = on_detach
         self._pid = os.getpid()

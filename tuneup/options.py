@@ -127,6 +127,13 @@ def _job_name(value: Any) -> str:
     return text
 
 
+def _label_value(value: Any) -> str:
+    text = str(value).strip()
+    if not text or len(text) > 200 or not text.isprintable():
+        raise ValueError("expected a name of 1 to 200 printable characters (a Prometheus label value)")
+    return text
+
+
 def _rule_ids(value: Any) -> tuple[str, ...]:
     """Rule ids to silence: a comma-separated string or an iterable of ids."""
     from .diagnose.engine import unknown_rules
@@ -174,6 +181,7 @@ class Options:
     push_gateway: str | None = None  # a Prometheus Pushgateway to push the metrics to (short jobs)
     push_interval: float = 15.0
     push_job: str = "tuneup"
+    training_job: str | None = None  # None: what the ranks share (torchrun's rendezvous), else the run id
     silence: tuple[str, ...] = ()
     actions: tuple[str, ...] | None = None  # None: every action (apply mode only)
     cpu_bf16: bool | None = None  # None: as the CPU reports (AVX512-BF16/AMX); True/False: treat it as so
@@ -209,6 +217,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "push_gateway": ("TUNEUP_PUSH_GATEWAY", _gateway),
     "push_interval": ("TUNEUP_PUSH_INTERVAL", _float_in(1.0, 3600.0)),
     "push_job": ("TUNEUP_PUSH_JOB", _job_name),
+    "training_job": ("TUNEUP_TRAINING_JOB", _label_value),
     "silence": ("TUNEUP_SILENCE", _rule_ids),
     "actions": ("TUNEUP_ACTIONS", parse_actions),
     "cpu_bf16": ("TUNEUP_CPU_BF16", _auto_bool),

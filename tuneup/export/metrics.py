@@ -30,7 +30,9 @@ from prometheus_client.registry import Collector
 from ..measure.gpu import THROTTLE_REASONS
 from ..measure.windows import STEP_BUCKETS
 
-BASE_LABELS = ("rank", "local_rank")
+# Every agent series: its rank, and the training job its ranks share (measure/state.py
+# training_job): Prometheus' recording rules aggregate a job's ranks by it.
+BASE_LABELS = ("rank", "local_rank", "training_job")
 DECISIONS = ("kept", "set at start", "reverted", "rolled back", "failed", "not applicable")
 PHASES = (("data_wait", "detailed_data_wait_seconds"), ("input", "input_seconds"), ("forward", "forward_seconds"),
           ("backward", "backward_seconds"), ("optimizer", "optimizer_seconds"), ("other", "detailed_other_seconds"))
@@ -121,9 +123,10 @@ class AgentCollector(Collector):
     def __init__(self, state: Any, warn: Callable[[str, str], None]) -> None:
         self.state = state
         self.warn = warn
-        self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank)])
+        self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank),
+                                               str(state.run_info.get("training_job") or state.run_info["run_id"])])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
-            self.run, self.steps, self.syncs, self.scaler, self.loss, self.gpu, self.allocator, self.host,
+            self.run, self.steps, self.syncs, self.scaler, self.loss, self.gpu, self.allocator, self.host, self.ddp,
             self.findings, self.health)
 
     def collect(self) -> Iterator[Metric]:
@@ -276,6 +279,19 @@ class AgentCollector(Collector):
                        "CPU the DataLoader workers use together (1 = one core busy)", host["workers_cpu_ratio"])
         yield f.single("gauge", "tuneup_dataloader_workers_resident_memory_bytes",
                        "Resident memory of the DataLoader workers together", host["workers_rss_bytes"])
+
+    def ddp(self) -> Iterator[Metric]:
+        ddp = (self.state.system or {}).get("ddp") or {}
+        if not ddp.get("iterations_sampled"):
+            return
+        f = self.families
+        yield f.single("gauge", "tuneup_ddp_allreduce_wait_seconds",
+                       "Time per step this rank waited in DDP's all-reduce after its own gradients were ready "
+                       "(DDP's timers, median of its last sampled iterations): the slow rank waits least",
+                       ddp["allreduce_wait_seconds"])
+        yield f.single("gauge", "tuneup_ddp_backward_compute_seconds",
+                       "Backward compute time per step, without the all-reduce wait (DDP's timers)",
+                       ddp["backward_compute_seconds"])
 
     def findings(self) -> Iterator[Metric]:
         f = self.families

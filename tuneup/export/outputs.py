@@ -7,7 +7,6 @@ Each output that fails is one warning and the job goes on; the others are unaffe
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -102,7 +101,7 @@ class Outputs:
         self._announced = discovery.announce({
             "pid": info["pid"], "url": self.server.url, "run_id": info["run_id"], "run_dir": self.state.run_dir,
             "rank": info["rank"], "local_rank": info["local_rank"], "argv": info["argv"],
-            "started_at": info["started_at"], "host": info["host"], "group": job_group(info["run_id"]),
+            "started_at": info["started_at"], "host": info["host"], "group": info.get("training_job") or info["run_id"],
             "mode": self.options.mode,
         })
         if self._announced is None:
@@ -163,14 +162,6 @@ class Outputs:
         self.pusher = None  # its thread stayed in the parent
         self._announced = None
         self.run_log = None
-
-
-def job_group(run_id: str) -> str:
-    """What the ranks of one distributed job on this node share (torchrun's rendezvous), so
-    the node daemon reports them as one job; a job of one process is its own group."""
-    if os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_PORT"):
-        return ":".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
-    return run_id
 
 
 def options_dict(options: Options) -> dict[str, Any]:

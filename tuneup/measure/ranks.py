@@ -46,7 +46,7 @@ FLEET_WAIT_FACTOR = 1.5  # rank 0 waits this many times a leader's wait for the 
 NODE_ROW_BUDGET = 160  # bytes per rank in a node summary (the budget the benchmark checks)
 # A rank's row in a node summary, in this order (compact: columns, not keys per rank).
 ROW = ("rank", "local_rank", "pid", "steps", "step", "backward", "data_wait", "stall", "rate", "samples_rate",
-       "time", "final", "findings")
+       "time", "final", "findings", "allreduce_wait")
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,11 @@ def compact(snapshot: dict[str, Any], findings: list[dict[str, Any]], final: boo
     window = snapshot.get("window") or {}
     keep = ("steps", "step_seconds", "backward_seconds", "data_wait_seconds", "stall_ratio", "steps_per_second",
             "samples_per_second")
+    ddp = (snapshot.get("system") or {}).get("ddp") or {}
     return {
         "run": {key: run.get(key) for key in ("rank", "local_rank", "run_id", "host", "pid", "world_size")},
         "window": {key: window.get(key) for key in keep},
+        "ddp": {"allreduce_wait_seconds": ddp.get("allreduce_wait_seconds")},
         "findings": [{"rule": f["rule"], "severity": f["severity"], "gain": f.get("gain")} for f in findings],
         "time": time.time(),
         "final": final,
@@ -124,7 +126,8 @@ def node_summary(node: int, summaries: list[dict[str, Any]], expected: int, assu
                      _median(window.get("data_wait_seconds")), window.get("stall_ratio"),
                      window.get("steps_per_second"), window.get("samples_per_second"),
                      round(summary.get("time") or 0.0, 1), bool(summary.get("final")),
-                     [f["rule"] for f in summary.get("findings") or []]])
+                     [f["rule"] for f in summary.get("findings") or []],
+                     (summary.get("ddp") or {}).get("allreduce_wait_seconds")])
     return {"node": node, "assumed": assumed, "hosts": sorted(str(h) for h in hosts if h), "expected": expected,
             "rows": rows,
             "run_id": next((s["run"].get("run_id") for s in summaries if (s.get("run") or {}).get("run_id")), None),
@@ -136,7 +139,8 @@ def expand(summary: dict[str, Any]) -> list[dict[str, Any]]:
     host = summary["hosts"][0] if len(summary.get("hosts") or ()) == 1 else None
     out = []
     for row in summary.get("rows") or []:
-        values = dict(zip(ROW, row))
+        values = dict.fromkeys(ROW)
+        values.update(zip(ROW, row))
         out.append({
             # A group of ranks no launcher placed is no machine: the rules then go by host.
             "run": {"rank": values["rank"], "local_rank": values["local_rank"],
@@ -149,6 +153,7 @@ def expand(summary: dict[str, Any]) -> list[dict[str, Any]]:
                        "stall_ratio": values["stall"], "steps_per_second": values["rate"],
                        "samples_per_second": values["samples_rate"]},
             "findings": [{"rule": rule} for rule in values["findings"] or ()],
+            "ddp": {"allreduce_wait_seconds": values["allreduce_wait"]},
             "time": values["time"],
             "final": values["final"],
         })

@@ -25,6 +25,7 @@ import torch
 from .calls import CallWatch
 from .config import read_config
 from .device_values import DeviceValues, raw_item
+from .ddp import AllReduceWait
 from .gpu import NvmlGpus, cuda_uuids, open_gpus
 from .gpu_time import CudaStepTimer
 from .habits import HabitsProbe
@@ -73,7 +74,9 @@ class Recorder:
         self.gpus = open_gpus(options.nvml_module, options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
         self.hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits, self.calls)
-        self.slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True}
+        self.allreduce = AllReduceWait()  # DDP's own timers, read each tick
+        self.slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True,
+                               "ddp": True}
         # Apply mode's turn at step closes: an object with on_close(step) and wake_at.
         self.experimenter: Any = None
         self.totals = Totals()
@@ -369,6 +372,13 @@ class Recorder:
                 system["memory"] = allocator_stats()
             except Exception as exc:
                 self.slow_probe_failed("memory", exc)
+        if on["ddp"]:
+            try:
+                ddp = self.allreduce.sample(self.model.root_models())
+                if ddp is not None:
+                    system["ddp"] = ddp
+            except Exception as exc:
+                self.slow_probe_failed("ddp", exc)
         return system
 
     def probe_failed(self, name: str) -> None:

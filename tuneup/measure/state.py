@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -45,10 +45,25 @@ def env_rank(name: str) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def run_info(mode: str) -> dict[str, Any]:
-    """Who this job is: what the run log's header, the endpoint and the metrics name it by."""
+def training_job(run_id: str, environ: Mapping[str, str] = os.environ) -> str:
+    """What every rank of one distributed job shares, across its nodes: torchrun's rendezvous
+    (its run id and the master's address, the same on every node), else the address a
+    plain init_process_group meets at; a job of one process is its own run id. It labels
+    every series (`training_job`), so Prometheus' rules aggregate a job's ranks, and groups
+    a node's ranks in the daemon."""
+    if environ.get("WORLD_SIZE") and environ.get("MASTER_PORT"):
+        return ":".join(environ[name] for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+                        if environ.get(name))
+    return run_id
+
+
+def run_info(mode: str, job: str | None = None) -> dict[str, Any]:
+    """Who this job is: what the run log's header, the endpoint and the metrics name it by.
+    `job`: the training job's name where the user gave one (option training_job)."""
+    run_id = uuid.uuid4().hex[:12]
     return {
-        "run_id": uuid.uuid4().hex[:12],
+        "run_id": run_id,
+        "training_job": job or training_job(run_id),
         "tuneup": __version__,
         "started_at": time.time(),
         "pid": os.getpid(),

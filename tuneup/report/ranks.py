@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ..diagnose.rules.distributed import own_time
+from ..diagnose.rules.distributed import allreduce_wait, own_times
 from ..format import percent, seconds
 
 
@@ -23,7 +23,8 @@ def rank_summary(summaries: list[dict[str, Any]], world_size: int, findings: lis
     seen = {s["run"]["rank"]: s for s in summaries if (s.get("run") or {}).get("rank") is not None}
     where = f"tuneup report {run_dir}" if run_dir else "tuneup report <a rank's run directory>"
     lines = [f"tuneup: summary across {world_size} ranks, from rank 0 (the advice with its evidence: {where})"]
-    lines += _per_rank(seen, world_size) if world_size <= PER_RANK_LINES else _per_node(seen, world_size)
+    times, _ = own_times(seen)
+    lines += _per_rank(seen, times, world_size) if world_size <= PER_RANK_LINES else _per_node(seen, times, world_size)
     said = False
     for rule in CROSS_RANK_RULES:
         finding = next((f for f in findings if f["rule"] == rule), None)
@@ -35,13 +36,22 @@ def rank_summary(summaries: list[dict[str, Any]], world_size: int, findings: lis
     return "\n".join(lines)
 
 
-def _per_rank(seen: dict[int, dict[str, Any]], world_size: int) -> list[str]:
-    lines = [f"  {'rank':>4}  {'host':<16} {'steps/s':>8} {'step':>9} {'own time':>9} {'data stall':>10}  findings"]
+def _per_rank(seen: dict[int, dict[str, Any]], times: dict[int, float], world_size: int) -> list[str]:
+    """A line per rank; `times`: each rank's own time (own_times). The all-reduce wait column
+    is there when DDP's timers gave one: the straggler waits least."""
+    waits = any(allreduce_wait(s) is not None for s in seen.values())
+
+    def wait(text: str) -> str:  # the column, where there is one
+        return f" {text:>10}" if waits else ""
+
+    lines = [f"  {'rank':>4}  {'host':<16} {'steps/s':>8} {'step':>9} {'own time':>9}{wait('all-reduce')} "
+             f"{'data stall':>10}  findings"]
     now = time.time()
     for rank in range(world_size):
         summary = seen.get(rank)
         if summary is None:
-            lines.append(f"  {rank:>4}  {'':<16} {'–':>8} {'–':>9} {'–':>9} {'–':>10}  no summary from this rank")
+            lines.append(f"  {rank:>4}  {'':<16} {'–':>8} {'–':>9} {'–':>9}{wait('–')} {'–':>10}  "
+                         "no summary from this rank")
             continue
         window = summary.get("window") or {}
         step = (window.get("step_seconds") or {}).get("median")
@@ -49,12 +59,13 @@ def _per_rank(seen: dict[int, dict[str, Any]], world_size: int) -> list[str]:
         rules = ", ".join(f["rule"] for f in summary.get("findings") or [] if f["rule"] not in CROSS_RANK_RULES) or "none"
         state = "" if summary.get("final") else f" (last heard {now - summary.get('time', now):.0f} s ago: ended early?)"
         lines.append(f"  {rank:>4}  {str((summary.get('run') or {}).get('host') or '')[:16]:<16} "
-                     f"{'–' if rate is None else f'{rate:,.1f}':>8} {seconds(step):>9} {seconds(own_time(summary)):>9} "
+                     f"{'–' if rate is None else f'{rate:,.1f}':>8} {seconds(step):>9} {seconds(times.get(rank)):>9}"
+                     f"{wait(seconds(allreduce_wait(summary)))} "
                      f"{percent(window.get('stall_ratio')):>10}  {rules}{state}")
     return lines
 
 
-def _per_node(seen: dict[int, dict[str, Any]], world_size: int) -> list[str]:
+def _per_node(seen: dict[int, dict[str, Any]], times: dict[int, float], world_size: int) -> list[str]:
     """A line per node: how many of its ranks reported, their own times (median, slowest), the
     worst stall, the rules that fired on its ranks."""
     nodes: dict[Any, list[dict[str, Any]]] = {}
@@ -64,9 +75,9 @@ def _per_node(seen: dict[int, dict[str, Any]], world_size: int) -> list[str]:
     lines = [f"  {'node':>5}  {'host':<16} {'ranks':>7} {'own time':>9} {'slowest':>18} {'worst stall':>11}  findings"]
     for node in sorted(nodes, key=lambda n: (n is None, str(type(n)), n if n is not None else 0)):
         ranks = nodes[node]
-        times = sorted((own_time(s), s["run"]["rank"]) for s in ranks if own_time(s) is not None)
-        middle = times[len(times) // 2][0] if times else None
-        slowest = f"{seconds(times[-1][0])} (rank {times[-1][1]})" if times else "–"
+        own = sorted((times[s["run"]["rank"]], s["run"]["rank"]) for s in ranks if s["run"]["rank"] in times)
+        middle = own[len(own) // 2][0] if own else None
+        slowest = f"{seconds(own[-1][0])} (rank {own[-1][1]})" if own else "–"
         stalls = [s["window"].get("stall_ratio") for s in ranks if (s.get("window") or {}).get("stall_ratio") is not None]
         counts: dict[str, int] = {}
         for summary in ranks:

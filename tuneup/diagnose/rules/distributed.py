@@ -69,20 +69,40 @@ STRAGGLER_FACTOR = 1.15
 STRAGGLER_MIN_SECONDS = 0.001  # below a millisecond per step, ranks differ by scheduling jitter alone
 
 
-def own_time(snapshot: dict) -> float | None:
-    """A rank's step time minus its backward: in DDP the backward holds the all-reduce, where
-    fast ranks wait for the slowest, so whole step times come out equal across ranks."""
+def allreduce_wait(snapshot: dict) -> float | None:
+    """A rank's wait in DDP's all-reduce per step (measure/ddp.py): where it reports it, from
+    DDP's own timers (a rank summary's `ddp`, a full snapshot's system sample)."""
+    ddp = snapshot.get("ddp") or (snapshot.get("system") or {}).get("ddp") or {}
+    return ddp.get("allreduce_wait_seconds")
+
+
+def own_time(snapshot: dict, by_wait: bool = False) -> float | None:
+    """A rank's step time outside the all-reduce wait, where fast ranks wait for the slowest
+    (so whole step times come out equal across ranks). `by_wait`: less the wait DDP measured,
+    which also keeps a straggler whose own backward is slow (its gradients come last); else
+    less the whole backward, which holds the wait."""
     window = snapshot.get("window") or {}
     step = (window.get("step_seconds") or {}).get("median")
-    backward = (window.get("backward_seconds") or {}).get("median")
     if step is None:
         return None
+    if by_wait:
+        wait = allreduce_wait(snapshot)
+        return max(0.0, step - wait) if wait is not None else None
+    backward = (window.get("backward_seconds") or {}).get("median")
     return step - backward if backward is not None else step
 
 
-def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict]]:
+def own_times(summaries: dict[int, dict]) -> tuple[dict[int, float], bool]:
+    """Each rank's own time, on one basis for all: less DDP's measured all-reduce wait where
+    every rank has it, else less the backward. Returns (times, whether by the wait)."""
+    by_wait = all(allreduce_wait(s) is not None for s in summaries.values())
+    times = {rank: own_time(s, by_wait) for rank, s in summaries.items()}
+    return {rank: value for rank, value in times.items() if value is not None}, by_wait
+
+
+def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict], bool]:
     """Each rank's own time, and its summary (the last one given for a rank wins: rank 0's row
-    from the exchange names its node, its full snapshot does not)."""
+    from the exchange names its node, its full snapshot does not), and the basis (own_times)."""
     summaries: dict[int, dict] = {}
     for s in [facts.snapshot, *facts.ranks]:
         rank = (s.get("run") or {}).get("rank")
@@ -90,11 +110,10 @@ def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict]]:
             summaries[rank] = s
     if len(summaries) < 2:
         raise Missing("two or more ranks")
-    times = {rank: own_time(s) for rank, s in summaries.items()}
-    times = {rank: value for rank, value in times.items() if value is not None}
+    times, by_wait = own_times(summaries)
     if len(times) < 2:
         raise Missing("per-rank step times")
-    return times, summaries
+    return times, summaries, by_wait
 
 
 def _too_slow(value: float, middle: float) -> bool:
@@ -118,8 +137,8 @@ def _node(summary: dict) -> Any:
     id="rank-straggler",
     title="One rank is slower than the others",
     severity="high",
-    inputs="per-rank step time (less the backward, which holds the all-reduce wait), from every rank: the node "
-           "summaries live, the run logs after",
+    inputs="per-rank step time less the all-reduce wait (DDP's own timers; where a rank has none, less the "
+           "backward, which holds the wait), from every rank: the node summaries live, the run logs after",
     threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks, and >= "
               f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more",
     why="Every all-reduce waits for the slowest rank, so the whole job runs at its pace; 15% is "
@@ -128,7 +147,7 @@ def _node(summary: dict) -> Any:
     doc="https://docs.pytorch.org/docs/stable/notes/ddp.html",
 )
 def rank_straggler(facts: Facts) -> Evidence | None:
-    times, summaries = _rank_times(facts)
+    times, summaries, by_wait = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
     if not _too_slow(times[slowest], middle):
@@ -138,11 +157,18 @@ def rank_straggler(facts: Facts) -> Evidence | None:
     node = (slow.get("run") or {}).get("node")
     step = (slow.get("window") or {}).get("step_seconds", {}).get("median") or times[slowest]
     slow_ranks = sorted(rank for rank, value in times.items() if _too_slow(value, middle))
+    waits = {rank: allreduce_wait(summaries[rank]) for rank in times} if by_wait else {}
+    others_wait = median(w for rank, w in waits.items() if rank != slowest) if waits else None
+    wait_text = (f"; in DDP's all-reduce it waits {seconds(waits[slowest])} per step, the other ranks "
+                 f"{seconds(others_wait)} (median): they wait for it" if waits else "")
     return Evidence(
         observed=f"rank {slowest}{_where(slow)} spends {seconds(times[slowest])} per step outside the all-reduce, "
                  f"{percent(excess / middle)} more than the median rank ({seconds(middle)})"
-                 + (f"; {len(slow_ranks)} ranks are that slow" if len(slow_ranks) > 1 else ""),
+                 + (f"; {len(slow_ranks)} ranks are that slow" if len(slow_ranks) > 1 else "") + wait_text,
         numbers={"rank": slowest, "node": node, "rank_seconds": times[slowest], "median_seconds": middle,
+                 "basis": "allreduce_wait" if by_wait else "backward",
+                 "allreduce_wait_seconds": waits.get(slowest),
+                 "others_allreduce_wait_seconds": others_wait,
                  "slow_ranks": slow_ranks[:64], "ranks_compared": len(times),
                  # Every rank's figure where there are few; at fleet size the slow ones only.
                  "per_rank_seconds": {str(k): v for k, v in sorted(times.items())
@@ -175,7 +201,8 @@ def _median_without(values: list[float], removed: list[float]) -> float:
     id="node-straggler",
     title="One machine's ranks are all slower than the others",
     severity="high",
-    inputs="per-rank own time (step less backward) with each rank's node, from the node summaries",
+    inputs="per-rank own time (step less the all-reduce wait, as rank-straggler) with each rank's node, from the "
+           "node summaries",
     threshold=f"every rank of a node > {STRAGGLER_FACTOR:g}x the median rank of the other nodes, and >= "
               f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more; nodes as the launcher (torchrun) placed the ranks",
     why="When all of a machine's ranks are slow alike, the cause is the machine (a throttled or hot "
@@ -184,7 +211,7 @@ def _median_without(values: list[float], removed: list[float]) -> float:
     doc="https://docs.pytorch.org/docs/stable/elastic/run.html",
 )
 def node_straggler(facts: Facts) -> Evidence | None:
-    times, summaries = _rank_times(facts)
+    times, summaries, _ = _rank_times(facts)
     nodes: dict[Any, list[int]] = {}
     for rank in times:
         node = _node(summaries[rank])

@@ -1,0 +1,80 @@
+"""DDP's all-reduce wait from DDP's own timers (measure/ddp.py), on a real DistributedDataParallel
+model in this process (gloo, world size 1: the timers run as in any job; the wait between
+ranks is tests/test_distributed.py's, with two real ranks)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tuneup
+from tuneup.measure.ddp import FIRST_ITERATION, AllReduceWait
+
+FORWARD_SLEEP = 0.004  # seconds each forward sleeps: DDP's forward time must read at least this
+
+
+class Slow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+
+    def forward(self, x):
+        time.sleep(FORWARD_SLEEP)
+        return self.layer(x)
+
+
+@pytest.fixture
+def group():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train(model, steps):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def test_the_timers_of_sampled_iterations_in_seconds_from_the_third(group):
+    # Ground truth: DDP times iterations 1-10 (then every 100th); each forward sleeps 4 ms.
+    model = nn.parallel.DistributedDataParallel(Slow())
+    wait = AllReduceWait()
+    assert wait.sample([model]) == {"iterations_sampled": 0}  # nothing sampled before the first step
+    train(model, 2)
+    assert wait.sample([model])["iterations_sampled"] == 0  # iterations 1-2 are left out
+    seen = set()
+    for _ in range(10):
+        train(model, 1)
+        summary = wait.sample([model])
+        seen.add(summary.get("last_iteration"))
+    assert min(i for i in seen if i is not None) >= FIRST_ITERATION
+    # Iterations 3..10 were sampled (DDP records iteration N at the N+1st forward).
+    assert summary["iterations_sampled"] == 10 - FIRST_ITERATION + 1
+    assert FORWARD_SLEEP <= summary["forward_seconds"] < 1.0
+    assert 0 <= summary["allreduce_wait_seconds"] <= summary["allreduce_seconds"] < 1.0
+    assert wait.sample([nn.Linear(2, 2)]) is None  # no DDP model: no figures at all
+
+
+def test_an_attached_ddp_job_reports_its_wait_in_the_system_sample(group, run_dir):
+    model = nn.parallel.DistributedDataParallel(Slow())
+    agent = tuneup.attach(model, interval=0.05, run_dir=str(run_dir))
+    try:
+        train(model, 30)
+        ddp = agent.snapshot()["system"]["ddp"]
+    finally:
+        agent.detach()
+    assert ddp["iterations_sampled"] >= 1 and ddp["forward_seconds"] >= FORWARD_SLEEP
+    assert agent.snapshot()["probes"]["ddp"] == "on"
