@@ -9,7 +9,9 @@ percent of GPU 0; GPU i reads that plus i).
 `reset()` also takes: `mig` ({gpu index: instances}: MIG mode on those GPUs), `old_driver`
 (a driver older than the binding: the v3 process list and the clock-event reasons are missing
 symbols, the temperature struct version is unknown), `pids` (the pids the driver lists for this
-process's memory: the host's, as in a container; default this process's own).
+process's memory: the host's, as in a container; default this process's own), `own_gpu` (the
+one GPU that memory is on, FAKE_NVML_OWN_GPU: one rank of a node whose GPUs it all sees;
+default every GPU).
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ own_pid_memory = 512 * 2**20
 mig: dict[int, int] = {}
 old_driver = False
 pids: tuple[int, ...] | None = None
+own_gpu: int | None = int(os.environ["FAKE_NVML_OWN_GPU"]) if os.environ.get("FAKE_NVML_OWN_GPU") else None
 
 
 def reset(**settings) -> None:
-    global gpus, fail_after, no_power, utilization_reads, initialized, throttle_mask, mig, old_driver, pids
+    global gpus, fail_after, no_power, utilization_reads, initialized, throttle_mask, mig, old_driver, pids, own_gpu
     gpus, fail_after, no_power = settings.get("gpus", 2), settings.get("fail_after", 0), settings.get("no_power", False)
     throttle_mask = settings.get("throttle_mask", 0x4 | 0x40)
     mig, old_driver, pids = settings.get("mig", {}), settings.get("old_driver", False), settings.get("pids")
+    own_gpu = settings.get("own_gpu")
     utilization_reads = 0
     initialized = False
 
@@ -163,6 +167,7 @@ def nvmlDeviceGetPcieThroughput(handle, counter):
 def nvmlDeviceGetComputeRunningProcesses(handle):
     if old_driver:
         raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match")
-    return [SimpleNamespace(pid=pid, usedGpuMemory=own_pid_memory) for pid in (pids or (os.getpid(),))] + [
+    mine = own_gpu is None or _handle(handle).index == own_gpu
+    return [SimpleNamespace(pid=pid, usedGpuMemory=own_pid_memory) for pid in (pids or (os.getpid(),)) if mine] + [
         SimpleNamespace(pid=1, usedGpuMemory=2**30),
     ]

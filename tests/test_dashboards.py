@@ -35,11 +35,16 @@ generate = load_generator()
 BOARDS = generate.build()
 
 
+# A metric name: the agents' (tuneup_...) or a recorded series of tuneup-recording.yml
+# (level:tuneup_...:operations).
+METRIC = r"(?<![\w:])(?:[a-z_]+:)?tuneup_[a-z_]+(?::[a-z0-9_]+)?"
+
+
 def documented_metrics() -> set[str]:
     """Metric names of docs/metrics.md's tables, with _bucket/_sum/_count for histograms."""
     names = set()
     for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
-        match = re.match(r"\|\s*`(tuneup_[a-z_]+)`\s*\|\s*([a-z]+)", line)
+        match = re.match(rf"\|\s*`({METRIC})`\s*\|\s*([a-z]+)", line)
         if match:
             name, kind = match.groups()
             names.add(name)
@@ -49,7 +54,7 @@ def documented_metrics() -> set[str]:
 
 
 def metrics_in(expr: str) -> set[str]:
-    return set(re.findall(r"\btuneup_[a-z_]+\b", expr))
+    return set(re.findall(METRIC, expr))
 
 
 def substituted(expr: str, interval: str = "1m") -> str:

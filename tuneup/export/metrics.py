@@ -236,19 +236,26 @@ class AgentCollector(Collector):
             yield family
 
     def gpu(self) -> Iterator[Metric]:
+        """The GPUs this process holds memory on (one rank's of a node's eight: the series budget
+        is per own GPU); every GPU it sees where NVML cannot tell (no per-process memory, as in
+        many containers) or before it has allocated any."""
         system = self.state.system or {}
         gpu = system.get("gpu") or {}
         if not gpu.get("available"):
             return
         f = self.families
         samples = gpu.get("samples") or []
-        yield gpu_info("tuneup_gpu", gpu.get("devices") or [], f)
+        own = {str(s["gpu"]) for s in samples if (s.get("process_memory_bytes") or 0) > 0}
+        if own:
+            samples = [s for s in samples if str(s["gpu"]) in own]
+        devices = [d for d in gpu.get("devices") or [] if not own or str(d["gpu"]) in own]
+        yield gpu_info("tuneup_gpu", devices, f)
         yield from gpu_families("tuneup_gpu", samples, f)
-        own = f.gauge("tuneup_gpu_process_memory_bytes", "Device memory held by this job's process", ["gpu"])
+        memory = f.gauge("tuneup_gpu_process_memory_bytes", "Device memory held by this job's process", ["gpu"])
         for sample in samples:
             if sample.get("process_memory_bytes") is not None:
-                f.add(own, sample["process_memory_bytes"], str(sample["gpu"]))
-        yield own
+                f.add(memory, sample["process_memory_bytes"], str(sample["gpu"]))
+        yield memory
 
     def allocator(self) -> Iterator[Metric]:
         memory = (self.state.system or {}).get("memory") or {}
