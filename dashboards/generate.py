@@ -1,9 +1,13 @@
 """Builds tuneup's Grafana dashboards (schema 39: Grafana 10 and 11) and writes them beside
 this file: `python dashboards/generate.py`.
 
-The queries use only the metrics of docs/metrics.md and only the variables $job, $instance,
-$rank and $__rate_interval, so tests can run every one of them against a real Prometheus
-(`expressions()`, `variable_queries()`).
+The queries use only the metrics of docs/metrics.md and only the variables $job,
+$training_job, $instance, $rank and $__rate_interval, so tests can run every one of them
+against a real Prometheus (`expressions()`, `variable_queries()`).
+
+The overview reads the agents' series; the ranks dashboard reads the recorded series of
+agents/prometheus/tuneup-recording.yml (load it in Prometheus), so at 512 or 4,096 ranks it
+draws the ten ranks that matter and heatmaps of all of them, never a line per rank.
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ STRAGGLER_FACTOR = 1.15
 
 # --- PromQL ---------------------------------------------------------------------------------
 
+TOP = 10  # ranks a "the N worst ranks" panel draws
+
+
 def sel(metric: str, *matchers: str) -> str:
-    """`metric{...}` narrowed to the dashboard's job, instance and rank variables."""
-    labels = ['job=~"$job"', 'instance=~"$instance"', 'rank=~"$rank"', *matchers]
+    """`metric{...}` narrowed to the dashboard's job, training job, instance and rank variables
+    (a series without one of those labels, as a job-level recorded series, matches "All")."""
+    labels = ['job=~"$job"', 'training_job=~"$training_job"', 'instance=~"$instance"', 'rank=~"$rank"', *matchers]
     return f"{metric}{{{', '.join(labels)}}}"
 
 
@@ -57,23 +65,6 @@ def step_quantile(q: float) -> str:
 
 def stall_ratio() -> str:
     return per(rate("tuneup_data_wait_seconds_total"), rate("tuneup_step_seconds_sum"))
-
-
-def phase_seconds_per_step(*phase: str) -> str:
-    """Seconds per step spent in the phases matched (detail steps only: they alone are split)."""
-    return per(rate("tuneup_step_phase_seconds_total", *phase), rate("tuneup_detail_steps_total"))
-
-
-def own_seconds_per_step() -> str:
-    """A rank's step time outside the backward. The backward holds DDP's all-reduce, where the
-    fast ranks wait for the slowest, so whole step times come out equal across ranks."""
-    return phase_seconds_per_step('phase!="backward"')
-
-
-def own_time_vs_median() -> str:
-    """Each rank's own time over the median own time of the ranks of its job."""
-    own = own_seconds_per_step()
-    return f"(\n{own}\n)\n/ on (job) group_left ()\n(quantile by (job) (0.5, {own}) > 0)"
 
 
 def on_used_gpus(metric: str) -> str:
@@ -242,9 +233,11 @@ def variables() -> list[dict[str, Any]]:
          "current": {}, "options": [], "refresh": 1, "regex": "", "hide": 0, "multi": False,
          "includeAll": False, "skipUrlSync": False},
         query_variable("job", "Job", "label_values(tuneup_run_info, job)"),
-        query_variable("instance", "Instance", 'label_values(tuneup_run_info{job=~"$job"}, instance)'),
-        query_variable("rank", "Rank",
-                       'label_values(tuneup_step_seconds_count{job=~"$job", instance=~"$instance"}, rank)'),
+        query_variable("training_job", "Training job", 'label_values(tuneup_run_info{job=~"$job"}, training_job)'),
+        query_variable("instance", "Instance",
+                       'label_values(tuneup_run_info{job=~"$job", training_job=~"$training_job"}, instance)'),
+        query_variable("rank", "Rank", 'label_values(tuneup_step_seconds_count{job=~"$job", '
+                                       'training_job=~"$training_job", instance=~"$instance"}, rank)'),
     ]
 
 
@@ -397,47 +390,101 @@ def overview() -> dict[str, Any]:
     ])
 
 
+def top(k: str, expr: str) -> str:
+    """The TOP series of `expr` by value (k: "topk" for the highest, "bottomk" the lowest)."""
+    return f"{k}({TOP}, {expr})"
+
+
+def heatmap(title: str, description: str, expr: str, unit: str, *, w: int = 12, h: int = 8) -> dict[str, Any]:
+    """Every rank's value as a heatmap over time (Grafana buckets the series itself): 4,096
+    ranks in one panel, outliers standing out as the cells far from the band."""
+    return {
+        "type": "heatmap", "title": title, "description": description, "datasource": DATASOURCE,
+        "gridPos": {"h": h, "w": w},
+        "fieldConfig": {"defaults": {"unit": unit, "custom": {"hideFrom": {"legend": False, "tooltip": False,
+                                                                          "viz": False},
+                                                             "scaleDistribution": {"type": "linear"}}},
+                        "overrides": []},
+        "options": {"calculate": True, "calculation": {"yBuckets": {"mode": "count", "value": "20"}},
+                    "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges", "scale": "exponential",
+                                            "exponent": 0.5, "steps": 64, "fill": "dark-orange", "reverse": False},
+                    "yAxis": {"axisPlacement": "left", "unit": unit}, "legend": {"show": True},
+                    "tooltip": {"mode": "single", "yHistogram": True}, "cellValues": {"unit": "short"},
+                    "rowsFrame": {"layout": "auto"}, "exemplars": {"color": "rgba(255,0,255,0.7)"},
+                    "filterValues": {"le": 1e-9}, "showValue": "never"},
+        "targets": [target(expr, RANK_LEGEND)],
+    }
+
+
+RANK_LEGEND = "{{training_job}} rank {{rank}} ({{instance}})"
+JOB_LEGEND = "{{training_job}}"
+
+
 def ranks() -> dict[str, Any]:
     factor = f"{STRAGGLER_FACTOR:g}"
-    own = own_seconds_per_step()
-    two_ranks_or_more = f"count by (job) (count by (job, rank) ({own})) >= 2"
+    ratio = sel("rank:tuneup_own_seconds_per_step:ratio_to_median5m")
+    two_ranks_or_more = f"{sel('training_job:tuneup_ranks:count')} >= 2"
     return dashboard("tuneup-ranks", "tuneup — ranks",
-                     "Distributed jobs rank by rank: who is slow, and why.", [
-        row("Step time"),
-        timeseries("Step time per rank", "Mean step time. In DDP every rank waits for the slowest in the "
-                   "all-reduce, so these come out nearly equal: see own time.",
-                   targets((mean_step_seconds(), LEGEND)), "s"),
-        timeseries("Own time per rank", "Step time outside the backward (which holds DDP's all-reduce, "
-                   "where fast ranks wait for the slowest): the time each rank needs of its own.",
-                   targets((own, LEGEND)), "s"),
-        timeseries("Own time relative to the job's median rank",
-                   f"Each rank's own time over the median of the selected ranks of its job. Above "
-                   f"{factor} the rank is a straggler (tuneup's rank-straggler rule, alert TuneupRankStraggler).",
-                   targets((own_time_vs_median(), LEGEND)), "short", minimum=None,
+                     "Distributed jobs, from 2 ranks to thousands: the job's pace, who is slow, and why. "
+                     "Reads the recorded series of agents/prometheus/tuneup-recording.yml.", [
+        row("The job"),
+        stat("Ranks stepping", "Ranks of the training job that made steps in the last minute.",
+             sel("training_job:tuneup_ranks:count"), "short", thresholds(), legend=JOB_LEGEND, w=6),
+        stat("Steps per second", "The job's pace (its ranks' mean: DDP ranks step together).",
+             sel("training_job:tuneup_steps:rate1m"), "short", thresholds(), legend=JOB_LEGEND, w=6),
+        stat("Samples per second", "The job's throughput: every rank's samples together.",
+             sel("training_job:tuneup_samples:rate1m"), "short", thresholds(), legend=JOB_LEGEND, w=6),
+        stat("Step-time skew", f"The slowest rank's time outside the all-reduce over the median rank's. "
+             f"Above {factor} the job runs at a straggler's pace.",
+             sel("training_job:tuneup_own_seconds_per_step:skew5m"), "short",
+             thresholds((STRAGGLER_FACTOR, "red")), legend=JOB_LEGEND, w=6),
+        timeseries("Pace and skew", "Steps per second of each job (left) and its step-time skew (right).",
+                   targets((sel("training_job:tuneup_steps:rate1m"), JOB_LEGEND + " steps/s"),
+                           (sel("training_job:tuneup_own_seconds_per_step:skew5m"), JOB_LEGEND + " skew")),
+                   "short", w=12, overrides=[on_right_axis("B", "short")]),
+        timeseries("Data stall", "Share of the job's step time spent waiting on DataLoaders: the job's "
+                   "(solid) and its worst rank's (dashed).",
+                   targets((sel("training_job:tuneup_data_stall:ratio1m"), JOB_LEGEND),
+                           (sel("training_job:tuneup_data_stall:max_rank_ratio1m"), JOB_LEGEND + " worst rank")),
+                   "percentunit", limits=thresholds((0.1, "yellow"), (0.2, "red")), w=12, overrides=[dashed("B")]),
+
+        row("Who is slow"),
+        timeseries(f"The {TOP} slowest ranks: own time over the job's median rank",
+                   f"Step time outside the all-reduce wait (less the wait DDP's timers measured, else "
+                   f"less the backward), over the median rank of the job. Above {factor} the rank is a "
+                   f"straggler (tuneup's rank-straggler rule, alert TuneupRankStraggler).",
+                   targets((top("topk", ratio), RANK_LEGEND)), "short", minimum=None,
                    limits=thresholds((STRAGGLER_FACTOR, "red"))),
-        timeseries("Backward per rank (holds the all-reduce wait)", "Seconds per step in the backward. "
-                   "Fast ranks wait for the straggler here, so the straggler shows the shortest backward.",
-                   targets((phase_seconds_per_step('phase="backward"'), LEGEND)), "s"),
+        heatmap("Own time over the median, every rank", "Each cell counts the ranks whose own time over "
+                "the job's median falls in its band: a healthy job is one bright band at 1; a straggler "
+                "or a slow node is a few cells above it.", ratio, "short"),
+        timeseries(f"All-reduce wait: the {TOP} ranks that wait least (DDP)",
+                   "Time per step each rank sat in DDP's all-reduce after its own gradients were ready "
+                   "(DDP's own timers). Everyone waits for the slowest rank, so the rank that waits "
+                   "least is the one the others wait for.",
+                   targets((top("bottomk", sel("tuneup_ddp_allreduce_wait_seconds")), RANK_LEGEND),
+                           (sel("training_job:tuneup_ddp_allreduce_wait_seconds:min"), JOB_LEGEND + " least")),
+                   "s", overrides=[dashed("B")]),
+        table(f"Stragglers (own time > {factor} x the job's median rank)",
+              "Ranks slower than the others of their job right now (jobs of two ranks or more). Value: "
+              "own time over the median.",
+              f"{ratio} > {factor}\nand on (job, training_job)\n({two_ranks_or_more})",
+              ["job", "training_job", "instance", "rank", "Value"], w=12, unit="short"),
 
         row("Why a rank is slow"),
-        timeseries("Data stall per rank", "Share of step time each rank waited on its DataLoader.",
-                   targets((stall_ratio(), LEGEND)), "percentunit",
-                   limits=thresholds((0.1, "yellow"), (0.2, "red")), w=8),
-        timeseries("Throughput per rank", "Samples per second each rank trains on.",
-                   targets((rate("tuneup_samples_total"), LEGEND)), "short", w=8),
-        timeseries("GPU utilization per rank", "Busiest GPU the rank holds memory on (every GPU it sees "
-                   "where NVML cannot tell).",
-                   targets((f"max by ({SERIES}) {on_used_gpus('tuneup_gpu_utilization_ratio')}", LEGEND)),
+        timeseries(f"Data stall: the {TOP} worst ranks", "Share of step time each rank waited on its "
+                   "DataLoader.", targets((top("topk", sel("rank:tuneup_data_stall:ratio1m")), RANK_LEGEND)),
+                   "percentunit", limits=thresholds((0.1, "yellow"), (0.2, "red")), w=8),
+        timeseries(f"Throughput: the {TOP} slowest ranks", "Samples per second each rank trains on.",
+                   targets((top("bottomk", sel("rank:tuneup_samples:rate1m")), RANK_LEGEND)), "short", w=8),
+        timeseries(f"GPU utilization: the {TOP} least busy ranks", "Busiest GPU each rank holds memory on.",
+                   targets((top("bottomk", sel("rank:tuneup_gpu_utilization:max")), RANK_LEGEND)),
                    "percentunit", maximum=1, w=8),
-
-        row("Stragglers"),
-        table(f"Stragglers (own time > {factor} x the job's median rank)",
-              "Ranks slower than the others of their job right now (jobs with two ranks or more). Value: "
-              "own time over the median.",
-              f"(\n{own_time_vs_median()}\n) > {factor}\nand on (job)\n({two_ranks_or_more})",
-              ["job", "instance", "run_id", "rank", "Value"], w=24, unit="short"),
-        # No panel for the rank-straggler finding: a live agent sees its own rank only (no
-        # collectives), so that finding comes from reports over every rank's run log.
+        heatmap("Step time, every rank", "Each rank's mean step time: in DDP the ranks step together, so "
+                "one band; ranks of another speed are another job or a rank that left the all-reduce.",
+                sel("rank:tuneup_step_seconds:mean1m"), "s"),
+        heatmap("GPU utilization, every rank", "Each rank's busiest own GPU.",
+                sel("rank:tuneup_gpu_utilization:max"), "percentunit"),
     ])
 
 

@@ -1,7 +1,8 @@
 """The Grafana dashboards (dashboards/generate.py): the committed JSON is what the script
-builds, every query goes through the datasource variable, filters by the job/instance/rank
-variables and uses only documented metrics, and the key queries compute what their panels
-say (checked with promtool's PromQL engine on made-up series, where promtool is installed)."""
+builds, every query goes through the datasource variable, filters by the job/training job/
+instance/rank variables and uses only documented metrics, and the key queries compute what
+their panels say (checked with promtool's PromQL engine on made-up series, where promtool is
+installed; the ranks dashboard's over the recording rules it reads)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
-ALLOWED_VARIABLES = {"job", "instance", "rank", "__rate_interval"}
+ALLOWED_VARIABLES = {"job", "training_job", "instance", "rank", "__rate_interval"}
+SELECTORS = ("job", "training_job", "instance", "rank")
 PER_PROCESS = {"job", "instance", "run_id", "rank"}
-# Group-bys that do not keep processes apart, on purpose: the median rank of a job, and the
-# count of distinct ranks in a job.
-ACROSS_RANKS = [{"job"}, {"job", "rank"}]
+RECORDING = ROOT / "agents" / "prometheus" / "tuneup-recording.yml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
@@ -59,7 +60,7 @@ def metrics_in(expr: str) -> set[str]:
 
 def substituted(expr: str, interval: str = "1m") -> str:
     """The expression as Grafana sends it with every variable at All."""
-    for name in ("job", "instance", "rank"):
+    for name in SELECTORS:
         expr = expr.replace(f"${name}", ".*")
     return expr.replace("$__rate_interval", interval)
 
@@ -118,13 +119,13 @@ def test_every_panel_and_target_queries_through_the_datasource_variable():
 def test_job_instance_rank_variables_are_multi_select_and_chained():
     for b in BOARDS.values():
         variables = {v["name"]: v for v in b["templating"]["list"]}
-        assert list(variables) == ["datasource", "job", "instance", "rank"]
-        for name in ("job", "instance", "rank"):
+        assert list(variables) == ["datasource", *SELECTORS]
+        for name in SELECTORS:
             v = variables[name]
             assert (v["type"], v["multi"], v["includeAll"], v["allValue"]) == ("query", True, True, ".*"), name
             assert v["definition"] == v["query"]["query"]
-        assert "$job" in variables["instance"]["definition"]
-        assert "$job" in variables["rank"]["definition"] and "$instance" in variables["rank"]["definition"]
+        for later, earlier in (("training_job", "job"), ("instance", "training_job"), ("rank", "instance")):
+            assert f"${earlier}" in variables[later]["definition"], later
 
 
 def test_expressions_lists_every_target_of_both_dashboards():
@@ -132,7 +133,7 @@ def test_expressions_lists_every_target_of_both_dashboards():
     targets = [t["expr"] for b in BOARDS.values() for p in b["panels"] for t in p.get("targets", [])]
     assert [expr for _, _, expr in listed] == targets
     assert {uid for uid, _, _ in listed} == {"tuneup-overview", "tuneup-ranks"}
-    assert len(generate.variable_queries()) == 6
+    assert len(generate.variable_queries()) == 8
 
 
 def test_expressions_use_only_the_allowed_variables():
@@ -142,11 +143,11 @@ def test_expressions_use_only_the_allowed_variables():
         assert used <= ALLOWED_VARIABLES, (used - ALLOWED_VARIABLES, expr)
 
 
-def test_every_selector_filters_by_job_instance_and_rank():
+def test_every_selector_filters_by_job_training_job_instance_and_rank():
     for _, title, expr in generate.expressions():
-        for metric, labels in re.findall(r"\b(tuneup_[a-z_]+)(\{[^}]*\})?", expr):
-            for matcher in ('job=~"$job"', 'instance=~"$instance"', 'rank=~"$rank"'):
-                assert matcher in labels, f"{title}: {metric} lacks {matcher}"
+        for metric, labels in re.findall(rf"({METRIC})(\{{[^}}]*\}})?", expr):
+            for name in SELECTORS:
+                assert f'{name}=~"${name}"' in labels, f"{title}: {metric} lacks {name}"
 
 
 def test_group_bys_keep_every_process_apart():
@@ -154,7 +155,21 @@ def test_group_bys_keep_every_process_apart():
         for labels in re.findall(r"\bby \(([^)]*)\)", expr):
             grouped = {label.strip() for label in labels.split(",")} - {"le", "phase", "gpu", "rule", "action",
                                                                          "decision"}
-            assert grouped >= PER_PROCESS or grouped in ACROSS_RANKS, f"{title}: by ({labels})"
+            assert grouped >= PER_PROCESS, f"{title}: by ({labels})"
+
+
+def test_the_ranks_dashboard_reads_recorded_series_and_draws_no_line_per_rank():
+    # At 4,096 ranks a panel may draw the TOP ranks that matter, a heatmap, or job-level series.
+    recorded = {rule["record"] for group in yaml.safe_load(RECORDING.read_text())["groups"] for rule in group["rules"]}
+    for p in panels("tuneup-ranks"):
+        for t in p["targets"]:
+            used = metrics_in(t["expr"])
+            raw = {m for m in used if ":" not in m} - {"tuneup_ddp_allreduce_wait_seconds"}
+            assert not raw, f"{p['title']}: raw series {raw}"
+            assert used <= recorded | {"tuneup_ddp_allreduce_wait_seconds"}, p["title"]
+            per_rank = any(m.startswith("rank:") or m == "tuneup_ddp_allreduce_wait_seconds" for m in used)
+            if per_rank and p["type"] == "timeseries":
+                assert re.match(rf"(topk|bottomk)\({generate.TOP}, ", t["expr"]), p["title"]
 
 
 def test_rates_use_the_rate_interval():
@@ -189,14 +204,13 @@ def test_overview_covers_the_spec():
     assert not missing
 
 
-def test_ranks_view_has_per_rank_step_time_and_stragglers():
+def test_ranks_view_has_the_job_the_slowest_ranks_and_stragglers():
     expressions = {title: expr for uid, title, expr in generate.expressions() if uid == "tuneup-ranks"}
-    step = expressions["Step time per rank"]
-    assert "tuneup_step_seconds_sum" in step and "by (job, instance, run_id, rank)" in step
-    own = expressions["Own time per rank"]
-    assert 'phase!="backward"' in own and "tuneup_detail_steps_total" in own
+    assert "training_job:tuneup_own_seconds_per_step:skew5m" in expressions["Step-time skew"]
     stragglers = next(expr for title, expr in expressions.items() if title.startswith("Stragglers"))
-    assert "quantile by (job) (0.5," in stragglers and "> 1.15" in stragglers
+    assert "rank:tuneup_own_seconds_per_step:ratio_to_median5m" in stragglers and "> 1.15" in stragglers
+    kinds = {p["type"] for p in panels("tuneup-ranks")}
+    assert {"heatmap", "stat", "table", "timeseries"} <= kinds
 
 
 def test_straggler_factor_is_the_rules():
@@ -237,14 +251,16 @@ promtool = pytest.mark.skipif(shutil.which("promtool") is None,
                               reason="promtool (Debian package prometheus) not installed")
 
 
-def run_promtool(tmp_path: Path, rules: list[dict], tests: list[dict] | None = None) -> subprocess.CompletedProcess:
-    """promtool on the expressions as recording rules (JSON is YAML)."""
+def run_promtool(tmp_path: Path, rules: list[dict], tests: list[dict] | None = None,
+                 recorded: bool = False) -> subprocess.CompletedProcess:
+    """promtool on the expressions as recording rules (JSON is YAML); `recorded`: with
+    tuneup's own recording rules loaded first (what the ranks dashboard reads)."""
     (tmp_path / "rules.yml").write_text(json.dumps({"groups": [{"name": "dashboards", "rules": rules}]}))
     if tests is None:
         return subprocess.run(["promtool", "check", "rules", "rules.yml"], cwd=tmp_path, capture_output=True,
                               text=True, check=False)
-    (tmp_path / "test.yml").write_text(json.dumps({"rule_files": ["rules.yml"], "evaluation_interval": "1m",
-                                                   "tests": tests}))
+    (tmp_path / "test.yml").write_text(json.dumps({"rule_files": [str(RECORDING)] * recorded + ["rules.yml"],
+                                                   "evaluation_interval": "1m", "tests": tests}))
     return subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True,
                           check=False)
 
@@ -264,13 +280,16 @@ def series(metric: str, values: str, **labels: str) -> dict:
 
 
 def ddp_rank(rank: int, instance: str, forward: float, backward: float) -> list[dict]:
-    """A rank stepping once a second, every 4th step a detail step (15 a minute) with 0.125 s
-    data wait and the given forward and backward seconds (binary fractions: promtool compares
-    exactly)."""
-    labels = {"job": "ddp", "instance": instance, "run_id": f"r{rank}", "rank": str(rank), "local_rank": "0"}
+    """A rank of training job ddp-1 stepping once a second, every 4th step a detail step (15 a
+    minute) with 0.125 s data wait and the given forward and backward seconds (binary
+    fractions: promtool compares exactly)."""
+    labels = {"job": "ddp", "training_job": "ddp-1", "instance": instance, "run_id": f"r{rank}", "rank": str(rank),
+              "local_rank": "0"}
     return [series("tuneup_detail_steps_total", "0+15x30", **labels),
             series("tuneup_step_seconds_sum", "0+60x30", **labels),
             series("tuneup_step_seconds_count", "0+60x30", **labels),
+            series("tuneup_samples_total", "0+1920x30", **labels),
+            series("tuneup_data_wait_seconds_total", "0+7.5x30", **labels),
             series("tuneup_step_phase_seconds_total", "0+1.875x30", phase="data_wait", **labels),
             series("tuneup_step_phase_seconds_total", f"0+{forward * 15:g}x30", phase="forward", **labels),
             series("tuneup_step_phase_seconds_total", f"0+{backward * 15:g}x30", phase="backward", **labels)]
@@ -283,32 +302,36 @@ def sample(value: float, **labels: str) -> dict:
 @promtool
 def test_rank_queries_find_the_straggler(tmp_path):
     # Ranks 0-2 need 0.5 s of their own per step, rank 3 0.75 s (1.5x); every whole step is 1 s,
-    # the fast ranks waiting for rank 3 in the backward.
+    # the fast ranks waiting for rank 3 in the backward. The panels read the recorded series.
     inputs = (ddp_rank(0, "node1:9476", 0.375, 0.5) + ddp_rank(1, "node1:9476", 0.375, 0.5)
               + ddp_rank(2, "node2:9476", 0.375, 0.5) + ddp_rank(3, "node2:9476", 0.625, 0.25))
-    titles = {"Step time per rank": "step", "Own time per rank": "own",
-              "Own time relative to the job's median rank": "relative",
-              "Stragglers (own time > 1.15 x the job's median rank)": "stragglers"}
+    titles = {"Ranks stepping": "ranks", "Step-time skew": "skew",
+              "The 10 slowest ranks: own time over the job's median rank": "slowest",
+              "Stragglers (own time > 1.15 x the job's median rank)": "stragglers",
+              "Data stall: the 10 worst ranks": "stall"}
     queries = {titles[title]: expr for uid, title, expr in generate.expressions()
                if uid == "tuneup-ranks" and title in titles}
+    assert set(queries) == set(titles.values())
     rules = [{"record": f"ranks:{name}", "expr": substituted(expr, "5m")} for name, expr in queries.items()]
 
     def process(rank: int, instance: str) -> dict:
-        return {"job": "ddp", "instance": instance, "run_id": f"r{rank}", "rank": str(rank)}
+        return {"job": "ddp", "training_job": "ddp-1", "instance": instance, "rank": str(rank)}
 
+    job = {"job": "ddp", "training_job": "ddp-1"}
     ranks = [process(0, "node1:9476"), process(1, "node1:9476"), process(2, "node2:9476"), process(3, "node2:9476")]
     expected = {
-        "step": [sample(1, **p) for p in ranks],
-        "own": [sample(0.5, **p) for p in ranks[:3]] + [sample(0.75, **ranks[3])],
-        "relative": [sample(1, **p) for p in ranks[:3]] + [sample(1.5, **ranks[3])],
+        "ranks": [sample(4, **job)],
+        "skew": [sample(1.5, **job)],
+        "slowest": [sample(1, **p) for p in ranks[:3]] + [sample(1.5, **ranks[3])],
         "stragglers": [sample(1.5, **ranks[3])],
+        "stall": [sample(0.125, **p) for p in ranks],
     }
     checked = run_promtool(tmp_path, rules, [{
         "interval": "1m", "input_series": inputs,
         "promql_expr_test": [{"expr": f"ranks:{name}", "eval_time": "20m",
                               "exp_samples": [dict(s, labels=f"ranks:{name}" + s["labels"]) for s in samples]}
                              for name, samples in expected.items()],
-    }])
+    }], recorded=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 

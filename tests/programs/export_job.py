@@ -11,6 +11,8 @@ Prints one JSON line when the agent is serving ({"url", "pid", "run_id"}), then 
     --skip-every K    every Kth step's loss is infinite: GradScaler skips that step
     --fake-allocator  report CUDA caching-allocator figures (for machines without CUDA; the
                       same function the agent reads, returning what a CUDA job would)
+    --ddp             wrap the model in DistributedDataParallel over a process group of its own
+                      (one process, gloo): DDP's timers run as in any DDP job
 """
 
 import argparse
@@ -33,6 +35,7 @@ parser.add_argument("--compute", type=float, default=0.0)
 parser.add_argument("--skip-every", type=int, default=0)
 parser.add_argument("--hang", action="store_true")
 parser.add_argument("--fake-allocator", action="store_true")
+parser.add_argument("--ddp", action="store_true")
 args = parser.parse_args()
 
 if args.fake_allocator:
@@ -68,6 +71,14 @@ class Images(Dataset):
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+if args.ddp:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    model = nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 scaler = torch.amp.GradScaler("cpu", growth_interval=50)
 loader = DataLoader(Images(args.delay), batch_size=16, shuffle=True, num_workers=args.workers,
