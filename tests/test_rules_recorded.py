@@ -254,3 +254,60 @@ def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
     histories, source = load(str(tmp_path / "run"))
     rules = {f["rule"] for f in build(histories, source=source)["findings"]}
     assert {"pageable-copies", "cudnn-benchmark-off", "amp-off", "single-tensor-optimizer"} <= rules
+
+
+def on_host(snapshot, cores=2, threads=2, own=0.3, workers=(), busy=None):
+    """The snapshot with the host probe's figures: `workers` the loader workers' measured CPU
+    (cores each), `busy` the machine's busy cores on the job's cores (default: the job's)."""
+    s = copy.deepcopy(snapshot)
+    worker_cpu = sum(workers)
+    s["system"]["host"].update(
+        usable_cores=cores, torch_threads=threads, cpu_ratio=own, workers=len(workers),
+        workers_cpu_ratio=worker_cpu, busy_cores=own + worker_cpu if busy is None else busy,
+        worker_processes=[{"pid": 100 + i, "cpu_ratio": cpu, "rss_bytes": 1} for i, cpu in enumerate(workers)])
+    return s
+
+
+def test_cpu_oversubscribed_blames_the_jobs_own_threads_and_busy_workers(cpu_snapshot):
+    # 2 torch threads and 2 workers each busy 0.9 of a core, on 2 cores: the job's own demand.
+    s = on_host(cpu_snapshot, own=1.0, workers=(0.9, 0.9))
+    finding = next(f for f in evaluate(s).findings if f.rule == "cpu-oversubscribed")
+    assert "torch.set_num_threads(1)" in finding.fix
+    assert "2 busy loader workers (1.8 cores)" in finding.observed
+    assert finding.evidence["other_cores"] == pytest.approx(0.0)
+
+
+def test_cpu_oversubscribed_names_other_processes_not_idle_workers(cpu_snapshot):
+    # The machine's 2 cores are busy (1.9), but the job uses 0.3 and its 2 workers nothing:
+    # other processes take 1.6 cores. Fewer torch threads would not help.
+    s = on_host(cpu_snapshot, own=0.3, workers=(0.0, 0.0), busy=1.9)
+    finding = next(f for f in evaluate(s).findings if f.rule == "cpu-oversubscribed")
+    assert finding.observed.startswith("the machine is busy with other work: other processes use 1.6 of")
+    assert "set_num_threads" not in finding.fix and "workers" not in finding.observed
+
+
+def test_cpu_oversubscribed_is_silent_for_a_job_already_at_one_thread_or_on_a_quiet_machine(cpu_snapshot):
+    at_one = on_host(cpu_snapshot, threads=1, own=0.9, workers=(0.9, 0.9))
+    quiet = on_host(cpu_snapshot, own=0.5, workers=(0.1, 0.1))
+    for s in (at_one, quiet):
+        assert "cpu-oversubscribed" not in fired(s)
+
+
+def stalled(snapshot, **host):
+    s = on_host(snapshot, **host)
+    s["window"]["stall_ratio"] = 0.4
+    s["window"]["data_wait_seconds"] = {"median": 0.004}
+    s["config"]["loaders"][0]["num_workers"] = len(host.get("workers", ()))
+    return s
+
+
+def test_data_stall_asks_for_no_more_cpu_bound_workers_than_the_cores_can_run(cpu_snapshot):
+    # 2 workers busy 0.95 of a core each and the loop 0.1, on 2 cores: no room for a third.
+    full = next(f for f in evaluate(stalled(cpu_snapshot, own=0.1, workers=(0.95, 0.95))).findings
+                if f.rule == "data-stall")
+    assert "num_workers=" not in full.fix and "CPU-bound" in full.observed
+    assert full.evidence["workers_cpu_bound"] is True
+    # The same workers on 8 cores: more of them can run.
+    roomy = next(f for f in evaluate(stalled(cpu_snapshot, cores=8, own=0.1, workers=(0.95, 0.95))).findings
+                 if f.rule == "data-stall")
+    assert "num_workers=4" in roomy.fix

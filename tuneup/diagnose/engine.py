@@ -20,12 +20,14 @@ _SEVERITY_ORDER = {name: index for index, name in enumerate(SEVERITIES)}
 class Evaluation:
     findings: list[Finding]
     unmeasured: list[str] = field(default_factory=list)  # rules whose inputs were not measured
+    wanting: dict[str, str] = field(default_factory=dict)  # those rules: what each wanted (Missing's message)
     passed: list[str] = field(default_factory=list)  # rules whose thresholds were not crossed
     silenced: list[str] = field(default_factory=list)  # rules the user turned off (silence=)
     errors: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"findings": [f.to_dict() for f in self.findings], "unmeasured": self.unmeasured,
+                "wanting": self.wanting,
                 "passed": self.passed, "silenced": self.silenced, "errors": self.errors}
 
 
@@ -52,8 +54,9 @@ def evaluate(snapshot: dict[str, Any], *, ranks: Iterable[dict[str, Any]] = (),
             continue
         try:
             evidence = rule.check(facts)
-        except Missing:
+        except Missing as missing:
             result.unmeasured.append(rule_id)
+            result.wanting[rule_id] = str(missing) or "its input"
             continue
         except Exception as exc:  # a rule must never take the others down
             result.errors[rule_id] = f"{type(exc).__name__}: {exc}"

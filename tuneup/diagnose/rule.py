@@ -18,7 +18,8 @@ MIN_STEPS = 20  # fewer measured steps than this: too little to judge a rate or 
 
 
 class Missing(Exception):
-    """A rule's input was not measured: the rule stays silent."""
+    """A rule's input was not measured (or does not apply: no CUDA, one rank): the rule stays
+    silent, and the report says why with the message, what was wanted ("a CUDA job")."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Facts:
         self.ranks = list(ranks)  # other ranks' snapshots of the same job (straggler rule)
 
     @staticmethod
-    def need(value: Any, what: str = "") -> Any:
+    def need(value: Any, what: str) -> Any:
         if value is None:
             raise Missing(what)
         return value
@@ -123,22 +124,22 @@ class Facts:
     def window(self) -> dict[str, Any]:
         window = self.snapshot.get("window")
         if not window or window.get("steps", 0) < MIN_STEPS:
-            raise Missing("window")
+            raise Missing(f"{MIN_STEPS} measured steps")
         return window
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.need(self.snapshot.get("config"), "config")
+        return self.need(self.snapshot.get("config"), "the job's configuration")
 
     @property
     def host(self) -> dict[str, Any]:
-        return self.need((self.snapshot.get("system") or {}).get("host"), "host")
+        return self.need((self.snapshot.get("system") or {}).get("host"), "host samples")
 
     @property
     def habits(self) -> dict[str, Any]:
         habits = self.snapshot.get("habits")
         if not habits:
-            raise Missing("habits")
+            raise Missing("a watched step")
         return habits
 
     @property
@@ -149,7 +150,7 @@ class Facts:
     def syncs(self) -> dict[str, Any]:
         syncs = self.snapshot.get("syncs") or {}
         if not syncs.get("measured") or syncs.get("per_step") is None:
-            raise Missing("syncs")
+            raise Missing("sampled host-device syncs")
         return syncs
 
     @property
@@ -158,35 +159,35 @@ class Facts:
         history = self.snapshot.get("gpu_history") or {}
         devices = history.get("devices")
         if not devices:
-            raise Missing("gpu")
+            raise Missing("NVML GPU samples")
         return devices
 
     @property
     def allocator(self) -> list[dict[str, Any]]:
         memory = (self.snapshot.get("system") or {}).get("memory") or {}
         if not memory.get("available") or not memory.get("devices"):
-            raise Missing("allocator")
+            raise Missing("CUDA allocator figures")
         return memory["devices"]
 
     @property
     def models(self) -> list[dict[str, Any]]:
         models = self.config.get("models")
         if not models:
-            raise Missing("models")
+            raise Missing("a model seen training")
         return models
 
     @property
     def optimizers(self) -> list[dict[str, Any]]:
         optimizers = self.config.get("optimizers")
         if not optimizers:
-            raise Missing("optimizers")
+            raise Missing("an optimizer")
         return optimizers
 
     @property
     def loaders(self) -> list[dict[str, Any]]:
         loaders = self.config.get("loaders")
         if not loaders:
-            raise Missing("loaders")
+            raise Missing("a DataLoader")
         return loaders
 
     @property

@@ -23,7 +23,10 @@ acts on the calling thread alone) notes the calls as they happen:
   `c_return`/`c_exception`: no other call ever sees it, and no compiled region runs under it
   (dynamo guards on the mode stack: torch/_dynamo/guards.py make_torch_function_mode_stack_guard);
 - `c_call` of `torch.nonzero`: a host read (the output's size lives on the device);
-- `call` of the clipping functions' and the explicit syncs' code objects.
+- `call` of the clipping functions' and the explicit syncs' code objects;
+- `call` and `return` of the functions that write files and figures (torch.save, numpy's
+  save/savez, matplotlib's savefig, PIL's Image.save, torchvision's save_image, those of the
+  modules the job has imported): their time and source line (the file-writes rule).
 
 A watched step costs its Python calls a profile event each (1.1-2x the step on this kind of
 CPU host), so steps 3-5 are watched, then the gap to the next watched step is chosen so that
@@ -63,6 +66,29 @@ def _sync_codes() -> dict[Any, str]:
         code = getattr(inspect.unwrap(function), "__code__", None)
         if code is not None:
             codes[code] = kind
+    return codes
+
+
+# Functions that write a file or a figure: (module, attribute path). Only modules the job has
+# imported are looked at (sys.modules): tuneup imports none of them.
+WRITERS = (
+    ("torch.serialization", "save"), ("numpy", "save"), ("numpy", "savez"), ("numpy", "savez_compressed"),
+    ("numpy", "savetxt"), ("matplotlib.figure", "Figure.savefig"), ("matplotlib.pyplot", "savefig"),
+    ("PIL.Image", "Image.save"), ("torchvision.utils", "save_image"),
+)
+WRITE_SOURCES = 5  # source lines kept
+
+
+def _write_codes() -> dict[Any, str]:
+    """The code objects of WRITERS in the modules already imported, each with its name."""
+    codes = {}
+    for module_name, path in WRITERS:
+        target = sys.modules.get(module_name)
+        for part in path.split("."):
+            target = getattr(target, part, None)
+        code = getattr(inspect.unwrap(target), "__code__", None) if callable(target) else None
+        if code is not None:
+            codes[code] = f"{module_name.split('.')[0]}.{path.split('.')[-1]}"
     return codes
 
 
@@ -116,6 +142,11 @@ class CallWatch:
         self.numpy_copy_seconds = 0.0
         self.numpy_sources: dict[str, int] = {}
         self.clip_calls = 0
+        self.writes = 0  # file and figure writes on watched steps (outermost calls)
+        self.write_seconds = 0.0
+        self.write_sources: dict[str, list] = {}  # "file:line (name)" -> [calls, seconds]
+        self._writing: tuple[FrameType, float] | None = None  # the write under way: its frame, start
+        self._writers: dict[Any, str] = {}
         self._started_at = 0.0
         self._usual = 0.0  # seconds of an unwatched step, when the watched one began
         self._mode: _ArrayData | None = None
@@ -158,6 +189,9 @@ class CallWatch:
             self.next_watch = self._aligned(step + 1 + MIN_GAP)
             return
         self._usual = self._recent_step_seconds()
+        self._writers.clear()
+        self._writers.update(_write_codes())  # modules the job imported since the last watch
+        self._writing = None
         self._started_at = perf_counter()
         self._thread = threading.get_ident()
         self.watching = True
@@ -210,6 +244,7 @@ class CallWatch:
         noted = {**dict.fromkeys(self._clip), **self._syncs}
         handler = self._handler_code
         mode = self._mode
+        writers = self._writers  # refreshed in place at each watched step's start
 
         def profile(frame: FrameType, event: str, arg: Any) -> None:
             # Never raise: an exception here would unset the profiler and surface in the job.
@@ -235,6 +270,12 @@ class CallWatch:
                         elif syncs.sampling and not (timeline.in_loader or timeline.in_optimizer
                                                      or timeline.in_tuneup or syncs._busy):
                             syncs.record(kind, frame)  # attributed past torch's frames
+                    elif frame.f_code in writers and watch._writing is None and not (
+                            timeline.in_loader or timeline.in_tuneup):
+                        watch._writing = (frame, perf_counter())
+                elif event == "return":
+                    if watch._writing is not None and frame is watch._writing[0]:
+                        watch.wrote(frame, writers[frame.f_code])
                 elif arg is _TENSOR and watch._pushed and frame.f_code is not handler:  # c_return, c_exception
                     watch._pop_mode()
                     if watch._failure is not None:
@@ -270,6 +311,20 @@ class CallWatch:
         except Exception as exc:
             self._failure = exc
 
+    def wrote(self, frame: FrameType, name: str) -> None:
+        """A file or figure write on the watched step returned: its time, by source line."""
+        seconds = perf_counter() - self._writing[1]
+        self._writing = None
+        self.writes += 1
+        self.write_seconds += seconds
+        caller = user_frame(frame.f_back)
+        where = format_location(caller.f_code.co_filename, caller.f_lineno) if caller is not None else "?"
+        key = f"{where} ({name})"
+        if key in self.write_sources or len(self.write_sources) < WRITE_SOURCES:
+            entry = self.write_sources.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+
     # --- results -------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
@@ -286,6 +341,11 @@ class CallWatch:
             "numpy_copy_sources": [{"location": where, "calls": calls} for where, calls in sources],
             "clip_grad_calls": self.clip_calls,
             "clip_grad_calls_per_step": per_step(self.clip_calls),
+            "file_writes": self.writes,
+            "file_writes_per_step": per_step(self.writes),
+            "file_write_seconds_per_step": per_step(self.write_seconds),
+            "file_write_sources": [{"location": where, "calls": calls, "seconds": seconds} for where, (calls, seconds)
+                                   in sorted(self.write_sources.items(), key=lambda item: -item[1][1])],
         }
 
     def close(self) -> None:

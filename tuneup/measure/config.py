@@ -110,6 +110,13 @@ def optimizer_config(optimizer: torch.optim.Optimizer, measured_lr: dict[str, An
     }
 
 
+def trained(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> list[str]:
+    """The classes of the models whose parameters `optimizer` updates (a GAN's two Adams: one
+    trains the generator, the other the discriminator)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [type(model).__name__ for model in models if any(id(p) in held for p in model.parameters())]
+
+
 def _sizes(module: nn.Module) -> dict[str, int] | None:
     if isinstance(module, nn.Linear):
         return {"in_features": module.in_features, "out_features": module.out_features}
@@ -286,6 +293,8 @@ def read_config(
     cpu_bf16: bool | None = None,
 ) -> dict[str, Any]:
     order = [m for m in (ref() for ref in leaf_order) if m is not None]
+    models = [model for model in models if next(model.parameters(), None) is not None]
+    optimizers = list(optimizers)
     return {
         "torch": {
             "version": torch.__version__,
@@ -299,7 +308,8 @@ def read_config(
         "zero_grad_set_to_none": set_to_none,
         "grad_scaler": {"present": grad_scaler["present"], "enabled": grad_scaler["enabled"]},
         "loaders": [loader_config(loader) for loader in loaders],
-        "optimizers": [optimizer_config(optimizer, rate_of(optimizer)) for optimizer in optimizers],
-        "models": [model_config(model, order) for model in models if next(model.parameters(), None) is not None],
+        "optimizers": [dict(optimizer_config(optimizer, rate_of(optimizer)), models=trained(optimizer, models))
+                       for optimizer in optimizers],
+        "models": [model_config(model, order) for model in models],
         "distributed": distributed(),
     }

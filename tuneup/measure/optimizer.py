@@ -71,6 +71,7 @@ class OptimizerProbe:
         self.on_new_optimizer = on_new_optimizer
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.seen: set[int] = set()  # ids of self.optimizers: a cheaper test on every step
+        self.first_step: dict[int, int] = {}  # id -> the order of its first step (reports number them so)
         self.classes: list[str] = []  # the class of every optimizer seen stepping, in order
         self.set_to_none: bool | None = None  # as last passed to zero_grad
         self.total_steps = 0  # optimizer.step() calls that ran, of any optimizer (monotonic)
@@ -123,6 +124,7 @@ class OptimizerProbe:
             if key not in self.seen:
                 self.timeline.not_by_hand()  # an optimizer updates the parameters
                 self.seen.add(key)
+                self.first_step[key] = max(self.first_step.values(), default=-1) + 1
                 self.classes.append(type(optimizer).__name__)
                 weakref.finalize(optimizer, self._forget, key)  # an id is reused once its object dies
                 self.optimizers.add(optimizer)
@@ -133,8 +135,13 @@ class OptimizerProbe:
             self.fail(exc)
             return False
 
+    def in_order(self) -> list[torch.optim.Optimizer]:
+        """The optimizers alive, in the order they first stepped (a WeakSet has no order)."""
+        return sorted(self.optimizers, key=lambda optimizer: self.first_step.get(id(optimizer), 1 << 30))
+
     def _forget(self, key: int) -> None:
         self.seen.discard(key)
+        self.first_step.pop(key, None)
         self.measured.discard(key)
         self.rates.pop(key, None)
 

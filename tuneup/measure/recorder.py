@@ -413,7 +413,7 @@ class Recorder:
         try:
             config = read_config(
                 loaders=list(self.loader.loaders),
-                optimizers=list(self.optimizer.optimizers),
+                optimizers=self.optimizer.in_order(),
                 rate_of=self.optimizer.rate_of,
                 models=self.model.root_models(),
                 leaf_order=self.model.leaf_order,

@@ -192,8 +192,15 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
         prefetch = f", prefetch_factor={loader['prefetch_factor']}" if loader["num_workers"] else ""
         lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}")
-    for optimizer in config["optimizers"]:
-        lines.append(f"Optimizer: {optimizer['class']} ({optimizer['implementation']}), {_lr_text(optimizer)}")
+    optimizers = config["optimizers"]
+    for number, optimizer in enumerate(optimizers, 1):
+        # Several optimizers: each by what it trains (a GAN's two Adams), else by its number.
+        name = "Optimizer" if len(optimizers) == 1 else f"Optimizer {number}"
+        models = optimizer.get("models") or []
+        trains = f" for {', '.join(models)}" if len(optimizers) > 1 and models else ""
+        size = f", {optimizer['parameters']:,} parameters" if len(optimizers) > 1 else ""
+        lines.append(f"{name}: {optimizer['class']} ({optimizer['implementation']}){trains}{size}, "
+                     f"{_lr_text(optimizer)}")
     autocast = config.get("autocast") or {}
     active = [f"{device} {dtype}" for device, dtype in autocast.items() if dtype]
     lines.append(f"AMP: autocast {', '.join(active) if active else 'off'}; "
@@ -204,6 +211,16 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
         lines.append(f"Model: {model['class']}, {model['parameters']:,} parameters ({dtypes}) on "
                      f"{', '.join(model['devices'])}")
     return lines
+
+
+def batch_text(window: dict[str, Any], config: dict[str, Any] | None) -> str | None:
+    """The batch size as the job set it: its DataLoaders' batch_size where they agree (the
+    window's mean is lower when an epoch's last batch is short), else the mean per batch."""
+    sizes = {loader.get("batch_size") for loader in (config or {}).get("loaders") or []}
+    if len(sizes) == 1 and None not in sizes:
+        return f"batch {sizes.pop()}"
+    mean = window.get("batch_size")
+    return f"{mean:.1f} samples per batch on average" if mean else None
 
 
 def render(snapshot: dict[str, Any]) -> Group:
@@ -221,8 +238,9 @@ def render(snapshot: dict[str, Any]) -> Group:
         return Group(*parts)
     throughput = (f"Throughput: {_rate(window['steps_per_second'], 'steps/s')}, "
                   f"{_rate(window['samples_per_second'], 'samples/s')}")
-    if window.get("batch_size"):
-        throughput += f" (batch {window['batch_size']:g})"
+    batch = batch_text(window, snapshot.get("config"))
+    if batch:
+        throughput += f" ({batch})"
     parts.append(Text(throughput))
     boundary = (snapshot.get("habits") or {}).get("step_boundary")
     if boundary:

@@ -22,10 +22,29 @@ def ranks_label(finding: dict[str, Any]) -> str:
     return f" (rank {ranks[0]})" if ranks else ""
 
 
+WANTS_SHOWN = 4  # reasons a rule could not be checked, the most common first
+
+
 def checked_summary(document: dict[str, Any]) -> str:
-    evaluation = document["runs"][0]["evaluation"] if document["runs"] else {}
-    passed, unmeasured = len(evaluation.get("passed", [])), len(evaluation.get("unmeasured", []))
-    return f"{passed} rules checked and passed, {unmeasured} had nothing to measure on this run"
+    """One line: how many rules passed, how many could not be checked and for want of what
+    (a rule that had no steps to read did not pass)."""
+    run = document["runs"][0] if document["runs"] else {}
+    evaluation = run.get("evaluation") or {}
+    passed, unmeasured = len(evaluation.get("passed", [])), evaluation.get("unmeasured", [])
+    steps = ((run.get("snapshot") or {}).get("totals") or {}).get("steps")
+    if steps == 0:  # nothing a step shows was measured: the rules that passed read settings only
+        return (f"no training step was measured, so {len(unmeasured)} rules could not be checked; {passed} "
+                f"checked the job's settings alone and passed")
+    wanting = evaluation.get("wanting") or {}
+    counts: dict[str, int] = {}
+    for rule in unmeasured:
+        counts[wanting.get(rule, "its input")] = counts.get(wanting.get(rule, "its input"), 0) + 1
+    reasons = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    why = "; ".join(f"{count} wanting {what}" for what, count in reasons[:WANTS_SHOWN])
+    if len(reasons) > WANTS_SHOWN:
+        why += f"; {sum(count for _, count in reasons[WANTS_SHOWN:])} more"
+    text = f"{passed} rules checked and passed"
+    return text + (f", {len(unmeasured)} could not be checked ({why})" if unmeasured else "")
 
 
 def findings_group(document: dict[str, Any]) -> Group:

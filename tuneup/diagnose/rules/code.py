@@ -196,3 +196,44 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
         fix="loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()",
         gain_text="steadier training (bounded updates)",
     )
+
+
+FILE_WRITE_SHARE = 0.05  # of the step time
+
+
+@rule(
+    id="file-writes-in-step",
+    title="The training step writes files or figures",
+    severity="medium",
+    inputs="calls of torch.save, numpy.save/savez/savetxt, matplotlib's savefig, PIL's Image.save and "
+           "torchvision's save_image on watched steps, their time and source lines",
+    threshold=f"those writes take >= {percent(FILE_WRITE_SHARE)} of the step time (watched steps' mean)",
+    why="A write inside the step holds the training loop on the disk (or a network filesystem) and, for "
+        "a figure, on rendering: the GPU idles meanwhile. A checkpoint or a sample image every few "
+        "hundred steps costs little; every step, it can cost more than the step. Watched steps are a "
+        "sample: writes rarer than one in ~50 steps may go unseen.",
+    doc="https://docs.pytorch.org/docs/stable/distributed.checkpoint.html",
+)
+def file_writes_in_step(facts: Facts) -> Evidence | None:
+    habits = facts.habits
+    per_step = habits.get("file_write_seconds_per_step")
+    if per_step is None:
+        raise Missing("a watched step")
+    step = facts.window["step_seconds"]["median"]
+    share = per_step / step if step else 0.0
+    if share < FILE_WRITE_SHARE:
+        return None
+    sources = habits.get("file_write_sources") or []
+    where = ", ".join(f"{s['location']}" for s in sources[:3])
+    return Evidence(
+        observed=f"the step writes {habits['file_writes_per_step']:.1f} files or figures per step, taking "
+                 f"{per_step * 1e3:.1f} ms of a {step * 1e3:.1f} ms step ({percent(share)})"
+                 + (f", at {where}" if where else ""),
+        numbers={"writes_per_step": habits["file_writes_per_step"], "write_seconds_per_step": per_step,
+                 "share": share, "sources": sources, "watched_steps": habits.get("watched_steps")},
+        fix="if step % 500 == 0:   # write every N steps, not every step\n"
+            "    torch.save(model.state_dict(), path)\n"
+            "# checkpoints off the training thread: torch.distributed.checkpoint.async_save;\n"
+            "# figures: log the numbers every step, plot them after (or every N steps)",
+        gain=min(1.0, share),
+    )

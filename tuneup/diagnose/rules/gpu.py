@@ -34,7 +34,7 @@ def gpu_launch_bound(facts: Facts) -> Evidence | None:
     if not facts.on_cuda:
         raise Missing("a CUDA job")
     utilization = _utilization(facts)
-    stall = facts.need(facts.window.get("stall_ratio"))
+    stall = facts.need(facts.window.get("stall_ratio"), "the data wait")
     if utilization >= LAUNCH_BOUND_UTILIZATION or stall >= LOW_STALL:
         return None
     return Evidence(

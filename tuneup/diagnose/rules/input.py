@@ -3,12 +3,15 @@ copies, unnormalized inputs, and a CPU oversubscribed by loader workers and torc
 
 from __future__ import annotations
 
+import math
+
 from ..rule import Evidence, Facts, Missing, rule
 from ...format import percent, read_rate, seconds
 from ...measure.copies import BLOCKING_COPY_KIND
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 STALL_THRESHOLD = 0.10
+CPU_BOUND_WORKER = 0.7  # a worker busy this share of the time or more is CPU-bound
 
 
 @rule(
@@ -24,14 +27,23 @@ STALL_THRESHOLD = 0.10
 )
 def data_stall(facts: Facts) -> Evidence | None:
     window = facts.window
-    stall = facts.need(window.get("stall_ratio"))
+    stall = facts.need(window.get("stall_ratio"), "the data wait")
     if stall < STALL_THRESHOLD:
         return None
     loader = max(facts.loaders, key=lambda entry: entry.get("num_workers") or 0) if facts.config.get("loaders") else {}
     workers = loader.get("num_workers")
-    cores = (facts.snapshot.get("system") or {}).get("host", {}).get("usable_cores")
+    host = (facts.snapshot.get("system") or {}).get("host") or {}
+    cores = host.get("usable_cores")
     suggested = max(2, min(8, cores or 4)) if not workers else min(2 * workers, max(workers + 1, cores or 2 * workers))
-    options = [f"num_workers={suggested}", "persistent_workers=True", "prefetch_factor=4"]
+    # Workers busy nearly all the time are CPU-bound: more of them only help where there are
+    # free cores to run them (measured: the cores the job and other processes leave idle).
+    cpu_bound = bool(workers and host.get("workers")
+                     and (host.get("workers_cpu_ratio") or 0) / host["workers"] >= CPU_BOUND_WORKER)
+    free = cores - sum(_job_cpu(host)) if cores and host else None
+    if cpu_bound and free is not None:
+        suggested = min(suggested, workers + int(free))
+    options = (["persistent_workers=True", "prefetch_factor=4"] if suggested <= (workers or 0)
+               else [f"num_workers={suggested}", "persistent_workers=True", "prefetch_factor=4"])
     if facts.on_cuda and not loader.get("pin_memory"):
         options.append("pin_memory=True")
     setting = ", ".join(f"{name}={loader.get(name)}" for name in ("num_workers", "pin_memory", "persistent_workers",
@@ -40,11 +52,15 @@ def data_stall(facts: Facts) -> Evidence | None:
                 f"{percent(stall)} of a {seconds(window['step_seconds']['median'])} step")
     if setting:
         observed += f" ({setting})"
+    if cpu_bound and suggested <= workers:
+        observed += (f"; its {workers} workers are CPU-bound ({host['workers_cpu_ratio']:.1f} cores busy) and "
+                     f"the {cores} usable cores have no room for more: make each sample cheaper to load "
+                     "(pre-processed data, lighter decoding and augmentation, or augment on the GPU)")
     return Evidence(
         observed=observed,
         numbers={"stall_ratio": stall, "data_wait_seconds": window["data_wait_seconds"]["median"],
                  "step_seconds": window["step_seconds"]["median"], "num_workers": workers,
-                 "usable_cores": cores},
+                 "usable_cores": cores, "workers_cpu_bound": cpu_bound},
         fix=loader_fix(facts, options),
         gain=stall,
         severity="high" if stall >= 0.3 else None,
@@ -224,34 +240,62 @@ def input_not_normalized(facts: Facts) -> Evidence | None:
 
 
 BUSY_SHARE = 0.8  # psutil's per-interval CPU readings of short-lived workers run low
+OTHERS_MIN_CORES = 0.5  # other processes' load below this is the machine's background
+IDLE_CORES = 0.05  # CPU readings this small are a process's idling
+
+
+def _job_cpu(host: dict) -> tuple[float, float, float]:
+    """(cores the job's process uses, cores its loader workers use, cores other processes use)
+    on the cores the job may use, from the host probe's measured CPU."""
+    own, workers = host.get("cpu_ratio") or 0.0, host.get("workers_cpu_ratio") or 0.0
+    return own, workers, max(0.0, (host.get("busy_cores") or 0.0) - own - workers)
 
 
 @rule(
     id="cpu-oversubscribed",
-    title="More busy threads than usable CPU cores",
+    title="The job's threads and workers, or other processes, want more CPU than it has",
     severity="medium",
-    inputs="usable cores, torch threads, loader workers, measured CPU use of the process and workers",
-    threshold=f"torch threads + loader workers > usable cores while >= {percent(BUSY_SHARE)} of the cores are busy",
-    why="Workers and torch's intra-op threads then preempt each other; the configured demand "
-        "alone is not enough (idle I/O workers cost nothing), so the measured load must be high too.",
+    inputs="usable cores, torch threads, loader workers, the measured CPU of the process, of its workers "
+           "and of the machine",
+    threshold=f"the job's own threads + busy workers > usable cores while the job itself keeps >= "
+              f"{percent(BUSY_SHARE)} of them busy; or the cores >= {percent(BUSY_SHARE)} busy with >= "
+              f"{OTHERS_MIN_CORES:g} cores of other processes' work",
+    why="Workers and torch's intra-op threads then preempt each other; the configured demand alone is "
+        "not enough (idle I/O workers cost nothing), so the job's own measured load must be high too. "
+        "When the load is other processes', fewer torch threads would not help: the job needs the cores.",
     doc="https://docs.pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html",
 )
 def cpu_oversubscribed(facts: Facts) -> Evidence | None:
     host = facts.host
-    cores = facts.need(host.get("usable_cores"))
+    cores = facts.need(host.get("usable_cores"), "the usable core count")
     threads = host.get("torch_threads") or 1
     workers = host.get("workers") or 0
-    # Busy cores: this job's (process + workers) or the whole machine's on the cores it may
-    # use, whichever is higher (a neighbour's load oversubscribes the cores just the same).
-    busy = max((host.get("cpu_ratio") or 0) + (host.get("workers_cpu_ratio") or 0), host.get("busy_cores") or 0)
-    demand = threads + workers
-    if demand <= cores or busy < BUSY_SHARE * cores:
-        return None
-    keep = max(1, cores - workers)
-    return Evidence(
-        observed=f"{threads} torch threads + {workers} loader workers on {cores} usable cores, "
-                 f"{busy:.1f} cores busy",
-        numbers={"usable_cores": cores, "torch_threads": threads, "workers": workers, "busy_cores": busy},
-        fix=f"torch.set_num_threads({keep})   # leave a core per loader worker",
-        gain_text="less contention between the loader workers and the training thread",
-    )
+    own, workers_cpu, others = _job_cpu(host)
+    busy = own + workers_cpu + others
+    # Idle workers (I/O-bound, or waiting on a full queue) compete with nobody: count the cores
+    # the workers keep busy, averaged over the window, rounded up.
+    busy_workers = min(workers, math.ceil(workers_cpu - IDLE_CORES))
+    numbers = {"usable_cores": cores, "torch_threads": threads, "workers": workers, "busy_workers": busy_workers,
+               "job_cores": own + workers_cpu, "other_cores": others, "busy_cores": busy}
+    if threads + busy_workers > cores and own + workers_cpu >= BUSY_SHARE * cores:
+        keep = max(1, cores - busy_workers)
+        if keep >= threads:
+            return None  # already at the fewest threads that leave the workers their cores
+        return Evidence(
+            observed=f"the job keeps {own + workers_cpu:.1f} of its {cores} usable cores busy: {threads} torch "
+                     f"threads ({own:.1f} cores) and {busy_workers} busy loader workers ({workers_cpu:.1f} cores) "
+                     f"compete for them",
+            numbers=numbers,
+            fix=f"torch.set_num_threads({keep})   # leave a core per busy loader worker",
+            gain_text="less contention between the loader workers and the training thread",
+        )
+    if busy >= BUSY_SHARE * cores and others >= OTHERS_MIN_CORES:
+        return Evidence(
+            observed=f"the machine is busy with other work: other processes use {others:.1f} of the job's "
+                     f"{cores} usable cores (the job itself {own + workers_cpu:.1f})",
+            numbers=numbers,
+            fix="# run the job where its cores are free, or give it cores of its own:\n"
+                "#   taskset / numactl --physcpubind, a cgroup cpuset, your scheduler's exclusive CPUs",
+            gain_text="the CPU time other processes take from the training thread and its workers",
+        )
+    return None

@@ -1,5 +1,5 @@
-"""Mixed precision: AMP and TF32 left off, fp16 without a GradScaler, GradScaler skipping
-steps, and layer sizes Tensor Cores cannot use fully."""
+"""Precision: a model trained in float64, AMP and TF32 left off, fp16 without a GradScaler,
+GradScaler skipping steps, and layer sizes Tensor Cores cannot use fully."""
 
 from __future__ import annotations
 
@@ -12,6 +12,54 @@ AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
 AMP_SPEEDUP_SHARE = 0.5
 # TF32 runs fp32 matmuls on Tensor Cores: conservatively a third of forward + backward.
 TF32_SPEEDUP_SHARE = 1 / 3
+# float64 runs at half float32's rate at best (CPU vector units, datacenter GPUs; 1/32-1/64 on
+# most consumer GPUs): at least half of forward + backward goes with it.
+FP64_SPEEDUP_SHARE = 0.5
+FP64_PARAMETERS = 0.5  # share of a model's parameters in float64 that makes it a float64 model
+
+
+def _float64_models(config: dict) -> list[dict]:
+    """The models seen training with FP64_PARAMETERS or more of their parameters in float64."""
+    heavy = []
+    for model in config.get("models") or []:
+        dtypes = model.get("dtypes") or {}
+        total = sum(dtypes.values())
+        if total and dtypes.get("float64", 0) >= FP64_PARAMETERS * total:
+            heavy.append(model)
+    return heavy
+
+
+@rule(
+    id="float64-model",
+    title="The model trains in float64",
+    severity="high",
+    inputs="parameter dtypes of the models seen training; the step's forward and backward share",
+    threshold=f"{percent(FP64_PARAMETERS)} or more of a trained model's parameters are float64",
+    why="float64 runs at half float32's rate at best (CPUs, datacenter GPUs) and at 1/32-1/64 of it on "
+        "most consumer GPUs, moves twice the bytes and has no Tensor-Core or AMX path, while training "
+        "needs no more than float32. It comes from torch.set_default_dtype(torch.float64), .double(), "
+        "or NumPy's float64 arrays made into parameters or inputs.",
+    doc="https://docs.pytorch.org/docs/stable/generated/torch.set_default_dtype.html",
+)
+def float64_model(facts: Facts) -> Evidence | None:
+    heavy = _float64_models(facts.config)
+    if not heavy:
+        return None
+    try:
+        share = _compute_share(facts)
+    except Missing:
+        share = None  # too few steps for the split: the finding stands on the dtypes
+    names = ", ".join(f"{m['class']} ({m['dtypes'].get('float64', 0):,} float64 parameters)" for m in heavy)
+    return Evidence(
+        observed=f"{names} trains in float64"
+                 + (f"; forward + backward take {percent(share)} of a step" if share is not None else ""),
+        numbers={"models": [m["class"] for m in heavy], "compute_share": share},
+        fix="model = model.float()   # and the inputs: x = x.float(); torch.from_numpy(a).float()\n"
+            "# drop torch.set_default_dtype(torch.float64) / .double() where the job sets them",
+        gain=FP64_SPEEDUP_SHARE * share if share is not None else None,
+        gain_text=None if share is not None else "2x faster matmuls and half the memory traffic at least; "
+                                                  "far more on consumer GPUs",
+    )
 
 
 def _compute_share(facts: Facts) -> float | None:
@@ -48,8 +96,8 @@ def _accelerated(facts: Facts) -> str | None:
     can_apply=True,
 )
 def amp_off(facts: Facts) -> Evidence | None:
-    if facts.reduced_precision is not None:
-        return None
+    if facts.reduced_precision is not None or _float64_models(facts.config):
+        return None  # a float64 model: float64-model first, AMP once it trains in float32
     autocast = facts.config.get("autocast")
     if autocast is None:
         raise Missing("autocast state (no forward seen)")
