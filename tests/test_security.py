@@ -156,3 +156,15 @@ def test_a_wider_mode_for_shared_analysis_is_an_option(tmp_path):
         pass
     path = Path(agent.state.run_log)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640 and stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+
+
+def test_the_training_job_label_hides_what_tuneup_redact_lists(monkeypatch):
+    from tuneup.measure.state import run_info
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "vault-7.internal")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "exp")
+    assert run_info("advise")["training_job"] == "exp:vault-7.internal:29500"
+    monkeypatch.setenv("TUNEUP_REDACT", "value:vault-7.internal")
+    assert run_info("advise")["training_job"] == "exp:<redacted>:29500"

@@ -63,7 +63,8 @@ def run_info(mode: str, job: str | None = None) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:12]
     return {
         "run_id": run_id,
-        "training_job": job or training_job(run_id),
+        # From the environment (or the option): what TUNEUP_REDACT lists is hidden here too.
+        "training_job": redact.text(job or training_job(run_id), redact.listed()[1]),
         "tuneup": __version__,
         "started_at": time.time(),
         "pid": os.getpid(),
