@@ -47,10 +47,8 @@ def reports(tmp_path_factory):
     out = {}
     for name in ("plain_loop.py", "lightning_job.py", "hf_trainer.py"):
         run_dir = tmp_path_factory.mktemp(name.removesuffix(".py")) / "run"
-        began = time.monotonic()
         result = run_example(name, "--steps", "150", "--run-dir", str(run_dir))
-        out[name] = {"report": report(run_dir), "events": events(run_dir), "stdout": result.stdout,
-                     "seconds": time.monotonic() - began}
+        out[name] = {"report": report(run_dir), "events": events(run_dir), "stdout": result.stdout}
     return out
 
 
@@ -62,7 +60,6 @@ def test_every_framework_gives_the_plain_loops_finding_for_the_same_bottleneck(r
     # ~1 ms per sample, 16 per batch, in the main process: most of every step, in every framework.
     assert found[0]["evidence"]["stall_ratio"] > 0.4 and abs(found[0]["evidence"]["stall_ratio"] - plain) < 0.35
     assert "Advice, ranked by estimated gain" in reports[name]["stdout"]
-    assert reports[name]["seconds"] < 60  # each example runs in under a minute on CPU
 
 
 def test_lightning_settings_come_from_the_trainer_and_validation_is_not_training(reports):
