@@ -20,6 +20,10 @@ mutex with the GIL released (torch/csrc/distributed/c10d/init.cpp: `py::call_gua
 py::gil_scoped_release>`), so reading it from the agent's background thread neither blocks
 the training thread nor can deadlock with a Python comm hook.
 
+Not a comm hook of ours: DDP takes one (`Reducer::register_comm_hook`: "register_comm_hook or
+register_builtin_comm_hook can only be called once", reducer.cpp), so ours would take the
+job's place or be refused; nor per-parameter gradient hooks on the training thread.
+
 Each tick reads every DDP model once; a new sampled iteration adds one entry to the model's
 short window, and the summary is the window's median (summed over the DDP models a step runs,
 as a GAN's two). The first iterations (bucket rebuild, the ranks meeting for the first time)
