@@ -57,13 +57,18 @@ def test_files_written_inside_the_step_are_found_with_their_line(run_dir, tmp_pa
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 1024), torch.randn(8, 1)
-    with attach(run_dir / "writes") as writer:
+
+    def train(checkpoint: bool) -> None:
         for _ in range(80):
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            torch.save(model.state_dict(), tmp_path / "checkpoint.pt")  # the write
+            if checkpoint:
+                torch.save(model.state_dict(), tmp_path / "checkpoint.pt")  # the write
+
+    with attach(run_dir / "writes") as writer:
+        train(checkpoint=True)
     found, habits = rules(writer), writer.snapshot()["habits"]
     finding = found["file-writes-in-step"]
     line = next(i for i, text in enumerate(open(__file__), 1) if text.rstrip().endswith("# the write"))
@@ -71,11 +76,7 @@ def test_files_written_inside_the_step_are_found_with_their_line(run_dir, tmp_pa
     assert habits["file_writes_per_step"] == 1.0  # one write on every watched step
     assert finding["gain"] >= FILE_WRITE_SHARE
     with attach(run_dir / "quiet") as quiet:
-        for _ in range(80):
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        train(checkpoint=False)
     assert "file-writes-in-step" not in rules(quiet)
     assert quiet.snapshot()["habits"]["file_writes"] == 0
 
