@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,8 +29,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = ROOT / "tests" / "programs"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.conftest import PROGRAMS, ROOT, child_env, free_port  # noqa: E402
+
 PROMETHEUS_RULES = ROOT / "agents" / "prometheus"
 SERIES_BUDGET = 150  # per rank with its own GPU: docs/metrics.md "Series budget"
 STRAGGLER, SLOW_NODE, DROP_AT = 77, 5, 45.0  # the injected straggler rank, slow node, throughput drop (s)
@@ -40,14 +41,7 @@ SCRAPE = "2s"
 RAW = 'count({job="tuneup", __name__=~"tuneup_.*|process_.*|python_.*"})'
 
 
-def environment(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
-
-
-def get_json(url: str, timeout: float = 60) -> dict:
+def get_json(url: str, timeout: float = 10) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -63,9 +57,9 @@ def capture_template(folder: Path, deadline: float = 90.0) -> str:
     job = subprocess.Popen(
         [sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "120", "--ddp", "--fake-allocator",
          "--workers", "2", "--skip-every", "4", "--delay", "0.002"],
-        env=environment(TUNEUP_NVML_MODULE="tests.fake_nvml", FAKE_NVML_GPUS="8", FAKE_NVML_OWN_GPU="3",
-                        TUNEUP_PORT="0", TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5",
-                        TUNEUP_REGISTRY_DIR=str(folder / "agents")),
+        env=child_env(TUNEUP_NVML_MODULE="tests.fake_nvml", FAKE_NVML_GPUS="8", FAKE_NVML_OWN_GPU="3",
+                      TUNEUP_PORT="0", TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5",
+                      TUNEUP_REGISTRY_DIR=str(folder / "agents")),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         url = json.loads(job.stdout.readline())["url"]
@@ -97,7 +91,7 @@ class FleetPrometheus:
         self.started = time.monotonic()
         self.ports, self.series_per_rank = served["ports"], served["series_per_rank"]
         self.ranks = nodes * per_node
-        port = _free_port()
+        port = free_port()
         config = {
             "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE, "scrape_timeout": SCRAPE},
             "rule_files": [str(PROMETHEUS_RULES / "tuneup-recording.yml"), str(PROMETHEUS_RULES / "tuneup-alerts.yml")],
@@ -140,14 +134,6 @@ class FleetPrometheus:
             process.kill()
         for process in self.processes:
             process.wait(20)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def ranks_dashboard_queries() -> list[tuple[str, str]]:

@@ -12,19 +12,17 @@ a CUDA job's would.
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 import yaml
 
+from benchmarks.bench_fleet_prometheus import get_json, query
 from tests.conftest import PROGRAMS, ROOT, child_env
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -58,17 +56,6 @@ def free_ports(count):
     finally:
         for probe in sockets:
             probe.close()
-
-
-def get_json(url, timeout=10):
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def query(base, expr):
-    payload = get_json(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
-    assert payload["status"] == "success", payload
-    return payload["data"]["result"]
 
 
 def substitute(expr):

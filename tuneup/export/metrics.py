@@ -124,7 +124,7 @@ class AgentCollector(Collector):
         self.state = state
         self.warn = warn
         self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank),
-                                               str(state.run_info.get("training_job") or state.run_info["run_id"])])
+                                               str(state.run_info["training_job"])])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
             self.run, self.steps, self.syncs, self.scaler, self.loss, self.gpu, self.allocator, self.host, self.ddp,
             self.findings, self.health)

@@ -101,7 +101,7 @@ class Outputs:
         self._announced = discovery.announce({
             "pid": info["pid"], "url": self.server.url, "run_id": info["run_id"], "run_dir": self.state.run_dir,
             "rank": info["rank"], "local_rank": info["local_rank"], "argv": info["argv"],
-            "started_at": info["started_at"], "host": info["host"], "group": info.get("training_job") or info["run_id"],
+            "started_at": info["started_at"], "host": info["host"], "group": info["training_job"],
             "mode": self.options.mode,
         })
         if self._announced is None:

@@ -124,7 +124,7 @@ class OptimizerProbe:
             if key not in self.seen:
                 self.timeline.not_by_hand()  # an optimizer updates the parameters
                 self.seen.add(key)
-                self.first_step[key] = max(self.first_step.values(), default=-1) + 1
+                self.first_step[key] = len(self.classes)  # classes grows by one per new optimizer
                 self.classes.append(type(optimizer).__name__)
                 weakref.finalize(optimizer, self._forget, key)  # an id is reused once its object dies
                 self.optimizers.add(optimizer)

@@ -224,7 +224,7 @@ def file_writes_in_step(facts: Facts) -> Evidence | None:
     if share < FILE_WRITE_SHARE:
         return None
     sources = habits.get("file_write_sources") or []
-    where = ", ".join(f"{s['location']}" for s in sources[:3])
+    where = ", ".join(s["location"] for s in sources[:3])
     return Evidence(
         observed=f"the step writes {habits['file_writes_per_step']:.1f} files or figures per step, taking "
                  f"{per_step * 1e3:.1f} ms of a {step * 1e3:.1f} ms step ({percent(share)})"
