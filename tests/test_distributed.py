@@ -162,8 +162,17 @@ def test_two_nodes_name_the_slow_rank_on_the_other_node_and_their_run_dirs_merge
 def test_a_killed_node_tears_down_without_hanging_anyone(tmp_path):
     began = time.monotonic()
     launchers = two_nodes(tmp_path, "--steps", "100000")
+
+    def training(node):
+        """Node's two ranks, once both have stepped: killed before then, node 0 would be waiting
+        in gloo's connect to ranks that never arrive (init_process_group's 30-minute timeout),
+        which is torch's own wait and not what this test is about."""
+        agents = discovery.live_agents(tmp_path / f"agents{node}")
+        stepping = [a for a in agents if any(s.value > 5 for s in samples(a["url"], "tuneup_step_seconds_count"))]
+        return agents if len(stepping) == 2 else None
+
     try:
-        wait_for(lambda: len(discovery.live_agents(tmp_path / "agents1")) == 2 or None, timeout=120)
+        wait_for(lambda: training(0) and training(1), timeout=120)
         launchers[1].send_signal(signal.SIGKILL)  # the whole node 1 launcher, then its workers
         for entry in discovery.live_agents(tmp_path / "agents1"):
             try:
@@ -176,5 +185,11 @@ def test_a_killed_node_tears_down_without_hanging_anyone(tmp_path):
     finally:
         for launcher in launchers:
             launcher.kill()
+        for node in (0, 1):  # no orphaned worker outlives the test, whatever happened
+            for entry in discovery.live_agents(tmp_path / f"agents{node}"):
+                try:
+                    os.kill(entry["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert launchers[0].returncode != 0
     assert time.monotonic() - began < 240
