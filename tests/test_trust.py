@@ -1,5 +1,6 @@
 """What a report says, checked against what the loop really did (issue: trust): new rules for
-problems the catalog missed (a float64 model, files written inside the step), the batch size
+problems the catalog missed (a float64 model, files written inside the step, training
+forwards whose graph no backward uses), the batch size
 as the job set it, several optimizers told apart, and what could not be checked said as such.
 Each loop is written the way public scripts write it; its ground truth is in the comments."""
 
@@ -155,3 +156,45 @@ def test_a_machine_busy_with_other_work_is_said_so_and_the_idle_workers_are_not_
     assert finding["observed"].startswith("the machine is busy with other work")
     assert "set_num_threads" not in finding["fix"]
     assert finding["evidence"]["other_cores"] >= 0.5 and host["workers_cpu_ratio"] < 0.5
+
+
+DCGAN = os.path.join(os.path.dirname(__file__), "programs", "dcgan_two_optimizers.py")
+
+
+def run_dcgan(run_dir, *args):
+    """tests/programs/dcgan_two_optimizers.py under `tuneup run`, every step a detail step (so
+    every forward is watched and the count is exact); its findings and its last habits."""
+    import json
+
+    from tests.conftest import child_env
+
+    env = child_env(TUNEUP_RUN_DIR=str(run_dir), TUNEUP_PORT="0", TUNEUP_DETAIL_EVERY="1", TUNEUP_CPU_BF16="0")
+    job = subprocess.run([sys.executable, "-m", "tuneup", "run", DCGAN, "--workers", "0", *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-2000:]
+    report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir), "--format", "json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    habits = [e["habits"] for e in events if "habits" in e][-1]
+    return {f["rule"]: f for f in json.loads(report.stdout)["findings"]}, habits
+
+
+def test_a_generator_sampled_without_no_grad_is_found_and_the_gan_step_itself_is_not(tmp_path):
+    # Ground truth (the program's docstring): 10 epochs of 6 iterations, one step each (60);
+    # every step runs netD 3 times and netG once, every graph used by a backward; with
+    # --sample-every 2, iterations 0, 2 and 4 of each epoch also run netG(fixed_noise) in
+    # train() mode with autograd on and only detach its output: 30 unused graphs, all netG's.
+    found, habits = run_dcgan(tmp_path / "sampled", "--niter", "10", "--sample-every", "2")
+    # Not watched: the first steps' forwards while tuneup finds the models (one step for netD,
+    # then one for netG once its optimizer stepped) and those of the run's last step, which
+    # is decided once a next step closed: 28 to 30 of the 30 samples, 4 x 57 of the rest at least.
+    assert habits["unused_forward_models"] == {"Generator": habits["training_forwards_unused"]}
+    assert 28 <= habits["training_forwards_unused"] <= 30
+    assert habits["training_forwards_watched"] >= 57 * 4 + 28
+    finding = found["unused-forward-graph"]
+    assert "Generator" in finding["observed"] and "with torch.no_grad():" in finding["fix"]
+    # The same GAN without sampling: every forward's graph is used (fake.detach() included).
+    found, habits = run_dcgan(tmp_path / "plain", "--niter", "10")
+    assert habits["training_forwards_unused"] == 0 and habits["training_forwards_watched"] >= 57 * 4
+    assert "unused-forward-graph" not in found

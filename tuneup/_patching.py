@@ -117,8 +117,10 @@ def posing_as(original: Any, template: str, *, home: type | None = None, **bindi
     So the wrapper gets `original`'s globals, file, name and def line (for a function written
     in C, those of `home`, the class that holds it). The names it uses itself are `bindings`:
     closure variables, all `_tuneup_`-prefixed (no clash with the user's names); it uses no
-    global name, not even a builtin. Every line of it is numbered as the def line, so a
-    traceback through it shows that line rather than a line of tuneup.
+    global name, not even a builtin. An exception passing through it leaves with the
+    wrapper's own traceback entry taken off (`unwind`): the traceback is the job's own.
+    (Every line of it is numbered as the def line, so where the entry stays, Python 3.10,
+    it shows that line rather than a line of tuneup.)
 
     `template` is the source of one function definition using the names in `bindings`.
     """
@@ -134,9 +136,14 @@ def posing_as(original: Any, template: str, *, home: type | None = None, **bindi
         filename, line, globals_ = _class_place(home)
         name = original.__name__
         qualname = f"{home.__qualname__}.{name}"
+    bindings = dict(bindings, _tuneup_unwind=unwind)
     names = sorted(bindings)
-    source = f"def _tuneup_factory({', '.join(names)}):\n" + "".join(
-        f"    {text}\n" for text in template.strip("\n").splitlines()) + "    return " + _defined(template) + "\n"
+    header, *body = template.strip("\n").splitlines()
+    source = (f"def _tuneup_factory({', '.join(names)}):\n    {header}\n        try:\n"
+              + "".join(f"        {text}\n" for text in body)
+              + "        except BaseException as _tuneup_raised:\n"
+              + "            _tuneup_unwind(_tuneup_raised)\n            raise\n"
+              + "    return " + _defined(template) + "\n")
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if "lineno" in node._attributes:
@@ -150,6 +157,22 @@ def posing_as(original: Any, template: str, *, home: type | None = None, **bindi
         code = code.replace(co_qualname=qualname)
     wrapper = types.FunctionType(code, globals_, name, inner.__defaults__, inner.__closure__)
     return functools.update_wrapper(wrapper, original)
+
+
+def unwind(exc: BaseException) -> None:
+    """Take the calling wrapper's own entry off `exc`'s traceback; the wrapper then re-raises
+    with a bare `raise`, and the job's traceback is the one it prints without tuneup: no frame
+    of a wrapper between the job's call and the function it called.
+
+    Python 3.11+: a bare `raise` re-raises with the exception's own `__traceback__` and adds
+    no entry for the frame that re-raises (CPython Python/ceval.c: RAISE_VARARGS 0 goes through
+    do_raise to `exception_unwind`, past the `error` label's PyTraceBack_Here; the same for the
+    RERAISE a `finally` ends with). Python 3.10 re-raises the traceback its handler caught
+    (the frame's exc_info), so there the wrapper's entry stays, at the wrapped function's def
+    line (posing_as)."""
+    traceback = exc.__traceback__
+    if traceback is not None and traceback.tb_frame is sys._getframe(1):
+        exc.__traceback__ = traceback.tb_next
 
 
 def _class_place(cls: type) -> tuple[str, int, dict[str, Any]]:

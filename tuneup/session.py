@@ -13,6 +13,7 @@ import threading
 import warnings
 from typing import Any, Callable, TypeVar
 
+from ._patching import unwind
 from .options import TuneupWarning, resolve
 
 _current: Any = None  # the Agent of this process
@@ -72,6 +73,9 @@ def step_function(function: F) -> F:
             agent.begin_step()
         try:
             return function(*args, **kwargs)
+        except BaseException as exc:
+            unwind(exc)  # the job's own traceback, as without the decorator (_patching.py)
+            raise
         finally:
             if agent is not None:
                 agent.step()

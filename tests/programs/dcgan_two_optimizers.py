@@ -10,7 +10,12 @@ Ground truth, from this source (defaults: 2 epochs of 96 images, batch 16, 2 wor
 - host reads: 5 per step, on the lines marked READ-DX, READ-DGZ1, READ-DGZ2 and READ-PRINT
   (two on that one);
 - forward passes: 3 per step (D real, D fake, D on fake for G) plus G once; backward: 3;
-- input: a TensorDataset in memory behind 2 workers: no stall expected.
+- input: a TensorDataset in memory behind 2 workers: no stall expected;
+- every graph a forward records is used by a backward: fake's by errG.backward() (D on
+  fake.detach() records a graph of its own, used by errD_fake.backward()). With
+  --sample-every N, iterations i = 0, N, 2N ... of each epoch also run netG(fixed_noise) as
+  dcgan/main.py does for its sample images (there every 100): netG in train() mode, autograd
+  on, the output only detached: ceil(6 / N) graphs per epoch that no backward uses.
 """
 
 import argparse
@@ -26,6 +31,7 @@ parser.add_argument("--batchSize", type=int, default=16)
 parser.add_argument("--niter", type=int, default=2)
 parser.add_argument("--lr", type=float, default=0.0002)
 parser.add_argument("--beta1", type=float, default=0.5)
+parser.add_argument("--sample-every", type=int, default=0, help="sample netG(fixed_noise) every N iterations")
 opt = parser.parse_args()
 
 torch.manual_seed(999)
@@ -66,6 +72,7 @@ optimizerD = optim.Adam(netD.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
 optimizerG = optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))
 
 steps = 0
+samples = []
 for epoch in range(opt.niter):
     for i, data in enumerate(dataloader, 0):
         # (1) Update D network: maximize log(D(x)) + log(1 - D(G(z)))
@@ -94,6 +101,9 @@ for epoch in range(opt.niter):
         errG.backward()
         D_G_z2 = output.mean().item()  # READ-DGZ2
         optimizerG.step()
+        if opt.sample_every and i % opt.sample_every == 0:
+            fake = netG(fixed_noise)  # as dcgan/main.py samples: train() mode, autograd on, no backward
+            samples.append(fake.detach())
         steps += 1
         print("[%d/%d][%d/%d] Loss_D: %.4f Loss_G: %.4f D(x): %.4f D(G(z)): %.4f / %.4f"
               % (epoch, opt.niter, i, len(dataloader), errD.item(), errG.item(), D_x, D_G_z1, D_G_z2))  # READ-PRINT

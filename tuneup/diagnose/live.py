@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .._patching import unwind
 from ..measure.ranks import FLEET_WAIT_FACTOR, RankExchange, compact
 
 FINDINGS_EVERY_TICKS = 5  # the rules run every ~5 s with the default 1 s interval
@@ -47,7 +48,11 @@ class LiveDiagnosis:
                         before()
                     except Exception as exc:
                         self.warn("ranks", f"the final cross-rank summary failed: {type(exc).__name__}: {exc}")
-                return original(*args, **kwargs)
+                try:
+                    return original(*args, **kwargs)
+                except BaseException as exc:
+                    unwind(exc)  # the job's own traceback (_patching.py)
+                    raise
 
             return destroy_process_group
 

@@ -23,7 +23,9 @@ operations of tuneup's own, each costing 60-90 ns in place there):
 
 On detail steps (the first five, then one drawn at random from every `detail_every`, and
 apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer,
-the input before the first forward (input_ended), and keep the loss for reading at the close.
+the input before the first forward (input_ended), and keep the loss for reading at the close;
+a root's training forward gets a pre-hook on its output's grad_fn (model.ForwardGraphs: is
+its graph used by a backward?), about 5 µs a forward, most of it torch's register_prehook.
 `hooked`, the wrappers' gate, is True on detail steps, while an evaluation phase is open, and
 in loops that update their parameters by hand (every step: their boundary is a forward).
 
@@ -51,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._patching import unwind
 from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
@@ -65,16 +68,21 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
 
     def __next__(iterator):
         if not probe.on or (probe.tracked is not None and not getattr(iterator, TAG, False)):
-            return original(iterator)
+            try:
+                return original(iterator)
+            except BaseException as exc:  # the end of an epoch (StopIteration), a Dataset's error
+                unwind(exc)  # the job's own traceback, without this frame (_patching.py)
+                raise
         began = clock()
         tl.in_loader = True
         look = tl.fetches >= probe.next_look  # a fetch the habits or RNG checks want to see
         try:
             rng = probe.look_before(iterator) if look else None
             batch = original(iterator)
-        except BaseException:
+        except BaseException as exc:
             tl.in_loader = False
             tl.waited(began, clock())
+            unwind(exc)
             raise
         tl.in_loader = False
         try:
@@ -182,6 +190,7 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
     timed apart, ended by the next training forward (train() mode, autograd on). Counts evaluation
     forwards that build autograd graphs on the way."""
     tl, clock, roots, tracing, trained = probe.timeline, probe.clock, probe.roots, probe.tracing, probe.trained
+    graphs = probe.graphs
 
     def before(args: tuple, kwargs: dict) -> Any:
         module = args[0]
@@ -201,21 +210,28 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
                 return EVALUATION
         if not tl.detail or tracing():
             return None
-        if tl.forward_depth == 0 and probe.read_config_next_forward:
-            probe.read_config()
+        if tl.forward_depth == 0:
+            if probe.read_config_next_forward:
+                probe.read_config()
+            if module.training and probe.grad_enabled():
+                tl.forward_begin(clock())
+                return WATCHED
         tl.forward_begin(clock())
         return True
 
     def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
         if token is EVALUATION:
             tl.evaluation_forward_ended(clock())
-        else:
-            tl.forward_end(clock())
+            return
+        tl.forward_end(clock())
+        if token is WATCHED and result is not None:
+            graphs.watch(args[0], result, tl.ring.count + 1)  # is its graph used by a backward?
 
     return before, after
 
 
 EVALUATION = "evaluation"  # forward_hooks' token for an evaluation forward
+WATCHED = "watched"  # ... for a root's training forward (train() mode, grad on): model.ForwardGraphs
 
 
 def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
@@ -226,7 +242,7 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
     def before(args: tuple, kwargs: dict) -> float | None:
         if not probe.on or probe.backward_depth:
             return None
-        if probe.discovery_hooks:  # auto mode's first step: the roots are found by now
+        if probe.discovering is not None:  # auto mode's first step: the roots are found by now
             probe.end_discovery()
         if not tl.hooked:
             return None

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from .._patching import PatchSet
+from .._patching import PatchSet, unwind
 from .habits import HabitsProbe
 from .hotpath import TAG, StepTimeline, loader_next
 
@@ -100,11 +100,18 @@ class LoaderProbe:
             @functools.wraps(original)
             def __iter__(loader):
                 if not probe.on or (probe.tracked is not None and loader not in probe.tracked):
-                    return original(loader)
+                    try:
+                        return original(loader)
+                    except BaseException as exc:
+                        unwind(exc)  # the job's own traceback (_patching.py)
+                        raise
                 began = perf_counter()
                 tl.in_loader = True
                 try:
                     iterator = original(loader)
+                except BaseException as exc:  # a worker that cannot start, a sampler's error
+                    unwind(exc)
+                    raise
                 finally:
                     tl.in_loader = False
                     try:

@@ -1,7 +1,11 @@
 """Model probe: forward and backward time, the loss, and which models are being trained.
 
-Auto mode finds the models by watching one step with global module hooks: a module called
-while no other module is running is a root. After that step the roots are timed through
+Auto mode finds the models by watching one step through `nn.Module.__call__`, replaced for
+that step by a wrapper posing as torch's own (`_patching.measured`): a module called while no
+other module is running is a root. Not global module hooks: any hook sends every module call
+down `_call_impl`'s slow path, through a nested `inner()` (torch/nn/modules/module.py), so an
+exception in the first step's forward (a shape error, most often) would show torch frames it
+does not show without tuneup; the wrapper takes its own frame off the traceback. After that step the roots are timed through
 their class's `forward`, patched to check `id(module)` against the roots: a module hook
 would push every call of the root onto nn.Module's slow path (about 12 µs on a small CPU
 host), and an instance attribute would be copied by `copy.deepcopy(model)` (EMA models)
@@ -20,17 +24,21 @@ builtin in torch/jit/_builtins.py), so replacing it breaks any scripted function
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
+from collections import deque
 from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import _symbolic_trace as _fx_tracing
-from torch.nn.modules import module as module_hooks
 
 from .._patching import TRAINING_OFF_DETAIL, PatchSet, measured
 from .hotpath import StepTimeline, backward_hooks, forward_hooks
+
+_UNTIMED = "untimed"  # discovery's token for a module compiled in place
 
 # Autocast is thread-local, so it can only be read on the training thread, inside forward.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -91,11 +99,12 @@ class ModelProbe:
         self.autocast: dict[str, str | None] | None = None
         self.read_config_next_forward = True
         self._patches: PatchSet | None = None
-        self.discovery_hooks: list[Any] = []
+        self.discovering: PatchSet | None = None  # nn.Module.__call__, replaced for discovery
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
         self._discovery_evaluation = False  # the outermost forward discovery sees is an evaluation
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
+        self.graphs = ForwardGraphs()  # training forwards whose graph no backward uses
         self.grad_enabled = torch.is_grad_enabled
         self.backward_depth = 0  # a tensor subclass's __torch_function__ calls Tensor.backward again
         # Apply mode's start-time changes (act/experimenter.py at_start), called with a model
@@ -120,20 +129,20 @@ class ModelProbe:
 
     def discover(self) -> None:
         """Watch the next step with global hooks to find root modules (auto mode)."""
-        if self.explicit or self.discovery_hooks or not self.on:
+        if self.explicit or self.discovering is not None or not self.on:
             return
         self._depth = 0
         self._candidates = {}
-        self.discovery_hooks = [
-            module_hooks.register_module_forward_pre_hook(self._discovery_pre),
-            module_hooks.register_module_forward_hook(self._discovery_post, always_call=True),
-        ]
+        self.discovering = PatchSet()
+        self.discovering.replace(nn.Module, "__call__", self._discovery_call)
         self.timeline.add_listener("model-discovery", self.end_discovery)
+
+    def _discovery_call(self, original):
+        return measured(original, self._discovery_pre, self._discovery_post, self.fail)
 
     def end_discovery(self, step: int = 0) -> None:
         """End discovery once a forward was seen (or the probe is off): at a step close or at
-        the first backward. Never from inside a module hook, where torch iterates the
-        global hook dicts and removing an entry would break its loop."""
+        the first backward."""
         if not self.on:
             self._stop_discovery()
             return
@@ -145,9 +154,11 @@ class ModelProbe:
         self._candidates = {}
 
     def _stop_discovery(self) -> None:
-        for handle in self.discovery_hooks:
-            handle.remove()
-        self.discovery_hooks = []
+        if self.discovering is not None:
+            ours = vars(nn.Module)["__call__"]
+            self.discovering.undo_all()
+            _restore_dynamo_capture(ours, vars(nn.Module)["__call__"])
+        self.discovering = None
         self.timeline.remove_listener("model-discovery")
 
     def root_models(self) -> list[nn.Module]:
@@ -190,59 +201,61 @@ class ModelProbe:
         return measured(original, before, after, self.fail, gate=self.timeline, skip=TRAINING_OFF_DETAIL)
 
     def uninstall_discovery(self) -> None:
-        if self.discovery_hooks:
+        if self.discovering is not None:
             self._stop_discovery()
 
     # --- hooks ----------------------------------------------------------------------
 
-    def _discovery_pre(self, module: nn.Module, args: Any) -> None:
-        if not self.on or torch.compiler.is_compiling():  # dynamo: trace straight through
-            return
-        try:
-            if self._depth == 0:
-                if next(module.parameters(), None) is None:
-                    # A loss module or other parameter-free callable, not a model: the model
-                    # may run compiled, where these hooks never see it.
-                    return
-                timeline = self.timeline
-                # Before training starts, a forward in eval() mode is an evaluation (a loop
-                # that evaluates at iteration 0), not the step's forward.
-                # (Once a training forward was seen, another model in eval() mode, a teacher say,
-                # is part of the step.)
-                self._discovery_evaluation = not module.training and (not self.trained or id(module) in self.trained)
-                if self._discovery_evaluation:
-                    timeline.evaluation_forward(perf_counter())
-                else:
-                    if torch.is_grad_enabled():  # a training forward
-                        if timeline.evaluating:
-                            timeline.evaluation_ends()
-                        self.trained.add(id(module))
-                    timeline.forward_begin(perf_counter())
-                if id(module) not in self._candidates and id(module) not in self.roots:
-                    self._candidates[id(module)] = module
-                    self.read_config()
-                    if self.before_training is not None and not self._discovery_evaluation:
-                        self.before_training(module)  # before the model's first module runs
+    def _discovery_pre(self, args: tuple, kwargs: dict) -> Any:
+        """Before a module's call (args[0] the module; never while dynamo traces: measured
+        skips to torch's own call). True where `_discovery_post` has a depth to take back."""
+        module = args[0] if args else None
+        if not self.on or not isinstance(module, nn.Module):
+            return None
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            # Compiled in place (module.compile()): dynamo's code, not timed, and what it
+            # calls eagerly (modules of torch's own, which dynamo skips) is no root either.
             self._depth += 1
-            if len(self.leaf_order) < 10_000 and next(module.children(), None) is None:
-                if not self.roots:
-                    self.leaf_order.append(weakref.ref(module))
-        except Exception as exc:
-            self.fail(exc)
+            return _UNTIMED
+        if self._depth == 0:
+            if next(module.parameters(), None) is None:
+                # A loss module or other parameter-free callable, not a model: the model
+                # may run compiled, where this wrapper never sees it.
+                return None
+            timeline = self.timeline
+            # Before training starts, a forward in eval() mode is an evaluation (a loop
+            # that evaluates at iteration 0), not the step's forward.
+            # (Once a training forward was seen, another model in eval() mode, a teacher say,
+            # is part of the step.)
+            self._discovery_evaluation = not module.training and (not self.trained or id(module) in self.trained)
+            if self._discovery_evaluation:
+                timeline.evaluation_forward(perf_counter())
+            else:
+                if torch.is_grad_enabled():  # a training forward
+                    if timeline.evaluating:
+                        timeline.evaluation_ends()
+                    self.trained.add(id(module))
+                timeline.forward_begin(perf_counter())
+            if id(module) not in self._candidates and id(module) not in self.roots:
+                self._candidates[id(module)] = module
+                self.read_config()
+                if self.before_training is not None and not self._discovery_evaluation:
+                    self.before_training(module)  # before the model's first module runs
+        self._depth += 1
+        if len(self.leaf_order) < 10_000 and next(module.children(), None) is None:
+            if not self.roots:
+                self.leaf_order.append(weakref.ref(module))
+        return True
 
-    def _discovery_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.on or torch.compiler.is_compiling():
-            return
-        try:
-            if self._depth > 0:
-                self._depth -= 1
-                if self._depth == 0:
-                    if self._discovery_evaluation:
-                        self.timeline.evaluation_forward_ended(perf_counter())
-                    else:
-                        self.timeline.forward_end(perf_counter())
-        except Exception as exc:
-            self.fail(exc)
+    def _discovery_post(self, token: Any, output: Any, args: tuple, kwargs: dict) -> None:
+        """After a module's call, returned or raised (measured: output None then)."""
+        if self.on and self._depth > 0:
+            self._depth -= 1
+            if self._depth == 0 and token is not _UNTIMED:
+                if self._discovery_evaluation:
+                    self.timeline.evaluation_forward_ended(perf_counter())
+                else:
+                    self.timeline.forward_end(perf_counter())
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         """A root with its own instance-level forward (Accelerate): what forward_hooks does."""
@@ -273,10 +286,13 @@ class ModelProbe:
         if not self.on:
             return
         try:
-            if self.timeline.evaluating and id(module) in self.trained and not module.training:
-                self.timeline.evaluation_forward_ended(perf_counter())
+            timeline = self.timeline
+            if timeline.evaluating and id(module) in self.trained and not module.training:
+                timeline.evaluation_forward_ended(perf_counter())
             else:
-                self.timeline.forward_end(perf_counter())
+                timeline.forward_end(perf_counter())
+                if timeline.detail and timeline.forward_depth == 0 and module.training and torch.is_grad_enabled():
+                    self.graphs.watch(module, output, timeline.ring.count + 1)
         except Exception as exc:
             self.fail(exc)
 
@@ -327,6 +343,80 @@ class ModelProbe:
         self.on = False
         self.timeline.forward_depth = 0
         self.timeline.fail(self.name, exc)
+
+
+def _restore_dynamo_capture(ours: Any, original: Any) -> None:
+    """dynamo keeps `nn.Module.__call__` as it was when torch._dynamo was imported
+    (`unpatched_nn_module_call` in torch/_dynamo/utils.py, imported by name into
+    variables/nn_module.py) and short-cuts a module call to its forward only while the
+    module's `__call__` *is* that function. Imported during discovery, it kept ours: put back
+    torch's own, or every compiled module call would be traced through `__call__` for good."""
+    for name in ("torch._dynamo.utils", "torch._dynamo.variables.nn_module"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "unpatched_nn_module_call", None) is ours:
+            module.unpatched_nn_module_call = original
+
+
+class ForwardGraphs:
+    """Whether the autograd graphs of training forwards are ever used by a backward. A forward
+    of a model in train() mode with autograd on records a graph and keeps its activations for
+    a backward; one whose output no backward reaches (images sampled from a generator every N
+    steps, a metric computed on the side) paid for both for nothing.
+
+    On detail steps, the root forward's output tensors (the output, or the elements of a
+    tuple, list or dict output) get one flag, set by a pre-hook on each one's grad_fn
+    (`Node.register_prehook`: it runs when a backward, Tensor.backward or autograd.grad,
+    reaches that node). Nothing of the graph is held: a graph the job drops is dropped. The
+    background thread decides once the forward's step and the next one have closed (`settle`),
+    so a graph whose backward comes a step later is used, and the run's last steps are left
+    undecided."""
+
+    GRACE_STEPS = 1
+    MAX_OUTPUTS = 8  # tensors of one output looked at
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[int, str, list[bool]]] = deque()  # (step, model class, [used])
+        self.watched = 0  # forwards decided
+        self.unused = 0
+        self.unused_by_model: dict[str, int] = {}
+        self._settling = threading.Lock()  # the sampler's drain and a snapshot's catch-up
+
+    def watch(self, module: nn.Module, output: Any, step: int) -> None:
+        """Training thread, after a detail step's training forward of a root."""
+        if isinstance(output, torch.Tensor):
+            tensors = [output]
+        elif isinstance(output, (tuple, list)):
+            tensors = list(output[:self.MAX_OUTPUTS])
+        elif isinstance(output, dict):  # and Hugging Face's ModelOutput
+            tensors = list(output.values())[:self.MAX_OUTPUTS]
+        else:
+            return
+        used = [False]
+
+        def reached(grad_outputs: Any) -> None:
+            used[0] = True
+
+        nodes = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not nodes:
+            return  # no graph recorded (no parameter needs grad, a frozen model)
+        for node in nodes:
+            node.register_prehook(reached)
+        self.pending.append((step, type(module).__name__, used))
+
+    def settle(self, closed: int) -> None:
+        """Background thread: decide the forwards of steps up to `closed` - GRACE_STEPS."""
+        pending = self.pending
+        with self._settling:
+            while pending and pending[0][0] <= closed - self.GRACE_STEPS:
+                _, name, used = pending.popleft()
+                self.watched += 1
+                if not used[0]:
+                    self.unused += 1
+                    self.unused_by_model[name] = self.unused_by_model.get(name, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"training_forwards_watched": self.watched, "training_forwards_unused": self.unused,
+                "unused_forward_models": dict(self.unused_by_model)}
 
 
 class _RootHook:

@@ -191,7 +191,7 @@ class Recorder:
         if experimenter is not None:
             experimenter.on_close(step)
         # Wake at the next close that needs us between detail steps.
-        if syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovery_hooks:
+        if syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None:
             wake = step + 1  # (model discovery ends at a close: the backward off detail steps is not seen)
         elif syncs.on and syncs.next_sample > step:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
@@ -257,6 +257,7 @@ class Recorder:
         device values (loss, skips, GPU time) are still in flight wait for the next drain."""
         ring = self.timeline.ring
         last = ring.count
+        self.model.graphs.settle(last)
         if not final:
             pending = [self.values.oldest_pending_step()]
             if self.gpu_timer is not None:
@@ -311,7 +312,8 @@ class Recorder:
             self.input_lines.start()
 
     def habits_summary(self) -> dict[str, Any]:
-        return dict(self.habits.summary(), **self.calls.summary(), eval_forwards_with_grad=self.model.eval_with_grad,
+        return dict(self.habits.summary(), **self.calls.summary(), **self.model.graphs.summary(),
+                    eval_forwards_with_grad=self.model.eval_with_grad,
                     step_boundary=self.step_boundary(),
                     input_lines=self.input_lines.summary() if self.input_lines is not None else None)
 

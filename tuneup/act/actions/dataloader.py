@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler,
                               SubsetRandomSampler, WeightedRandomSampler)
 
-from ..._patching import PatchSet
+from ..._patching import PatchSet, unwind
 from ...measure.host import usable_cores
 from ...measure.loader import loader_of
 from ..action import FASTER, NOT_SLOWER, Action, Change, LiveJob
@@ -152,7 +152,11 @@ class _EpochStarts:
                     watched.fingerprint = fingerprint
                     stale, loader._iterator = loader._iterator, None
                     shut_down(stale)
-            return original(loader)
+            try:
+                return original(loader)
+            except BaseException as exc:
+                unwind(exc)  # the job's own traceback (_patching.py)
+                raise
 
         return __iter__
 
@@ -161,15 +165,19 @@ class _EpochStarts:
 
         @functools.wraps(original)
         def _get_iterator(loader):
-            watched = starts._of(loader)
-            if watched is None:
-                return original(loader)
-            if settings_of(loader) != watched.job_settings:
-                return epoch_iterator(loader, watched.job_settings, starts.on_failure, starts.on_source)
-            if watched.quiet:
-                starts.forget(loader, final=True)
-                return build_iterator(loader, watched.job_settings, TapedSampler(loader, watched.job_settings))
-            return original(loader)  # the job's own settings: built as the job builds it
+            try:
+                watched = starts._of(loader)
+                if watched is None:
+                    return original(loader)
+                if settings_of(loader) != watched.job_settings:
+                    return epoch_iterator(loader, watched.job_settings, starts.on_failure, starts.on_source)
+                if watched.quiet:
+                    starts.forget(loader, final=True)
+                    return build_iterator(loader, watched.job_settings, TapedSampler(loader, watched.job_settings))
+                return original(loader)  # the job's own settings: built as the job builds it
+            except BaseException as exc:
+                unwind(exc)  # the job's own traceback (_patching.py)
+                raise
 
         return _get_iterator
 

@@ -1,5 +1,5 @@
 """The training loop's and model's code: zero_grad, Conv bias before BatchNorm, evaluation
-with autograd on, debugging tools left on, single-tensor optimizers, no LR schedule, no
+with autograd on, training forwards whose graph no backward uses, debugging tools left on, single-tensor optimizers, no LR schedule, no
 gradient clipping."""
 
 from __future__ import annotations
@@ -77,6 +77,42 @@ def eval_with_grad(facts: Facts) -> Evidence | None:
         numbers={"eval_forwards_with_grad": count},
         fix="model.eval()\nwith torch.inference_mode():   # or torch.no_grad()\n    outputs = model(x)",
         gain_text="evaluation without saved activations: faster and much less memory",
+    )
+
+
+UNUSED_GRAPHS_MIN = 2  # forwards: one alone may be a warm-up or a model summary at start
+
+
+@rule(
+    id="unused-forward-graph",
+    title="Training-mode forwards build autograd graphs that no backward uses",
+    severity="medium",
+    inputs="the root models' forwards in train() mode with autograd on (detail steps), and whether a "
+           "backward reached their output within a step",
+    threshold=f"{UNUSED_GRAPHS_MIN} or more such forwards whose output no backward reached",
+    why="A forward in train() mode with autograd on records a graph and keeps every activation it "
+        "needs for a backward; a forward whose output only feeds a sample image, a log line or a "
+        "metric pays for both and frees them unused (pytorch/examples' DCGAN samples its generator "
+        "this way every 100 iterations).",
+    doc=f"{GUIDE}#disable-gradient-calculation-for-validation-or-inference",
+)
+def unused_forward_graph(facts: Facts) -> Evidence | None:
+    watched = facts.habits.get("training_forwards_watched")
+    if not watched:
+        raise Missing("training forwards")
+    unused = facts.habits.get("training_forwards_unused") or 0
+    if unused < UNUSED_GRAPHS_MIN:
+        return None
+    models = facts.habits.get("unused_forward_models") or {}
+    named = ", ".join(f"{name} ({count})" for name, count in sorted(models.items(), key=lambda item: -item[1]))
+    name = max(models, key=models.get) if models else "model"
+    return Evidence(
+        observed=f"{unused} of {watched} training forwards watched built a graph no backward used: {named}",
+        numbers={"training_forwards_unused": unused, "training_forwards_watched": watched,
+                 "unused_share": unused / watched, "models": models},
+        fix=f"with torch.no_grad():   # the {name} forwards whose output no backward uses (samples, logs)\n"
+            f"    output = {name.lower()}(inputs)",
+        gain_text="those forwards without a recorded graph: no saved activations (memory) and less work",
     )
 
 

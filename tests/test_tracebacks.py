@@ -1,0 +1,116 @@
+"""The README's promise: a job under tuneup prints the traceback it prints without it, to the
+character: an exception in the model's forward, in a backward and in a Dataset (in the main
+process and in DataLoader worker processes), on the first step (while tuneup finds the
+models) and later, and a Ctrl-C (SIGINT to the process group) while the job waits in each.
+
+Ground truth is the same script under plain python (tests/programs/failing_train.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, child_env
+from tuneup._patching import measured
+
+PROGRAM = str(ROOT / "tests" / "programs" / "failing_train.py")
+
+pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 keeps a wrapper's frame (see "
+                                                                    "_patching.unwind)")
+
+
+def environment(tmp_path, **variables):
+    return child_env(PYTHONPATH=None, TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0", **variables)
+
+
+def under(how, *args):
+    """The command line: plain python, `tuneup run`, or the script's own tuneup.attach()."""
+    if how == "run":
+        return [sys.executable, "-m", "tuneup", "run", PROGRAM, *args]
+    return [sys.executable, PROGRAM, *args, *(["--attach"] if how == "attach" else [])]
+
+
+def failed(command, env):
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("--fail", "forward"),  # the first step: tuneup is finding the models
+    ("--fail", "forward", "--at", "9"),
+    ("--fail", "backward"),
+    ("--fail", "backward", "--at", "9"),
+    ("--fail", "dataset"),
+    ("--fail", "dataset", "--at", "9", "--workers", "2"),  # raised in a worker, re-raised in the job
+], ids=lambda args: "-".join(a.lstrip("-") for a in args))
+def test_an_exception_prints_the_traceback_it_prints_without_tuneup(tmp_path, args):
+    env = environment(tmp_path)
+    status, expected = failed(under("python", *args), env)
+    assert status == 1 and expected.strip().splitlines()[-1].endswith(" failed")  # the script did fail there
+    assert failed(under("run", *args), env) == (status, expected)
+    assert (tmp_path / "run" / "events.jsonl").exists()  # and tuneup was measuring it
+
+
+@pytest.mark.parametrize("args", [("--fail", "forward"), ("--fail", "dataset", "--at", "9", "--workers", "2")],
+                         ids=("forward", "dataset-workers"))
+def test_attached_in_the_script_the_traceback_is_the_same(tmp_path, args):
+    env = environment(tmp_path)
+    expected = failed(under("python", *args), env)
+    assert failed(under("attach", *args), env) == expected
+    assert (tmp_path / "run" / "events.jsonl").exists()
+
+
+def interrupted(command, marker, env):
+    """Run until the script waits at its marker, then Ctrl-C it (SIGINT to its process group,
+    DataLoader workers included, as a terminal sends it)."""
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the script never reached its marker"
+            time.sleep(0.05)
+        time.sleep(0.2)  # inside its sleep by now
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    marker.unlink()
+    return process.returncode, err
+
+
+@pytest.mark.parametrize("args", [
+    ("--fail", "forward"),
+    ("--fail", "backward", "--at", "9"),
+    ("--fail", "dataset", "--at", "3"),
+    ("--fail", "dataset", "--workers", "2"),  # the job waits in the DataLoader's queue
+], ids=lambda args: "-".join(a.lstrip("-") for a in args))
+def test_ctrl_c_prints_the_traceback_it_prints_without_tuneup(tmp_path, args):
+    env = environment(tmp_path)
+    marker = tmp_path / "waiting"
+    full = (*args, "--interrupt", "--marker", str(marker))
+    status, expected = interrupted(under("python", *full), marker, env)
+    assert status == -signal.SIGINT and expected.splitlines()[-1] == "KeyboardInterrupt"
+    assert interrupted(under("run", *full), marker, env) == (status, expected)
+
+
+def test_a_measured_wrapper_leaves_no_frame_in_a_traceback():
+    """The mechanism under every wrapper (posing_as): the frame that re-raises is taken off."""
+    import traceback
+
+    def inner():
+        raise ValueError("from the wrapped function")
+
+    seen = []
+    wrapper = measured(inner, lambda args, kwargs: True, lambda *a: seen.append("after"), seen.append)
+    with pytest.raises(ValueError) as raised:
+        wrapper()
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert frames == ["test_a_measured_wrapper_leaves_no_frame_in_a_traceback", "inner"]
+    assert seen == ["after"]  # `after` still ran, and nothing failed
