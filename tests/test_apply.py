@@ -220,8 +220,10 @@ def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_re
     baseline = statistics.median(times[applied - 100: applied])
     trial = statistics.median(times[applied + 10: decided])
     after = statistics.median(times[decided + 10:])
-    assert trial > 3 * baseline  # the forward's extra work under autocast, as measured
-    assert abs(after - baseline) < abs(after - trial) / 5, (baseline, trial, after)
+    # The forward does 12x its work under autocast (Timed): a margin no machine load closes
+    # between windows a few seconds apart. Autocast off again (asserted above) takes it away.
+    assert trial > 3 * baseline, (baseline, trial)
+    assert after < trial / 3, (baseline, trial, after)
     assert vars(Timed)["forward"] is forward  # the class is as the job defined it (after detach)
 
 
@@ -501,9 +503,12 @@ def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_orde
             state["at"] = step
             agent.revert_all()
 
+    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 6 ms step: a second worker
+    # halves the step, an effect no machine load hides in the noise (the trial must be kept).
     options = dict(num_workers=1, persistent_workers=True)
-    plain, _, plain_rng, _, _ = io_bound_run(360, **options)
-    tuned, _, tuned_rng, agent, loader = io_bound_run(360, agent_options=apply_options(run_dir),
+    plain, _, plain_rng, _, _ = io_bound_run(360, dataset=SlowIndexed(latency=0.0015), **options)
+    tuned, _, tuned_rng, agent, loader = io_bound_run(360, dataset=SlowIndexed(latency=0.0015),
+                                                      agent_options=apply_options(run_dir),
                                                       after_step=revert_at_an_epoch_end, **options)
     assert "at" in state
     assert tuned == plain and torch.equal(tuned_rng, plain_rng)

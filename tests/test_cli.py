@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import child_env
+from tuneup.act.judge import ALPHA, MIN_SPEEDUP
 from tuneup import __version__
 from tuneup.export.runlog import read_log
 
@@ -23,8 +26,14 @@ def test_demo_measures_its_bottlenecks_and_points_at_the_run_log(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "tuneup measured 60 steps" in out
-    data_wait = next(line for line in out.splitlines() if line.startswith("data wait"))
-    assert int(data_wait.split()[-1].rstrip("%")) >= 30  # num_workers=0 with slow decoding
+    # Ground truth (tuneup/demo.py): num_workers=0, and every sample sleeps until 0.4 ms after it
+    # began decoding: 32 per batch, so the loop waits at least 12.8 ms for each batch, however
+    # busy the machine is (its compute, and so the stall's share, is what load changes).
+    totals = read_log(run_dir / "events.jsonl").last("end")["totals"]
+    assert totals["data_wait_seconds"] >= 59 * 32 * 0.0004
+    assert totals["stall_ratio"] == pytest.approx(totals["data_wait_seconds"] / totals["seconds"], rel=0.02)
+    if totals["stall_ratio"] >= 0.15:  # well over data-stall's 10% (it judges the last window)
+        assert "[data-stall]" in out
     assert "Host-device syncs: 4.0 per step" in out  # three .item() + GradScaler's own check
     assert "tuneup/demo.py:" in out  # the lines to change
     assert "GradScaler: scale" in out
@@ -78,12 +87,22 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "apply mode:" in out and "Changes tuneup made (apply mode)" in out
-    kept = re.search(r"1\. kept  num_workers 0 -> (\d+): mean step ([\d.]+) ms -> ([\d.]+) ms, ([\d.]+)x: faster",
-                     out)
-    assert kept, out
-    assert int(kept.group(1)) >= 1 and float(kept.group(3)) < float(kept.group(2)) and float(kept.group(4)) > 1.2
-    net = re.search(r"Kept \d+ of \d+ changes tried: mean step time [\d.]+ ms -> [\d.]+ ms \(([\d.]+)x the throughput\), "
-                    r"[\d,]+ -> [\d,]+ samples/s", out)
-    assert net and float(net.group(1)) > 1.2, out
     actions = [e for e in read_log(run_dir / "events.jsonl").events if e["event"] == "action"]
     assert actions[0]["action"] == "dataloader" and actions[0]["decision"] == "trying"
+    decided = next(e for e in actions if e["action"] == "dataloader" and e["decision"] in ("kept", "reverted"))
+    # Ground truth (tuneup/demo.py): the decode sleeps; in worker processes it runs beside the
+    # step instead of before it, so the loop waits less for its batches with any compute, on
+    # any load. Whether the step got faster enough to keep is the judge's, from the same run.
+    assert decided["trial"]["data_wait_seconds"] < decided["baseline"]["data_wait_seconds"]
+    faster = decided["p_faster"] < ALPHA and decided["speedup"] >= MIN_SPEEDUP
+    assert (decided["decision"] == "kept") == faster, decided
+    if faster:
+        kept = re.search(r"1\. kept  num_workers 0 -> (\d+): mean step ([\d.]+) ms -> ([\d.]+) ms, ([\d.]+)x: faster",
+                         out)
+        assert kept and int(kept.group(1)) >= 1 and float(kept.group(3)) < float(kept.group(2)), out
+        assert float(kept.group(4)) == pytest.approx(decided["speedup"], abs=0.01)
+        net = re.search(r"Kept \d+ of \d+ changes tried: mean step time [\d.]+ ms -> [\d.]+ ms \(([\d.]+)x the "
+                        r"throughput\), [\d,]+ -> [\d,]+ samples/s", out)
+        assert net and float(net.group(1)) > 1, out
+    else:
+        assert re.search(r"1\. reverted  num_workers 0 -> \d+: ", out), out

@@ -315,6 +315,7 @@ def test_detach_leaves_no_hook_or_attribute_behind(phases):
     assert "backward" not in vars(torch.Tensor) or not hasattr(torch.Tensor.backward, "__wrapped__")
     assert not any(hasattr(getattr(owner, name, None), "__wrapped__") for owner, name in HOST_READS)
     assert not module_hooks._global_forward_pre_hooks and not module_hooks._global_forward_hooks
+    assert vars(nn.Module)["__call__"] is module_hooks.Module._wrapped_call_impl  # model discovery's, put back
     assert not optimizer_hooks._global_optimizer_pre_hooks and not optimizer_hooks._global_optimizer_post_hooks
 
 

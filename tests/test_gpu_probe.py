@@ -145,7 +145,14 @@ def test_the_agents_snapshot_is_the_rules_input_gpu_history_included(run_dir):
     # The same GPUs and figures as the history's snapshot (its window is whole intervals, the
     # live one the exact last steps: they may hold a sample more or less).
     assert [device["gpu"] for device in from_history["gpu_history"]["devices"]] == [0, 1]
-    assert {f.rule for f in evaluate(live).findings} == {f.rule for f in evaluate(from_history).findings}
+    # The GPU rules judge both alike (the others read step timings, which a busy machine moves
+    # across their thresholds between two windows).
+    from tuneup.diagnose.rule import RULES
+
+    gpu_rules = {rule.id for rule in RULES.values() if rule.check.__module__.endswith("rules.gpu")}
+    assert {f.rule for f in evaluate(live).findings} & gpu_rules
+    assert ({f.rule for f in evaluate(live).findings} & gpu_rules) == \
+        ({f.rule for f in evaluate(from_history).findings} & gpu_rules)
 
 
 def test_a_driver_older_than_the_binding_loses_fields_not_the_probe():

@@ -56,9 +56,12 @@ def reports(tmp_path_factory):
 def test_every_framework_gives_the_plain_loops_finding_for_the_same_bottleneck(reports, name):
     found = reports[name]["report"]["findings"]
     assert found[0]["rule"] == "data-stall", [f["rule"] for f in found]
-    plain = reports["plain_loop.py"]["report"]["findings"][0]["evidence"]["stall_ratio"]
-    # ~1 ms per sample, 16 per batch, in the main process: most of every step, in every framework.
-    assert found[0]["evidence"]["stall_ratio"] > 0.4 and abs(found[0]["evidence"]["stall_ratio"] - plain) < 0.35
+    # Ground truth: the Dataset sleeps 1 ms a sample, 16 a batch, in the main process: the loop
+    # waits at least 16 ms for every batch, in every framework, however busy the machine (what
+    # load changes is the compute beside it, and so the share).
+    evidence = found[0]["evidence"]
+    assert evidence["data_wait_seconds"] >= 16 * 0.001
+    assert evidence["stall_ratio"] == pytest.approx(evidence["data_wait_seconds"] / evidence["step_seconds"], rel=0.5)
     assert "Advice, ranked by estimated gain" in reports[name]["stdout"]
 
 
@@ -137,7 +140,8 @@ def test_accelerate_prepared_objects_work_with_the_plain_attach(run_dir):
             pass
     snapshot = agent.snapshot()
     assert snapshot["totals"]["optimizer_steps"] == 32 and snapshot["totals"]["samples"] == 512
-    assert snapshot["window"]["stall_ratio"] > 0.4
+    # Slow sleeps 1 ms a sample, 16 a batch: a floor on the wait, whatever the load.
+    assert snapshot["window"]["data_wait_seconds"]["median"] >= 16 * 0.001
     assert "data-stall" in [f["rule"] for f in agent.findings()]
 
 

@@ -304,7 +304,7 @@ class RunHistory:
         hosts = [sample["host"] for sample in self._samples_in_window(window) if sample.get("host")]
         if hosts and latest.get("host"):
             latest["host"] = dict(latest["host"])
-            for field in ("cpu_ratio", "workers_cpu_ratio", "busy_cores"):
+            for field in ("cpu_ratio", "workers_cpu_ratio", "busy_cores", "wait_cores", "workers_wait_cores"):
                 values = [host[field] for host in hosts if host.get(field) is not None]
                 if values:
                     latest["host"][field] = sum(values) / len(values)

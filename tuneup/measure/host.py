@@ -1,10 +1,12 @@
 """Host probe (psutil): CPU and RSS of the training process and of its DataLoader workers,
-usable cores (affinity and cgroup quota), torch threads and load."""
+usable cores (affinity and cgroup quota), torch threads and load; and, on Linux, the CPU
+time the job's threads wanted and did not get (their run-queue wait, `RunQueue`)."""
 
 from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -43,6 +45,45 @@ def usable_cores() -> float:
     return cores
 
 
+class RunQueue:
+    """Seconds the threads of some processes spent runnable but waiting for a CPU, summed: the
+    CPU time they wanted and did not get. Linux keeps it per thread in /proc/PID/task/TID/
+    schedstat, "time spent on the cpu", "time spent waiting on a runqueue" (nanoseconds) and
+    timeslices (Documentation/scheduler/sched-stats.rst; psutil does not read it). CPU use alone
+    cannot tell a job that wants more cores than it has on a machine busy with other work:
+    it gets its share, and its measured use falls. Its use plus its wait is what it wants.
+    None where the file is missing (another OS, a kernel without schedstats)."""
+
+    def __init__(self, root: Path = Path("/proc")) -> None:
+        self.root = root
+        self._seen: dict[tuple[int, str], int] = {}  # (pid, tid): wait ns at the last reading
+        self.available = (root / "self" / "schedstat").exists()
+
+    def waited(self, pids: Iterable[int]) -> float | None:
+        """Seconds of run-queue wait of the threads of `pids` since the last call (a thread
+        seen for the first time counts from the previous call's view: nothing of it)."""
+        if not self.available:
+            return None
+        seen: dict[tuple[int, str], int] = {}
+        total = 0
+        for pid in pids:
+            try:
+                tasks = os.listdir(self.root / str(pid) / "task")
+            except OSError:
+                continue  # gone
+            for tid in tasks:
+                try:
+                    fields = (self.root / str(pid) / "task" / tid / "schedstat").read_text().split()
+                    wait = int(fields[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                key = (pid, tid)
+                seen[key] = wait
+                total += wait - self._seen.get(key, wait)
+        self._seen = seen
+        return total / 1e9
+
+
 class HostProbe:
     name = "host"
 
@@ -56,6 +97,9 @@ class HostProbe:
         except (AttributeError, OSError):
             self._cpus = list(range(psutil.cpu_count() or 1))
         psutil.cpu_percent(None, percpu=True)  # starts the machine-wide interval
+        self._own_queue, self._workers_queue = RunQueue(), RunQueue()
+        self._own_queue.waited([self.process.pid])
+        self._last = time.monotonic()
 
     def sample(self, worker_pids: Iterable[int]) -> dict[str, Any]:
         with self.process.oneshot():
@@ -84,6 +128,10 @@ class HostProbe:
             load_1m = None
         per_cpu = psutil.cpu_percent(None, percpu=True)
         busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
+        now = time.monotonic()
+        elapsed, self._last = now - self._last, now
+        own_wait = self._own_queue.waited([self.process.pid])
+        workers_wait = self._workers_queue.waited(alive)
         return {
             "cpu_ratio": cpu / 100,  # 1.0 = one core busy
             "busy_cores": busy,  # machine-wide, on the cores this process may use
@@ -91,6 +139,9 @@ class HostProbe:
             "threads": threads,
             "workers": len(workers),
             "workers_cpu_ratio": sum(w["cpu_ratio"] for w in workers),
+            # Cores' worth of CPU time wanted and not given (run-queue wait; None: not known).
+            "wait_cores": own_wait / elapsed if own_wait is not None and elapsed > 0 else None,
+            "workers_wait_cores": workers_wait / elapsed if workers_wait is not None and elapsed > 0 else None,
             "workers_rss_bytes": sum(w["rss_bytes"] for w in workers),
             "worker_processes": workers,
             "usable_cores": self.cores,

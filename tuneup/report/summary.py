@@ -163,8 +163,10 @@ def system_lines(system: dict[str, Any] | None) -> list[str]:
     if host:
         workers = (f", {host['workers']} loader workers using {host['workers_cpu_ratio']:.1f} cores and "
                    f"{size(host['workers_rss_bytes'])}" if host["workers"] else ", no loader workers")
+        waited = (host.get("wait_cores") or 0) + (host.get("workers_wait_cores") or 0)
+        waiting = f"; waited for {waited:.1f} cores more (run queue)" if waited >= 0.05 else ""
         lines.append(f"CPU: training process {host['cpu_ratio']:.1f} of {host['usable_cores']:g} usable cores, "
-                     f"torch threads {host['torch_threads']}, RSS {size(host['rss_bytes'])}{workers}")
+                     f"torch threads {host['torch_threads']}, RSS {size(host['rss_bytes'])}{workers}{waiting}")
     memory = system.get("memory") or {}
     if memory.get("available"):
         for device in memory["devices"]:

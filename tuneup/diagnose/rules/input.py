@@ -256,13 +256,15 @@ def _job_cpu(host: dict) -> tuple[float, float, float]:
     title="The job's threads and workers, or other processes, want more CPU than it has",
     severity="medium",
     inputs="usable cores, torch threads, loader workers, the measured CPU of the process, of its workers "
-           "and of the machine",
-    threshold=f"the job's own threads + busy workers > usable cores while the job itself keeps >= "
-              f"{percent(BUSY_SHARE)} of them busy; or the cores >= {percent(BUSY_SHARE)} busy with >= "
-              f"{OTHERS_MIN_CORES:g} cores of other processes' work",
+           "and of the machine, and the CPU time the job's threads waited for (Linux run-queue wait)",
+    threshold=f"the job's own threads + busy workers > usable cores while the job itself wants >= "
+              f"{percent(BUSY_SHARE)} of them (the CPU it used plus the CPU it waited for); or the cores >= "
+              f"{percent(BUSY_SHARE)} busy with >= {OTHERS_MIN_CORES:g} cores of other processes' work",
     why="Workers and torch's intra-op threads then preempt each other; the configured demand alone is "
-        "not enough (idle I/O workers cost nothing), so the job's own measured load must be high too. "
-        "When the load is other processes', fewer torch threads would not help: the job needs the cores.",
+        "not enough (idle I/O workers cost nothing), so the job's own measured demand must be high too: "
+        "what it used, and what it waited for, which on a machine busy with other work is what it "
+        "did not get. When the load is other processes', fewer torch threads would not help: the job "
+        "needs the cores.",
     doc="https://docs.pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html",
 )
 def cpu_oversubscribed(facts: Facts) -> Evidence | None:
@@ -272,19 +274,24 @@ def cpu_oversubscribed(facts: Facts) -> Evidence | None:
     workers = host.get("workers") or 0
     own, workers_cpu, others = _job_cpu(host)
     busy = own + workers_cpu + others
+    # What the job wants: what it used plus what it waited for (None: no run-queue figures).
+    own_wait, workers_wait = host.get("wait_cores") or 0.0, host.get("workers_wait_cores") or 0.0
+    wanted_workers = workers_cpu + workers_wait
+    wanted = own + own_wait + wanted_workers
     # Idle workers (I/O-bound, or waiting on a full queue) compete with nobody: count the cores
-    # the workers keep busy, averaged over the window, rounded up.
-    busy_workers = min(workers, math.ceil(workers_cpu - IDLE_CORES))
+    # the workers want, averaged over the window, rounded up.
+    busy_workers = min(workers, math.ceil(wanted_workers - IDLE_CORES))
     numbers = {"usable_cores": cores, "torch_threads": threads, "workers": workers, "busy_workers": busy_workers,
-               "job_cores": own + workers_cpu, "other_cores": others, "busy_cores": busy}
-    if threads + busy_workers > cores and own + workers_cpu >= BUSY_SHARE * cores:
+               "job_cores": own + workers_cpu, "job_wanted_cores": wanted, "other_cores": others, "busy_cores": busy}
+    if threads + busy_workers > cores and wanted >= BUSY_SHARE * cores:
         keep = max(1, cores - busy_workers)
         if keep >= threads:
             return None  # already at the fewest threads that leave the workers their cores
         return Evidence(
-            observed=f"the job keeps {own + workers_cpu:.1f} of its {cores} usable cores busy: {threads} torch "
-                     f"threads ({own:.1f} cores) and {busy_workers} busy loader workers ({workers_cpu:.1f} cores) "
-                     f"compete for them",
+            observed=f"the job wants {wanted:.1f} of its {cores} usable cores: {threads} torch threads "
+                     f"({own + own_wait:.1f} cores) and {busy_workers} busy loader workers ({wanted_workers:.1f} "
+                     f"cores) compete for them" + (f", and waited for {own_wait + workers_wait:.1f}"
+                                                   if own_wait + workers_wait >= 0.05 else ""),
             numbers=numbers,
             fix=f"torch.set_num_threads({keep})   # leave a core per busy loader worker",
             gain_text="less contention between the loader workers and the training thread",
