@@ -181,20 +181,20 @@ def run_dcgan(run_dir, *args):
 
 
 def test_a_generator_sampled_without_no_grad_is_found_and_the_gan_step_itself_is_not(tmp_path):
-    # Ground truth (the program's docstring): 10 epochs of 6 iterations, one step each (60);
+    # Ground truth (the program's docstring): 6 epochs of 6 iterations, one step each (36);
     # every step runs netD 3 times and netG once, every graph used by a backward; with
     # --sample-every 2, iterations 0, 2 and 4 of each epoch also run netG(fixed_noise) in
-    # train() mode with autograd on and only detach its output: 30 unused graphs, all netG's.
-    found, habits = run_dcgan(tmp_path / "sampled", "--niter", "10", "--sample-every", "2")
+    # train() mode with autograd on and only detach its output: 18 unused graphs, all netG's.
+    found, habits = run_dcgan(tmp_path / "sampled", "--niter", "6", "--sample-every", "2")
     # Not watched: the first steps' forwards while tuneup finds the models (one step for netD,
     # then one for netG once its optimizer stepped) and those of the run's last step, which
-    # is decided once a next step closed: 28 to 30 of the 30 samples, 4 x 57 of the rest at least.
+    # is decided once a next step closed: 16 to 18 of the 18 samples, 4 x 33 of the rest at least.
     assert habits["unused_forward_models"] == {"Generator": habits["training_forwards_unused"]}
-    assert 28 <= habits["training_forwards_unused"] <= 30
-    assert habits["training_forwards_watched"] >= 57 * 4 + 28
+    assert 16 <= habits["training_forwards_unused"] <= 18
+    assert habits["training_forwards_watched"] >= 33 * 4 + 16
     finding = found["unused-forward-graph"]
     assert "Generator" in finding["observed"] and "with torch.no_grad():" in finding["fix"]
     # The same GAN without sampling: every forward's graph is used (fake.detach() included).
-    found, habits = run_dcgan(tmp_path / "plain", "--niter", "10")
-    assert habits["training_forwards_unused"] == 0 and habits["training_forwards_watched"] >= 57 * 4
+    found, habits = run_dcgan(tmp_path / "plain", "--niter", "6")
+    assert habits["training_forwards_unused"] == 0 and habits["training_forwards_watched"] >= 33 * 4
     assert "unused-forward-graph" not in found
