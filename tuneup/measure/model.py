@@ -373,6 +373,7 @@ class ForwardGraphs:
 
     GRACE_STEPS = 1
     MAX_OUTPUTS = 8  # tensors of one output looked at
+    MAX_PENDING = 10_000
 
     def __init__(self) -> None:
         self.pending: deque[tuple[int, str, list[bool]]] = deque()  # (step, model class, [used])
@@ -382,7 +383,10 @@ class ForwardGraphs:
         self._settling = threading.Lock()  # the sampler's drain and a snapshot's catch-up
 
     def watch(self, module: nn.Module, output: Any, step: int) -> None:
-        """Training thread, after a detail step's training forward of a root."""
+        """Training thread, after a detail step's training forward of a root. Nothing more is
+        watched while MAX_PENDING wait (no background thread settling them: bounded memory)."""
+        if len(self.pending) >= self.MAX_PENDING:
+            return
         if isinstance(output, torch.Tensor):
             tensors = [output]
         elif isinstance(output, (tuple, list)):
