@@ -210,14 +210,11 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
                 return EVALUATION
         if not tl.detail or tracing():
             return None
-        if tl.forward_depth == 0:
-            if probe.read_config_next_forward:
-                probe.read_config()
-            if module.training and probe.grad_enabled():
-                tl.forward_begin(clock())
-                return WATCHED
+        outermost = tl.forward_depth == 0
+        if outermost and probe.read_config_next_forward:
+            probe.read_config()
         tl.forward_begin(clock())
-        return True
+        return WATCHED if outermost and module.training and probe.grad_enabled() else True
 
     def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
         if token is EVALUATION:

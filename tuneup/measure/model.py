@@ -5,8 +5,8 @@ that step by a wrapper posing as torch's own (`_patching.measured`): a module ca
 other module is running is a root. Not global module hooks: any hook sends every module call
 down `_call_impl`'s slow path, through a nested `inner()` (torch/nn/modules/module.py), so an
 exception in the first step's forward (a shape error, most often) would show torch frames it
-does not show without tuneup; the wrapper takes its own frame off the traceback. After that step the roots are timed through
-their class's `forward`, patched to check `id(module)` against the roots: a module hook
+does not show without tuneup; the wrapper takes its own frame off the traceback. After that
+step the roots are timed through their class's `forward`, patched to check `id(module)` against the roots: a module hook
 would push every call of the root onto nn.Module's slow path (about 12 µs on a small CPU
 host), and an instance attribute would be copied by `copy.deepcopy(model)` (EMA models)
 and break `torch.save(model)`. The patched forward poses as the model's own to TorchScript,
@@ -128,7 +128,7 @@ class ModelProbe:
         self._named = []
 
     def discover(self) -> None:
-        """Watch the next step with global hooks to find root modules (auto mode)."""
+        """Watch the next step through nn.Module.__call__ to find root modules (auto mode)."""
         if self.explicit or self.discovering is not None or not self.on:
             return
         self._depth = 0
@@ -208,7 +208,8 @@ class ModelProbe:
 
     def _discovery_pre(self, args: tuple, kwargs: dict) -> Any:
         """Before a module's call (args[0] the module; never while dynamo traces: measured
-        skips to torch's own call). True where `_discovery_post` has a depth to take back."""
+        skips to torch's own call). A token (True, or _UNTIMED for a module compiled in
+        place) where `_discovery_post` has a depth to take back; None where it has none."""
         module = args[0] if args else None
         if not self.on or not isinstance(module, nn.Module):
             return None

@@ -1,6 +1,6 @@
 """The training loop's and model's code: zero_grad, Conv bias before BatchNorm, evaluation
-with autograd on, training forwards whose graph no backward uses, debugging tools left on, single-tensor optimizers, no LR schedule, no
-gradient clipping."""
+with autograd on, training forwards whose graph no backward uses, debugging tools left on,
+single-tensor optimizers, no LR schedule, no gradient clipping."""
 
 from __future__ import annotations
 
