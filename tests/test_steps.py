@@ -10,14 +10,21 @@ import tuneup
 from benchmarks.scenarios import SlowDataset, SlowStream, SpinLayer, loader_for, mlp, spin, train
 
 POINTS = 0.02  # stall ratio tolerance: ±2 percentage points
+# tuneup closes a step when the next batch arrives, inside the loop's `next()`: the loop's own
+# clock counts that work as data wait, tuneup's does not. Its reads lie inside the loop's, so
+# the loop's wait bounds tuneup's from above; measured here ~0.1 ms a step, 3% of this file's
+# waits idle and 5% on a CI machine, so tuneup may come out up to 10% under (never over).
+UNDER = 0.10
 
 
 def assert_stall_matches(agent, truth):
     totals = agent.snapshot()["totals"]
     assert totals["steps"] == truth.steps
-    assert totals["stall_ratio"] == pytest.approx(truth.stall_ratio, abs=POINTS), (
-        f"tuneup {totals['stall_ratio']:.3f} vs loop's own timing {truth.stall_ratio:.3f}"
-    )
+    said = f"tuneup waited {totals['data_wait_seconds']:.4f} s vs the loop's own clock {truth.data_wait_seconds:.4f} s"
+    assert totals["data_wait_seconds"] <= truth.data_wait_seconds + 1e-6, said
+    assert totals["data_wait_seconds"] >= truth.data_wait_seconds * (1 - UNDER), said
+    assert totals["stall_ratio"] == pytest.approx(totals["data_wait_seconds"] / totals["seconds"])
+    assert totals["seconds"] == pytest.approx(truth.seconds, abs=POINTS * truth.seconds)
     return totals
 
 
