@@ -74,7 +74,11 @@ def test_attached_in_the_script_the_traceback_is_the_same(tmp_path, args):
 def interrupted(command, marker, env):
     """Run until the script waits at its marker, then Ctrl-C it (SIGINT to its process group,
     DataLoader workers included, as a terminal sends it)."""
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A suite started in the background (`pytest &` without job control) ignores SIGINT, and
+    # its children inherit that: the script is given the default disposition, as a terminal's
+    # foreground job has (Python then installs its KeyboardInterrupt handler).
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
