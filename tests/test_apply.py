@@ -20,6 +20,7 @@ import tuneup
 from benchmarks.scenarios import sample, spin
 from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
+from tuneup.act.judge import ALPHA, MIN_SPEEDUP
 from tuneup.report.live import frame as live_frame
 
 
@@ -42,10 +43,12 @@ class SlowIndexed(Dataset):
         return x, y, index
 
 
-def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True, dataset: Dataset | None = None,
+def io_bound_run(steps: int, *, compute: float = 0.003, set_to_none: bool = True, dataset: Dataset | None = None,
                  agent_options: dict | None = None, after_step=None, observe=None, **loader_options):
     """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG unless told
-    otherwise) for `steps` steps; returns (what `observe(x, y, index)` saw of each batch,
+    otherwise) for `steps` steps (16 samples of 0.6 ms sleep a batch against `compute` of busy
+    work: workers win by ~2x idle, and still clearly on a busy machine, where the busy work
+    competes with them for the cores); returns (what `observe(x, y, index)` saw of each batch,
     default the indices; losses; a final draw from the global RNG; agent; loader)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -95,7 +98,11 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
         (r["change"], r["decision"], r.get("reason"), r.get("speedup"), r.get("baseline"), r.get("trial"))
         for r in agent.actions()]
     first = kept[0]
-    assert first["speedup"] > 1.2 and first["trial"]["stall_ratio"] < first["baseline"]["stall_ratio"]
+    # Kept on the judge's own terms, by less waiting for data (the compute is the same). Not the
+    # stall *share*: on a busy machine the workers are starved too, and the shorter step can
+    # spend a larger share of itself waiting on them.
+    assert first["speedup"] >= MIN_SPEEDUP and first["p_faster"] < ALPHA, first
+    assert first["trial"]["data_wait_seconds"] < first["baseline"]["data_wait_seconds"], first
     # The same samples in the same order, the same losses, the same global RNG stream.
     assert batches == plain_batches
     assert losses == plain_losses
@@ -287,7 +294,14 @@ def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, monkeypatch):
                 with torch.no_grad():  # an fp16 overflow in backward: GradScaler skips these steps
                     next(model.parameters()).grad.view(-1)[0] = float("inf")
 
-    agent, model, _, _ = amp_run(run_dir, 3000, after_backward=overflow, scaler=scaler)
+    def io_wait(step, loss, model, optimizer, agent):
+        # Most of each step a sleep: fp16 autocast on a CPU (slow there, slower on a busy
+        # machine) must not make the trial 3x slower than its baseline, which cuts it short
+        # (experimenter.DEADLINE_FACTOR) before the burst, past the scaler's calibration steps.
+        time.sleep(0.004)
+        return loss
+
+    agent, model, _, _ = amp_run(run_dir, 3000, on_step=io_wait, after_backward=overflow, scaler=scaler)
     [record] = records(agent, "amp")
     assert record["decision"] == "rolled back" and "burst" in record["reason"], record
     assert state["first"] + 29 <= record["decided_step"] <= state["first"] + 32
@@ -503,7 +517,7 @@ def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_orde
             state["at"] = step
             agent.revert_all()
 
-    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 6 ms step: a second worker
+    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 3 ms step: a second worker
     # halves the step, an effect no machine load hides in the noise (the trial must be kept).
     options = dict(num_workers=1, persistent_workers=True)
     plain, _, plain_rng, _, _ = io_bound_run(360, dataset=SlowIndexed(latency=0.0015), **options)
