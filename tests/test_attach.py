@@ -133,6 +133,11 @@ def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, 
         ({"sync_sample_every": 2.5}, r"sync_sample_every=2.5.*whole number"),
         ({"colour": "red"}, r"unknown option 'colour'; valid options are"),
         ({"cpu_bf16": "maybe"}, r"cpu_bf16='maybe'.*expected auto, 1/0"),
+        ({"silence": 5}, r"silence=5.*rule ids as a comma-separated string or a list of strings"),
+        ({"actions": 5}, r"actions=5.*action ids as a comma-separated string"),
+        ({"actions": ["amp", 3]}, r"actions=\['amp', 3\].*list of strings"),
+        ({"host": " "}, r"host=' '.*empty would listen on every interface"),
+        ({"nvml_module": "this"}, r"nvml_module='this'.*expected pynvml"),
     ],
 )
 def test_bad_keyword_raises_a_one_line_error(options, message):
@@ -140,6 +145,37 @@ def test_bad_keyword_raises_a_one_line_error(options, message):
         tuneup.attach(**options)
     assert "\n" not in str(error.value)
     assert tuneup.current() is None
+
+
+@pytest.mark.parametrize("variable, value, option, safe, says", [
+    # The default `actions` is every action: a typo must not allow AMP and the rest.
+    ("TUNEUP_ACTIONS", "dataloder", "actions", (), "apply mode takes no action"),
+    # Empty would bind every interface while the default is loopback.
+    ("TUNEUP_HOST", "", "host", "127.0.0.1", "using the default"),
+    # Refused by its name, before anything is imported (`this` prints the Zen of Python).
+    ("TUNEUP_NVML_MODULE", "this", "nvml_module", "pynvml", "using the default"),
+])
+def test_a_bad_environment_value_falls_back_to_the_safe_choice(monkeypatch, tmp_path, capsys, variable, value, option,
+                                                                safe, says):
+    monkeypatch.setenv(variable, value)
+    with pytest.warns(tuneup.TuneupWarning, match=rf"{variable}='{value}'.*; {says}"):
+        agent = tuneup.attach(run_dir=tmp_path, mode="apply", serve=False)
+    agent.detach()
+    assert getattr(agent.options, option) == safe
+    assert "Zen of Python" not in capsys.readouterr().out
+
+
+def test_attaching_again_with_other_options_says_they_were_not_applied(tmp_path):
+    with tuneup.attach(run_dir=tmp_path, serve=False) as agent:
+        with pytest.warns(tuneup.TuneupWarning, match=r"already attached.*not applied: mode='apply' "
+                                                       r"\(running: 'advise'\)"):
+            again = tuneup.attach(mode="apply")
+        assert again is agent and agent.options.mode == "advise"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same options: nothing to say
+            assert tuneup.attach(run_dir=tmp_path, serve=False) is agent
+        with pytest.raises(ValueError, match=r"interval=-1"):  # checked as on the first call
+            tuneup.attach(interval=-1)
 
 
 def test_a_plain_function_gets_the_decorator_fix():

@@ -261,3 +261,15 @@ def test_merging_run_directories_refuses_what_is_not_one_jobs_nodes(finished_run
             header["rank"] = 0
             log.write_text("\n".join([json.dumps(header)] + lines[1:]) + "\n")
     one_line_error(tuneup("report", str(first), str(second)), "rank 0 is in both")
+
+
+def test_the_daemon_refuses_an_unsafe_or_wrong_setting_by_name(tmp_path):
+    one_line_error(tuneup("daemon", "--host", "", "--port", "1"), "--host is empty", "0.0.0.0")
+    a_file = tmp_path / "registry"
+    a_file.write_text("")
+    one_line_error(tuneup("daemon", "--registry-dir", str(a_file), "--port", "1"), "is not a directory")
+    env = {**child_env(), "TUNEUP_NVML_MODULE": "this"}  # `import this` would print the Zen of Python
+    result = subprocess.run([sys.executable, "-m", "tuneup", "daemon", "--port", "1"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    one_line_error(result, "TUNEUP_NVML_MODULE", "expected pynvml")
+    assert "Zen of Python" not in result.stdout

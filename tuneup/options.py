@@ -92,8 +92,38 @@ def _path_or_none(value: Any) -> Path | None:
     return Path(value).expanduser()
 
 
-def _text(value: Any) -> str:
-    return str(value).strip()
+def _host(value: Any) -> str:
+    """The address the endpoint listens on. Empty is refused: the socket layer would take it
+    for every interface, the opposite of the loopback default."""
+    text = str(value).strip()
+    if not text:
+        raise ValueError("expected a host name or address (empty would listen on every interface: "
+                         "say 0.0.0.0 if that is meant)")
+    return text
+
+
+def parse_nvml_module(value: Any) -> str:
+    """The module that offers NVML's API: pynvml, or a stand-in named like it (`*nvml`, e.g.
+    the test suite's fake). Any other name is refused before anything is imported."""
+    text = str(value).strip()
+    parts = text.split(".")
+    if not all(part.isidentifier() for part in parts) or not parts[-1].endswith("nvml"):
+        raise ValueError("expected pynvml (nvidia-ml-py) or a module named like it, e.g. mypkg.fake_nvml")
+    return text
+
+
+def _ids(value: Any, what: str) -> tuple[str, ...]:
+    """A comma-separated string or an iterable of strings, as a tuple of stripped ids."""
+    if isinstance(value, str):
+        items: list[Any] = value.split(",")
+    else:
+        try:
+            items = list(value)
+        except TypeError:
+            raise ValueError(f"expected {what} as a comma-separated string or a list of strings") from None
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"expected {what} as a comma-separated string or a list of strings")
+    return tuple(item.strip() for item in items if item.strip())
 
 
 def _port(value: Any) -> int | None:
@@ -138,8 +168,7 @@ def _rule_ids(value: Any) -> tuple[str, ...]:
     """Rule ids to silence: a comma-separated string or an iterable of ids."""
     from .diagnose.engine import unknown_rules
 
-    items = value.split(",") if isinstance(value, str) else list(value)
-    ids = tuple(str(item).strip() for item in items if str(item).strip())
+    ids = _ids(value, "rule ids")
     unknown = unknown_rules(ids)
     if unknown:
         raise ValueError(f"unknown rule id {unknown[0]!r} (see `tuneup rules` for the ids)")
@@ -151,8 +180,7 @@ def parse_actions(value: Any) -> tuple[str, ...]:
     "all" (the default) is every action."""
     from .act.actions import ACTIONS
 
-    items = value.split(",") if isinstance(value, str) else list(value)
-    ids = tuple(str(item).strip() for item in items if str(item).strip())
+    ids = _ids(value, "action ids")
     if ids == ("all",):
         return tuple(ACTIONS)
     unknown = [action for action in ids if action not in ACTIONS]
@@ -209,10 +237,10 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "detail_every": ("TUNEUP_DETAIL_EVERY", _int_in(1, 1_000_000)),
     "window_steps": ("TUNEUP_WINDOW_STEPS", _int_in(10, 10_000)),  # < the agent's ring of 16384
     "gpu": ("TUNEUP_GPU", _bool),
-    "nvml_module": ("TUNEUP_NVML_MODULE", _text),
+    "nvml_module": ("TUNEUP_NVML_MODULE", parse_nvml_module),
     "disable": ("TUNEUP_DISABLE", _bool),
     "serve": ("TUNEUP_SERVE", _bool),
-    "host": ("TUNEUP_HOST", _text),
+    "host": ("TUNEUP_HOST", _host),
     "port": ("TUNEUP_PORT", _port),
     "push_gateway": ("TUNEUP_PUSH_GATEWAY", _gateway),
     "push_interval": ("TUNEUP_PUSH_INTERVAL", _float_in(1.0, 3600.0)),
@@ -225,6 +253,9 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
 assert set(_SPEC) == {f.name for f in fields(Options)}
 
 ENVIRONMENT_VARIABLES = {name: env for name, (env, _) in _SPEC.items()}
+# What a bad environment value falls back to where the default is not the safe choice: the
+# default `actions` is every action, so a typo in TUNEUP_ACTIONS allows none.
+_SAFE_FALLBACK: dict[str, tuple[Any, str]] = {"actions": ((), "apply mode takes no action")}
 
 
 def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) -> Options:
@@ -241,14 +272,17 @@ def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) ->
         if name in overrides and overrides[name] is not None:
             try:
                 values[name] = parse(overrides[name])
-            except ValueError as exc:
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"tuneup.attach({name}={overrides[name]!r}): {exc}") from None
         elif env in environ:
             try:
                 values[name] = parse(environ[env])
             except ValueError as exc:
+                fallback, meaning = _SAFE_FALLBACK.get(name, (None, "using the default"))
+                if name in _SAFE_FALLBACK:
+                    values[name] = fallback
                 warnings.warn(
-                    f"tuneup: ignoring {env}={environ[env]!r} ({exc}); using the default",
+                    f"tuneup: ignoring {env}={environ[env]!r} ({exc}); {meaning}",
                     TuneupWarning,
                     stacklevel=3,
                 )

@@ -30,6 +30,7 @@ def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None,
 
     with _lock:
         if _current is not None and (_current.attached or not _current.enabled):
+            _check_against(_current.options, options or {}, stacklevel + 1)
             _current.add(objects)
             return _current
         settings = resolve(options or {})  # a bad keyword argument raises here, at the call site
@@ -49,6 +50,24 @@ def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None,
             agent = Agent(settings, objects, inert_reason=reason)
         _current = agent
         return agent
+
+
+def _check_against(running: Any, options: dict[str, Any], stacklevel: int) -> None:
+    """A later attach() with options: bad ones raise as on the first call; ones that differ
+    from the running agent's cannot be applied to it, and a warning names them."""
+    if not options:
+        return
+    wanted = resolve(options, environ={})
+    differ = [f"{name}={getattr(wanted, name)!r} (running: {getattr(running, name)!r})"
+              for name in options if options[name] is not None and getattr(wanted, name) != getattr(running, name)]
+    if differ:
+        warnings.warn(
+            f"tuneup: already attached (by `tuneup run` or an earlier attach()), so these options were not applied: "
+            f"{', '.join(differ)}; give them where the agent starts (the first attach(), or tuneup run's options "
+            "and TUNEUP_* variables)",
+            TuneupWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def current() -> "Agent | None":
