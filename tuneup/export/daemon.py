@@ -21,8 +21,6 @@ import logging
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -32,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from ..fetch import get
 from ..measure.gpu import NoGpus, open_gpus
 from . import discovery
 from .metrics import Families, gpu_families, gpu_info
@@ -99,8 +98,7 @@ class NodeDaemon:
         return [entry for entry in discovery.live_agents(self.registry_dir) if entry.get("url")]
 
     def _get(self, url: str) -> bytes:
-        with urllib.request.urlopen(url, timeout=self.timeout) as response:
-            return response.read()
+        return get(url, self.timeout)
 
     def read_all(self, path: str, agents: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bytes | None, str | None, float]]:
         """GET `path` from every agent in parallel: (entry, body or None, error or None, seconds)."""
@@ -109,7 +107,7 @@ class NodeDaemon:
             try:
                 body = self._get(str(entry["url"]).rstrip("/") + path)
                 return entry, body, None, time.perf_counter() - began
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:  # fetch.FetchError is an OSError
                 reason = getattr(exc, "reason", exc)
                 return entry, None, f"{type(exc).__name__}: {reason}", time.perf_counter() - began
 

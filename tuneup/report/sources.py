@@ -5,13 +5,12 @@ the fix."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from ..export.runlog import RunLogError, log_files, read_log, restore_nonfinite
+from ..fetch import FetchError, get
 from ..measure.history import RunHistory
 
 TIMEOUT = 5.0
@@ -116,16 +115,16 @@ def fetch_run(url: str) -> dict[str, Any]:
     if not endpoint.endswith("/api/run"):
         endpoint += "/api/run"
     try:
-        with urllib.request.urlopen(endpoint, timeout=TIMEOUT) as response:
-            payload = restore_nonfinite(json.loads(response.read()))
-    except urllib.error.HTTPError as exc:
-        raise ReportSourceError(f"{endpoint} answered HTTP {exc.code}: is this a tuneup agent's URL?") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        body = get(endpoint, TIMEOUT)
+    except FetchError as exc:
+        if exc.status is not None:
+            raise ReportSourceError(f"{endpoint} answered {exc.reason}: is this a tuneup agent's URL?") from None
         raise ReportSourceError(
-            f"nothing answered at {url} ({reason}): is the job running? `tuneup watch` with no URL "
+            f"nothing answered at {url} ({exc.reason}): is the job running? `tuneup watch` with no URL "
             "lists the agents on this machine") from None
-    except ValueError:
+    try:
+        payload = restore_nonfinite(json.loads(body))
+    except (ValueError, RecursionError):
         raise ReportSourceError(f"{endpoint} did not answer JSON: is this a tuneup agent's URL?") from None
     if isinstance(payload, dict) and payload.get("daemon") and isinstance(payload.get("jobs"), list):
         return payload  # a node daemon: every running job's

@@ -1,0 +1,92 @@
+"""GET a URL with one deadline over all of it, and a cap on the body.
+
+urllib's `timeout` bounds each socket operation, not the request: a server that answers one
+byte a second never times out, and `read()` takes a body of any size. Here the whole request
+(connect, headers, body) has one deadline: a timer shuts the socket down when it passes, which
+ends any read blocked in it at once; the body is read a chunk at a time (`read1`: what one
+receive returns) and refused past `max_bytes`. Used wherever tuneup reads another process's
+endpoint: `tuneup report/watch URL` and the node daemon's reads of its agents.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+MAX_BODY = 64 * 1024 * 1024  # a run's /api/run is a few MB at most; /metrics far less
+
+
+class FetchError(OSError):
+    """The request failed: `reason` says how, in words for one line."""
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+def get(url: str, timeout: float, max_bytes: int = MAX_BODY) -> bytes:
+    """The body of a 200 answer to GET `url`, within `timeout` seconds in all; FetchError
+    otherwise (a bad URL, no answer, an HTTP error status, too slow, too large)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:  # http://[::1 , http://host:abc/
+        raise FetchError(f"not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise FetchError("not an http(s) URL")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if len(path) > 8192:
+        raise FetchError("the URL's path is too long")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    deadline = time.monotonic() + timeout
+    connection = kind(host, port, timeout=timeout)
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sock = connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # a recv blocked in it returns now
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        connection.request("GET", path, headers={"Accept-Encoding": "identity"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise FetchError(f"HTTP {response.status}", status=response.status)
+        declared = response.getheader("Content-Length")
+        if declared and declared.isdigit() and int(declared) > max_bytes:
+            raise FetchError(f"its answer is {int(declared)} bytes, over the {max_bytes}-byte limit")
+        chunks, size = [], 0
+        while True:
+            chunk = response.read1(65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > max_bytes:
+                raise FetchError(f"its answer is over the {max_bytes}-byte limit")
+            if time.monotonic() > deadline:
+                raise FetchError(f"no complete answer within {timeout:g} s")
+            chunks.append(chunk)
+        if expired.is_set():
+            raise FetchError(f"no complete answer within {timeout:g} s")
+        return b"".join(chunks)
+    except FetchError:
+        raise
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        if expired.is_set():
+            raise FetchError(f"no complete answer within {timeout:g} s") from None
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise FetchError(str(reason)) from None
+    finally:
+        timer.cancel()
+        connection.close()
