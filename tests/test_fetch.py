@@ -108,3 +108,34 @@ def test_report_against_a_trickling_server_ends_with_one_line(server):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("tuneup: ") and result.stderr.count("\n") == 1, result.stderr
     assert "no complete answer within 5 s" in result.stderr and "Traceback" not in result.stderr
+
+
+JOB = """
+import torch, tuneup
+from torch import nn
+tuneup.attach(push_gateway={gateway!r}, push_interval=1.0, serve=False, log=False)
+model = nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+for step in range(40):
+    optimizer.zero_grad()
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+print("trained", round(loss.item(), 6))
+"""
+
+
+@pytest.mark.parametrize("server", [trickle_body, trickle_headers], indirect=True)
+def test_a_trickling_pushgateway_cannot_keep_the_job_from_exiting(server, tmp_path):
+    # Ground truth: the job trains 40 steps and prints its last loss; the gateway never
+    # completes an answer. Its exit is bounded by push.py's join (TIMEOUT + 1 s) and the final
+    # push (FINAL_TIMEOUT).
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(gateway=server.url))
+    plain = subprocess.run([sys.executable, "-c", JOB.replace("tuneup.attach(", "(lambda **_: None)(")
+                            .format(gateway=server.url)], capture_output=True, text=True, env=child_env(), timeout=120)
+    # A hang is the 120 s timeout (before: for ever, with headers that never end).
+    tuned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert (tuned.returncode, tuned.stdout) == (plain.returncode, plain.stdout) == (0, plain.stdout)
+    assert "cannot push metrics to the Pushgateway" in tuned.stderr

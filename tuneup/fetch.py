@@ -1,11 +1,13 @@
-"""GET a URL with one deadline over all of it, and a cap on the body.
+"""HTTP requests with one deadline over all of each, and a cap on the answer's body.
 
 urllib's `timeout` bounds each socket operation, not the request: a server that answers one
 byte a second never times out, and `read()` takes a body of any size. Here the whole request
 (connect, headers, body) has one deadline: a timer shuts the socket down when it passes, which
 ends any read blocked in it at once; the body is read a chunk at a time (`read1`: what one
-receive returns) and refused past `max_bytes`. Used wherever tuneup reads another process's
-endpoint: `tuneup report/watch URL` and the node daemon's reads of its agents.
+receive returns) and refused past `max_bytes`. Used wherever tuneup talks to another process:
+`tuneup report/watch URL`, the node daemon's reads of its agents, and pushes to a Pushgateway
+(`push_handler`, prometheus-client's handler interface), so a slow gateway cannot keep a
+finished job from exiting.
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ class FetchError(OSError):
 def get(url: str, timeout: float, max_bytes: int = MAX_BODY) -> bytes:
     """The body of a 200 answer to GET `url`, within `timeout` seconds in all; FetchError
     otherwise (a bad URL, no answer, an HTTP error status, too slow, too large)."""
+    return request(url, timeout, max_bytes=max_bytes, accept=(200,))
+
+
+def push_handler(url: str, method: str, timeout: float | None, headers: list[tuple[str, str]],
+                 data: bytes):
+    """prometheus_client's push handler interface (exposition.default_handler's signature):
+    the same request, under one deadline (default_handler's urllib timeout is per read)."""
+    def handle() -> None:
+        request(url, timeout or 30.0, method=method, headers=dict(headers), data=data, max_bytes=1 << 20,
+                accept=range(200, 400))
+
+    return handle
+
+
+def request(url: str, timeout: float, *, method: str = "GET", headers: dict[str, str] | None = None,
+            data: bytes | None = None, max_bytes: int = MAX_BODY, accept=(200,)) -> bytes:
+    """The body of the answer to `method url`, when its status is in `accept`."""
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port
@@ -59,9 +78,9 @@ def get(url: str, timeout: float, max_bytes: int = MAX_BODY) -> bytes:
     timer.daemon = True
     timer.start()
     try:
-        connection.request("GET", path, headers={"Accept-Encoding": "identity"})
+        connection.request(method, path, body=data, headers={"Accept-Encoding": "identity", **(headers or {})})
         response = connection.getresponse()
-        if response.status != 200:
+        if response.status not in accept:
             raise FetchError(f"HTTP {response.status}", status=response.status)
         declared = response.getheader("Content-Length")
         if declared and declared.isdigit() and int(declared) > max_bytes:

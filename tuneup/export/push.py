@@ -1,5 +1,6 @@
 """Pushing the agent's metrics to a Prometheus Pushgateway: for jobs too short (or too
-firewalled) to be scraped. prometheus-client's own `push_to_gateway` does the HTTP.
+firewalled) to be scraped. prometheus-client's own `push_to_gateway` builds the request;
+tuneup's fetch.push_handler sends it under one deadline.
 
 The group is `job=<push_job>, instance=<host>, rank=<rank>`: a job's next run replaces its
 previous values (what a batch job wants from a Pushgateway), ranks never overwrite each
@@ -16,6 +17,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, push_to_gateway
 
 from .. import redact
+from ..fetch import push_handler
 
 TIMEOUT = 5.0
 FINAL_TIMEOUT = 2.0  # detach must not hold up the end of the job
@@ -46,7 +48,8 @@ class Pusher:
     def push(self, timeout: float) -> bool:
         try:
             push_to_gateway(self.gateway, job=self.job, registry=self.registry, grouping_key=self.grouping,
-                            timeout=timeout)
+                            timeout=timeout, handler=push_handler)  # one deadline per push: a slow
+            # gateway cannot hold the job's exit (prometheus-client's own timeout is per read)
         except Exception as exc:
             self.failures += 1
             self.warn("push", f"cannot push metrics to the Pushgateway at {redact.url(self.gateway)} "
