@@ -117,3 +117,34 @@ def test_appending_runs_keeps_the_newest(run_dir):
     record = read_log(run_dir / "events.jsonl")
     assert record.last("end")["totals"]["steps"] == 7
     assert len(record.of("run")) == 1
+
+
+def test_a_huge_line_and_deep_json_are_skipped_by_name_without_reading_them_whole(tmp_path, monkeypatch):
+    import tuneup.export.runlog as runlog
+
+    monkeypatch.setattr(runlog, "MAX_LINE", 4096)  # the cap, small: the same code path as 16 MiB
+    path = tmp_path / "events.jsonl"
+    log = RunLog(path, 1 << 20, {"event": "run", "run_id": "x"})
+    assert log.open()
+    log.close()
+    with open(path, "a") as handle:
+        handle.write('{"event": "steps", "pad": "' + "x" * 100_000 + '"}\n')  # line 2: over the cap
+        handle.write("[" * 2000 + "]" * 2000 + "\n")  # line 3: under the cap, deeper than json can nest
+        handle.write('{"event": "steps", "steps": 4}\n')
+    record = read_log(path)
+    assert [e["event"] for e in record.events] == ["run", "steps"] and record.events[1]["steps"] == 4
+    assert record.skipped_lines == 2
+    assert record.skipped_note() == (f"2 unreadable line(s) of {path} skipped (events.jsonl line 2: over 4096 bytes, "
+                                     "events.jsonl line 3: nested too deep)")
+
+
+def test_a_fifo_named_like_a_log_is_refused_not_read(tmp_path):
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "events.jsonl")  # opening it for reading would wait for a writer for ever
+    with pytest.raises(RunLogError, match=r"is not a regular file \(a FIFO"):
+        read_log(log_files(run)[0])
+    with pytest.raises(RunLogError, match=r"is not a regular file"):
+        log_files(run / "events.jsonl")

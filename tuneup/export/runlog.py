@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -130,7 +131,21 @@ class RunRecord:
     path: Path
     events: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0  # corrupt lines in the middle (a torn last line is not counted)
+    skipped_examples: list[str] = field(default_factory=list)  # the first few, named
     torn_tail: bool = False
+
+    def skip(self, segment: Path, index: int, why: str) -> None:
+        self.skipped_lines += 1
+        if len(self.skipped_examples) < 3:
+            self.skipped_examples.append(f"{segment.name} line {index + 1}: {why}")
+
+    def skipped_note(self) -> str | None:
+        """One line saying what was skipped, or None."""
+        if not self.skipped_lines:
+            return None
+        more = ", ..." if self.skipped_lines > len(self.skipped_examples) else ""
+        return (f"{self.skipped_lines} unreadable line(s) of {self.path} skipped "
+                f"({', '.join(self.skipped_examples)}{more})")
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [event for event in self.events if event.get("event") == kind]
@@ -142,35 +157,60 @@ class RunRecord:
         return None
 
 
-def _lines(path: Path) -> Iterator[tuple[str, bool]]:
-    """(line, complete) for each line; complete is False for a last line with no newline."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            yield line, line.endswith("\n")
+MAX_LINE = 16 * 1024 * 1024  # an event is a few KB; a longer line is not one of ours
+
+
+def _lines(path: Path) -> Iterator[tuple[str | None, bool]]:
+    """(line, complete) for each line, streamed: complete is False for a last line with no
+    newline; a line over MAX_LINE is skipped unread past its first MAX_LINE bytes (None)."""
+    with open(path, "rb") as handle:
+        while True:
+            line = handle.readline(MAX_LINE + 1)
+            if not line:
+                return
+            if len(line) > MAX_LINE and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):
+                    line = handle.readline(MAX_LINE)
+                yield None, True
+                continue
+            yield line.decode("utf-8", errors="replace"), line.endswith(b"\n")
+
+
+def _regular(path: Path) -> Path:
+    """`path`, if it is a regular file: a FIFO or a device named like a log would block the
+    reader or never end."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise RunLogError(f"{path} is not a regular file (a FIFO or a device?): a run log is a file tuneup wrote")
+    return path
 
 
 def log_files(target: Path) -> list[Path]:
     """The live log files of a run directory (or the file itself)."""
-    if target.is_file():
-        return [target]
+    if target.exists() and not target.is_dir():
+        return [_regular(target)]
     if not target.exists():
         raise RunLogError(f"no run directory or log at {target}: pass the run directory tuneup printed")
     if not target.is_dir():
         raise RunLogError(f"{target} is neither a run directory nor a run log file")
+    if not os.access(target, os.R_OK | os.X_OK):
+        raise RunLogError(f"cannot read {target}: permission denied (run tuneup report as the job's user)")
     files = sorted(target.glob("events*.jsonl"))
     if not files:
         raise RunLogError(f"{target} holds no tuneup run log (events*.jsonl): is it a tuneup run directory?")
-    return files
+    return [_regular(path) for path in files]
 
 
 def read_log(path: Path) -> RunRecord:
     """Read one log file, with its rotated predecessor, keeping only the newest run in it."""
     record = RunRecord(path=path)
-    segments = [p for p in (path.with_name(path.name + ".1"), path) if p.exists()]
     try:
+        segments = [_regular(p) for p in (path.with_name(path.name + ".1"), path) if p.exists()]
         for segment in segments:
-            pending: list[tuple[str, bool]] = list(_lines(segment))
+            pending = list(_lines(segment))  # lines of at most MAX_LINE bytes each
             for number, (line, complete) in enumerate(pending):
+                if line is None:
+                    record.skip(segment, number, f"over {MAX_LINE} bytes")
+                    continue
                 text = line.strip()
                 if not text:
                     continue
@@ -178,11 +218,12 @@ def read_log(path: Path) -> RunRecord:
                     event = json.loads(text)
                     if not isinstance(event, dict):
                         raise ValueError("not an object")
-                except ValueError:
+                except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
                     if number == len(pending) - 1 and not complete:
                         record.torn_tail = True
                     else:
-                        record.skipped_lines += 1
+                        record.skip(segment, number, "nested too deep" if isinstance(exc, RecursionError)
+                                    else "not a JSON object")
                     continue
                 record.events.append(restore_nonfinite(event))
     except OSError as exc:

@@ -5,6 +5,7 @@ the fix."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -102,6 +103,9 @@ def load(target: str) -> tuple[list[RunHistory], str]:
         histories = []
         for path in files:
             record = read_log(path)
+            note = record.skipped_note()
+            if note:  # said, not silently dropped; the report goes on from the rest
+                print(f"tuneup: {note}", file=sys.stderr)
             histories.append(RunHistory.of(record.events, source=str(path)))
     except RunLogError as exc:
         raise ReportSourceError(str(exc)) from None
