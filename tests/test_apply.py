@@ -394,10 +394,10 @@ def test_the_allow_list_limits_what_apply_mode_touches(run_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"mode='turbo'.*advise, apply"):
         tuneup.attach(mode="turbo")
     monkeypatch.setenv("TUNEUP_ACTIONS", "amp,nonsense")
-    with pytest.warns(tuneup.TuneupWarning, match="TUNEUP_ACTIONS='amp,nonsense'"):
+    with pytest.warns(tuneup.TuneupWarning, match="TUNEUP_ACTIONS='amp,nonsense'.*apply mode takes no action"):
         agent = tuneup.attach(mode="apply", run_dir=run_dir / "env")
     agent.detach()
-    assert agent.options.actions is None  # the default: every action
+    assert agent.options.actions == ()  # not the default (every action): a typo allows none
 
 
 def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
