@@ -100,7 +100,7 @@ def test_no_gpu_section_says_so_and_everything_else_works(run_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tuneup.TuneupWarning)
-        with tuneup.attach(run_dir=run_dir, nvml_module="tuneup_no_such_nvml_binding") as agent:
+        with tuneup.attach(run_dir=run_dir, nvml_module="tuneup_missing_pynvml") as agent:
             train(loader_for(SlowDataset(size=256)), model, optimizer, steps=5)
     snapshot = agent.snapshot()
     assert snapshot["system"]["gpu"]["available"] is False
