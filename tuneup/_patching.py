@@ -17,11 +17,17 @@ from typing import Any, Callable
 
 _MISSING = object()
 
-try:  # the C switch under torch._dynamo.disable: available without importing torch._dynamo
-    from torch._C._dynamo.eval_frame import set_eval_frame as quiet_dynamo
-except ImportError:  # pragma: no cover - a torch without dynamo
-    def quiet_dynamo(callback: Any) -> Any:
-        return None
+
+
+def quiet_dynamo_switch() -> Callable[[Any], Any]:
+    """The C switch under torch._dynamo.disable (available without importing torch._dynamo),
+    looked up when a wrapper is built: importing this module does not import torch, so
+    `tuneup report` and the launcher start without it."""
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    except ImportError:  # pragma: no cover - a torch without dynamo
+        return lambda callback: None
+    return set_eval_frame
 
 # A measured call of a torch function, posing as it (see posing_as and measured).
 _MEASURED = """
@@ -90,7 +96,7 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     import torch
 
     bindings = dict(_tuneup_original=original, _tuneup_before=before, _tuneup_after=after, _tuneup_failed=failed,
-                    _tuneup_is_compiling=torch.compiler.is_compiling, _tuneup_quiet=quiet_dynamo)
+                    _tuneup_is_compiling=torch.compiler.is_compiling, _tuneup_quiet=quiet_dynamo_switch())
     if gate is None:
         return posing_as(original, _MEASURED, home=home, **bindings)
     template = _MEASURED.replace("    if _tuneup_is_compiling():", f"    if {skip}:", 1)
