@@ -10,7 +10,6 @@ machine the test was written on. The other tests here pin it absent."""
 from __future__ import annotations
 
 import copy
-import gc
 import time
 
 import pytest
@@ -36,20 +35,6 @@ EVIDENCE = {
     "loss spikes": ("no-grad-clipping", lambda e: e["spikes"] >= 1),
     "misaligned bf16": ("tensor-core-alignment", lambda e: e["dtype"] == "bfloat16" and e["count"] >= 2),
 }
-
-
-@pytest.fixture
-def heap_as_a_script_has():
-    """The harness's own objects (pytest's, the scenarios run before) frozen out of the
-    collector while the job runs. A full collection walks every live object; in pytest's heap
-    that took long enough, landing in the allocation-heavy DataLoader fetch, to lift a 4%
-    data stall over the 10% threshold (the same job as a script: 3-5%). gc.freeze() moves
-    what exists now out of the collector's reach, as a training script that freezes its setup
-    would; the job's own allocations are collected as usual."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.mark.parametrize("cpu", CPU_BF16)
