@@ -43,12 +43,12 @@ class SlowIndexed(Dataset):
         return x, y, index
 
 
-def io_bound_run(steps: int, *, compute: float = 0.003, set_to_none: bool = True, dataset: Dataset | None = None,
+def io_bound_run(steps: int, *, compute: float = 0.006, set_to_none: bool = True, dataset: Dataset | None = None,
                  agent_options: dict | None = None, after_step=None, observe=None, **loader_options):
     """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG unless told
     otherwise) for `steps` steps (16 samples of 0.6 ms sleep a batch against `compute` of busy
-    work: workers win by ~2x idle, and still clearly on a busy machine, where the busy work
-    competes with them for the cores); returns (what `observe(x, y, index)` saw of each batch,
+    work; with 3 ms instead of 6 the workers' restart at each 40-step epoch weighs more and
+    the judge's blocks stop separating: p=0.07 at 1.53x in the full suite); returns (what `observe(x, y, index)` saw of each batch,
     default the indices; losses; a final draw from the global RNG; agent; loader)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -523,7 +523,7 @@ def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_orde
             state["at"] = step
             agent.revert_all()
 
-    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 3 ms step: a second worker
+    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 6 ms step: a second worker
     # halves the step, an effect no machine load hides in the noise (the trial must be kept).
     options = dict(num_workers=1, persistent_workers=True)
     plain, _, plain_rng, _, _ = io_bound_run(360, dataset=SlowIndexed(latency=0.0015), **options)
