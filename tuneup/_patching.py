@@ -18,7 +18,6 @@ from typing import Any, Callable
 _MISSING = object()
 
 
-
 def quiet_dynamo_switch() -> Callable[[Any], Any]:
     """The C switch under torch._dynamo.disable (available without importing torch._dynamo),
     looked up when a wrapper is built: importing this module does not import torch, so
@@ -28,6 +27,7 @@ def quiet_dynamo_switch() -> Callable[[Any], Any]:
     except ImportError:  # pragma: no cover - a torch without dynamo
         return lambda callback: None
     return set_eval_frame
+
 
 # A measured call of a torch function, posing as it (see posing_as and measured).
 _MEASURED = """

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ._version import __version__
-from .options import DEFAULT_DAEMON_PORT, parse_nvml_module
+from .options import DEFAULT_DAEMON_PORT, parse_host, parse_nvml_module
 
 # torch warns at import when NumPy is absent (tuneup needs none): not the user's concern here.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -225,9 +225,10 @@ def daemon(
     from .export import discovery
     from .export.daemon import NodeDaemon
 
-    if not host.strip():
-        raise UserError("--host is empty (that would listen on every interface): give an address, "
-                        "127.0.0.1 by default or 0.0.0.0 for every interface")
+    try:
+        host = parse_host(host)  # the agent's TUNEUP_HOST rule: empty is not "every interface"
+    except ValueError as exc:
+        raise UserError(f"--host is empty: {exc}") from None
     if registry_dir is not None and registry_dir.exists() and not registry_dir.is_dir():
         raise UserError(f"--registry-dir {registry_dir} is not a directory: give the directory agents announce "
                         "themselves in")

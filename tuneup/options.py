@@ -92,7 +92,7 @@ def _path_or_none(value: Any) -> Path | None:
     return Path(value).expanduser()
 
 
-def _host(value: Any) -> str:
+def parse_host(value: Any) -> str:
     """The address the endpoint listens on. Empty is refused: the socket layer would take it
     for every interface, the opposite of the loopback default."""
     text = str(value).strip()
@@ -240,7 +240,7 @@ _SPEC: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "nvml_module": ("TUNEUP_NVML_MODULE", parse_nvml_module),
     "disable": ("TUNEUP_DISABLE", _bool),
     "serve": ("TUNEUP_SERVE", _bool),
-    "host": ("TUNEUP_HOST", _host),
+    "host": ("TUNEUP_HOST", parse_host),
     "port": ("TUNEUP_PORT", _port),
     "push_gateway": ("TUNEUP_PUSH_GATEWAY", _gateway),
     "push_interval": ("TUNEUP_PUSH_INTERVAL", _float_in(1.0, 3600.0)),

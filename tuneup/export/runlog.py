@@ -190,8 +190,6 @@ def log_files(target: Path) -> list[Path]:
         return [_regular(target)]
     if not target.exists():
         raise RunLogError(f"no run directory or log at {target}: pass the run directory tuneup printed")
-    if not target.is_dir():
-        raise RunLogError(f"{target} is neither a run directory nor a run log file")
     if not os.access(target, os.R_OK | os.X_OK):
         raise RunLogError(f"cannot read {target}: permission denied (run tuneup report as the job's user)")
     files = sorted(target.glob("events*.jsonl"))
