@@ -259,12 +259,15 @@ def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
     assert {"pageable-copies", "cudnn-benchmark-off", "amp-off", "single-tensor-optimizer"} <= rules
 
 
-def on_host(snapshot, cores=2, threads=2, own=0.3, workers=(), busy=None):
+def on_host(snapshot, cores=2, threads=2, own=0.3, workers=(), busy=None, waited=0.0, workers_waited=0.0):
     """The snapshot with the host probe's figures: `workers` the loader workers' measured CPU
-    (cores each), `busy` the machine's busy cores on the job's cores (default: the job's)."""
+    (cores each), `busy` the machine's busy cores on the job's cores (default: the job's),
+    `waited`/`workers_waited` the cores' worth of CPU time they waited for (none: a quiet
+    machine; the recorded snapshot's own were measured on whatever machine ran it)."""
     s = copy.deepcopy(snapshot)
     worker_cpu = sum(workers)
     s["system"]["host"].update(
+        wait_cores=waited, workers_wait_cores=workers_waited,
         usable_cores=cores, torch_threads=threads, cpu_ratio=own, workers=len(workers),
         workers_cpu_ratio=worker_cpu, busy_cores=own + worker_cpu if busy is None else busy,
         worker_processes=[{"pid": 100 + i, "cpu_ratio": cpu, "rss_bytes": 1} for i, cpu in enumerate(workers)])
