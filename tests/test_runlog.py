@@ -67,14 +67,14 @@ def test_torn_last_line_is_ignored_and_corrupt_lines_are_counted(tmp_path):
     path = tmp_path / "events.jsonl"
     log = RunLog(path, 1 << 20, {"event": "run", "run_id": "x"})
     assert log.open()
-    log.write({"event": "steps", "steps": 3, "loss": float("nan")})
+    log.write({"event": "warning", "message": "3", "loss": float("nan")})
     log.close()
     with open(path, "a") as handle:
         handle.write("{not json}\n")
-        handle.write('{"event": "steps", "steps": 4}\n')
-        handle.write('{"event": "steps", "st')  # the process died mid-write
+        handle.write('{"event": "warning", "message": "4"}\n')
+        handle.write('{"event": "warning", "mes')  # the process died mid-write
     record = read_log(path)
-    assert [e["event"] for e in record.events] == ["run", "steps", "steps"]
+    assert [e["event"] for e in record.events] == ["run", "warning", "warning"]
     assert math.isnan(record.events[1]["loss"])  # written as "nan", read back as a float
     assert record.torn_tail is True
     assert record.skipped_lines == 1
@@ -130,12 +130,12 @@ def test_a_huge_line_and_deep_json_are_skipped_by_name_without_reading_them_whol
     with open(path, "a") as handle:
         handle.write('{"event": "steps", "pad": "' + "x" * 100_000 + '"}\n')  # line 2: over the cap
         handle.write("[" * 2000 + "]" * 2000 + "\n")  # line 3: under the cap, deeper than json can nest
-        handle.write('{"event": "steps", "steps": 4}\n')
+        handle.write('{"event": "warning", "message": "4"}\n')
     record = read_log(path)
-    assert [e["event"] for e in record.events] == ["run", "steps"] and record.events[1]["steps"] == 4
+    assert [e["event"] for e in record.events] == ["run", "warning"] and record.events[1]["message"] == "4"
     assert record.skipped_lines == 2
-    assert record.skipped_note() == (f"2 unreadable line(s) of {path} skipped (events.jsonl line 2: over 4096 bytes, "
-                                     "events.jsonl line 3: nested too deep)")
+    assert record.notes() == [f"2 unreadable line(s) of {path} skipped (events.jsonl line 2: over 4096 bytes; "
+                              "events.jsonl line 3: nested too deep)"]
 
 
 def test_a_fifo_named_like_a_log_is_refused_not_read(tmp_path):

@@ -5,6 +5,7 @@ Errors are one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -29,6 +30,18 @@ app = typer.Typer(
 )
 console = Console()
 errors = Console(stderr=True)
+
+
+def _seconds(option: str, value: float, low: float, high: float) -> float:
+    """A number of seconds in [low, high]. Not typer's min/max: nan fails both of their
+    comparisons and was told "should be <= 60"; here it is named as not a number."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a number of seconds: give one from {low:g} to {high:g}",
+                                 param_hint=f"'{option}'")
+    if not low <= value <= high:
+        raise typer.BadParameter(f"{value:g} seconds is out of range: give one from {low:g} to {high:g}",
+                                 param_hint=f"'{option}'")
+    return value
 
 
 class UserError(Exception):
@@ -155,7 +168,8 @@ def report(
 @app.command()
 def watch(
     url: Optional[str] = typer.Argument(None, help="A live agent's URL (default: the one job running here)."),
-    interval: float = typer.Option(2.0, min=0.2, max=60.0, help="Seconds between refreshes."),
+    interval: float = typer.Option(2.0, callback=lambda value: _seconds("--interval", value, 0.2, 60.0),
+                                   help="Seconds between refreshes (0.2 to 60)."),
     once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
 ) -> None:
     """A live view of a running job: the step breakdown and the current findings, refreshing."""
@@ -307,7 +321,9 @@ def rules_markdown() -> str:
 
 
 def _fail(message: str, code: int) -> None:
-    errors.print(f"tuneup: {message}", style="red", highlight=False, markup=False, soft_wrap=True)
+    from .format import one_line
+
+    errors.print(f"tuneup: {one_line(message)}", style="red", highlight=False, markup=False, soft_wrap=True)
     sys.exit(code)
 
 

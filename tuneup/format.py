@@ -39,3 +39,9 @@ def read_rate(source: dict) -> str:
         return f"{rate:.1f}/step"
     reads = round(rate * out_of / steps, 1)
     return f"{reads:g} read{'s' if reads != 1 else ''} on {steps} of {out_of} sampled steps"
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters (newlines, escapes, separators) written as escapes: a
+    message quoting what the user typed stays one line and cannot drive the terminal."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from .. import records
 
 HEARTBEAT = 10.0  # seconds between the agent's refreshes of its entry
 STALE = 3 * HEARTBEAT  # an entry from another PID namespace not refreshed for this long is dead
@@ -94,18 +96,37 @@ def _alive(pid: int, started: float | None) -> bool:
         return False
 
 
+MAX_ENTRY_BYTES = 64 * 1024  # an entry is a few hundred bytes
+
+
+def _read_entry(path: Path) -> tuple[dict[str, Any], float] | None:
+    """The entry at `path` and its modification time, or None when it is not
+    an agent's entry: not a regular file (a FIFO would block the reader), too large, not JSON,
+    or not of the entry's schema (the folder may be shared by every user on the node)."""
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_ENTRY_BYTES:
+            return None
+        with open(path, "rb") as handle:
+            entry = json.loads(handle.read(MAX_ENTRY_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if records.REGISTRY_ENTRY.problem(entry, "entry"):
+        return None
+    return entry, info.st_mtime
+
+
 def live_agents(folder: Path | None = None) -> list[dict[str, Any]]:
     """Entries of the agents still running, oldest first."""
     entries = []
     folder = directory() if folder is None else folder
     namespace = pid_namespace()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-        try:
-            entry = json.loads(path.read_text())
-            pid = int(entry["pid"])
-            modified = path.stat().st_mtime
-        except (OSError, ValueError, KeyError, TypeError):
+        found = _read_entry(path)
+        if found is None:
             continue
+        entry, modified = found
+        pid = int(entry["pid"])
         theirs = entry.get("pid_namespace")
         if theirs is None or theirs == namespace:
             alive = _alive(pid, entry.get("started_at"))

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import redact
+from .. import records, redact
 from ..options import Options, agent_port, default_run_dir
 from . import discovery
 from .runlog import RunLog, log_name
@@ -82,8 +82,8 @@ class Outputs:
         options, state = self.options, self.state
         self.run_dir = (options.run_dir or default_run_dir(state.rank)) if options.log else None
         state.run_dir = str(self.run_dir) if self.run_dir else None
-        header = dict(state.run_info, event="run", time=time.time(), options=options_dict(options),
-                      run_dir=state.run_dir)
+        header = dict(state.run_info, event="run", schema=records.VERSION, time=time.time(),
+                      options=options_dict(options), run_dir=state.run_dir)
         state.history.add(header)
         if not options.log:
             return

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import records
+
 LOG_NAME = "events.jsonl"
 
 
@@ -139,13 +141,19 @@ class RunRecord:
         if len(self.skipped_examples) < 3:
             self.skipped_examples.append(f"{segment.name} line {index + 1}: {why}")
 
-    def skipped_note(self) -> str | None:
-        """One line saying what was skipped, or None."""
-        if not self.skipped_lines:
-            return None
-        more = ", ..." if self.skipped_lines > len(self.skipped_examples) else ""
-        return (f"{self.skipped_lines} unreadable line(s) of {self.path} skipped "
-                f"({', '.join(self.skipped_examples)}{more})")
+    def notes(self) -> list[str]:
+        """One line each for what the report leaves out of this log: the lines skipped (the
+        first few named) and a header from a newer tuneup."""
+        out = []
+        if self.skipped_lines:
+            more = ", ..." if self.skipped_lines > len(self.skipped_examples) else ""
+            out.append(f"{self.skipped_lines} unreadable line(s) of {self.path} skipped "
+                       f"({'; '.join(self.skipped_examples)}{more})")
+        header = next((event for event in self.events if event.get("event") == "run"), None)
+        newer = header and records.newer(header)
+        if newer:
+            out.append(f"{self.path}: {newer}")
+        return out
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [event for event in self.events if event.get("event") == kind]
@@ -201,6 +209,7 @@ def log_files(target: Path) -> list[Path]:
 def read_log(path: Path) -> RunRecord:
     """Read one log file, with its rotated predecessor, keeping only the newest run in it."""
     record = RunRecord(path=path)
+    unfit = 0  # JSON objects that are not tuneup events of their kind
     try:
         segments = [_regular(p) for p in (path.with_name(path.name + ".1"), path) if p.exists()]
         for segment in segments:
@@ -223,9 +232,17 @@ def read_log(path: Path) -> RunRecord:
                         record.skip(segment, number, "nested too deep" if isinstance(exc, RecursionError)
                                     else "not a JSON object")
                     continue
-                record.events.append(restore_nonfinite(event))
+                event = restore_nonfinite(event)
+                wrong = records.problem(event)
+                if wrong:
+                    record.skip(segment, number, wrong)
+                    unfit += 1
+                    continue
+                record.events.append(event)
     except OSError as exc:
         raise RunLogError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not record.events and unfit:
+        raise RunLogError(f"{path} is not a tuneup run log: it has no run header ({record.skipped_examples[0]})")
     if not record.events:
         raise RunLogError(f"{path} holds no readable tuneup events (empty or corrupt)")
     # A log appended to by several runs: keep the newest (a rotated file repeats its header).

@@ -68,6 +68,8 @@ def exec_script(
 
 def _check_script(target: str) -> None:
     path = Path(target)
+    if not target.strip():
+        raise LaunchError("the script's path is empty: give it as `tuneup run train.py`")
     if not path.exists():
         raise LaunchError(f"no script at {target!r}; check the path (for a module, use -m package.module)")
     if path.is_dir() and not (path / "__main__.py").is_file():

@@ -47,7 +47,9 @@ def run_command(argv: list[str]) -> None:
     try:
         exec_script(argv[index], argv[index + 1:], module=module, env_overrides=run_environment(apply, actions))
     except (LaunchError, ValueError) as exc:
-        sys.stderr.write(f"tuneup: {exc}\n")
+        from ..format import one_line
+
+        sys.stderr.write(f"tuneup: {one_line(str(exc))}\n")
         sys.exit(2)
 
 

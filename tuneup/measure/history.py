@@ -161,11 +161,14 @@ class RunHistory:
         self.latest: dict[str, Any] = {}  # the newest cumulative sections: syncs, scaler, habits
         self.end: dict[str, Any] | None = None
         self.source: str | None = None
+        self.notes: list[str] = []  # what a report leaves out of this run, and why (one line each)
 
     @classmethod
-    def of(cls, events: Iterable[dict[str, Any]], source: str | None = None) -> "RunHistory":
+    def of(cls, events: Iterable[dict[str, Any]], source: str | None = None,
+           notes: Sequence[str] = ()) -> "RunHistory":
         history = cls()
         history.source = source
+        history.notes = list(notes)
         for event in events:
             history.add(event)
         return history

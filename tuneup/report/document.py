@@ -3,6 +3,7 @@ runs' event histories. Every output format (text, markdown, json, html) renders 
 document, so they cannot disagree.
 
     {"tuneup": version, "schema": 1, "generated_at": epoch seconds, "source": str,
+     "notes": [str, ...],   # what the report leaves out of its sources, and why
      "runs": [{"rank": int|None, "snapshot": {...}, "series": {...}, "evaluation": {...}}],
      "findings": [finding, ...]}   # across ranks, ranked by estimated gain
 
@@ -42,5 +43,6 @@ def build(histories: Sequence[RunHistory], *, source: str, silence: Iterable[str
                 merged[finding["rule"]] = dict(finding)
             merged[finding["rule"]]["ranks"] = [r for r in ranks if r is not None]
     findings = sorted(merged.values(), key=lambda f: (-(f["gain"] or 0), ("high", "medium", "low").index(f["severity"]), f["rule"]))
+    notes = [note for history in histories for note in history.notes]
     return {"tuneup": __version__, "schema": SCHEMA, "generated_at": time.time(), "source": source,
-            "silenced": list(silence), "runs": runs, "findings": findings}
+            "silenced": list(silence), "notes": notes, "runs": runs, "findings": findings}

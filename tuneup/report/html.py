@@ -96,7 +96,7 @@ class Frame:
 
 def _span(lo: float, hi: float) -> tuple[float, float]:
     """A non-empty range around [lo, hi]."""
-    return (lo, hi) if hi > lo else (lo - 1, hi + 1)
+    return (lo, hi) if hi > lo else (min(lo, hi) - 1, max(lo, hi) + 1)
 
 
 def _ticks(lo: float, hi: float, count: int = 5, *, outward: bool = False) -> list[float]:
@@ -442,6 +442,7 @@ def to_html(document: dict[str, Any]) -> str:
     generated = _finite(document.get("generated_at"))
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(generated)) if generated is not None else "–"
     errors = {rule: error for run in document["runs"] for rule, error in run["evaluation"]["errors"].items()}
+    said = "".join(f'<p class="alert">note: {escape(note)}</p>' for note in document.get("notes", ()))
     notes = "".join(f'<p class="alert">rule {escape(rule)} failed on this run ({escape(str(error))}); please report it</p>'
                     for rule, error in errors.items())
     runs = "".join(_run(run, index, len(document["runs"]) > 1) for index, run in enumerate(document["runs"]))
@@ -449,4 +450,4 @@ def to_html(document: dict[str, Any]) -> str:
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>tuneup report: {source}</title><style>{CSS}</style></head><body>"
             f"<h1>tuneup report: {source}</h1><p class=\"meta\">generated {when} by tuneup "
-            f"{escape(str(document.get('tuneup', '')))}</p>{_findings(document)}{runs}{notes}</body></html>\n")
+            f"{escape(str(document.get('tuneup', '')))}</p>{said}{_findings(document)}{runs}{notes}</body></html>\n")

@@ -13,10 +13,9 @@ from rich.text import Text
 
 from ..export import discovery
 from ..format import percent, seconds
-from ..measure.history import RunHistory
 from . import summary
 from .document import build
-from .sources import ReportSourceError, answering, daemon_base, fetch_run
+from .sources import ReportSourceError, answering, checked, daemon_base, fetch_run
 from .text import findings_group
 
 
@@ -43,8 +42,7 @@ def frame(url: str) -> tuple[Group, bool]:
 
 
 def job_frame(url: str, payload: dict[str, Any]) -> Group:
-    history = RunHistory.of(payload["events"], source=url)
-    document = build([history], source=url)
+    document = build([checked(payload["events"], url)], source=url)
     snapshot = document["runs"][0]["snapshot"]
     state = "live" if payload.get("attached") else "detached"
     head = Text(f"tuneup watch {url}  ({state}, {time.strftime('%H:%M:%S')})", style="bold")
@@ -74,7 +72,7 @@ def node_frame(url: str, payload: dict[str, Any]) -> Group:
             table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–", "–", "–",
                           Text(f"not answering: {job.get('error')}", style="yellow"))
             continue
-        history = RunHistory.of(job["payload"]["events"], source=base + job["path"])
+        history = checked(job["payload"]["events"], base + job["path"])
         window = history.window(1000) or {}
         findings = (job["payload"].get("findings") or {}).get("findings") or []
         top = findings[0]["rule"] if findings else "none"

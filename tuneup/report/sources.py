@@ -5,11 +5,11 @@ the fix."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from .. import records
 from ..export.runlog import RunLogError, log_files, read_log, restore_nonfinite
 from ..fetch import FetchError, get
 from ..measure.history import RunHistory
@@ -35,7 +35,7 @@ def load_jobs(target: str) -> list[JobRuns]:
         return [load(target)]
     payload = fetch_run(target)
     if not payload.get("daemon"):
-        return [([RunHistory.of(payload["events"], source=target)], target)]
+        return [([checked(payload["events"], target)], target)]
     base = daemon_base(target)
     groups: dict[str, list[dict[str, Any]]] = {}
     for job in answering(payload):
@@ -45,7 +45,7 @@ def load_jobs(target: str) -> list[JobRuns]:
                                 f"({len(payload['jobs'])} registered): start one, or check TUNEUP_REGISTRY_DIR")
     jobs = []
     for members in groups.values():
-        histories = [RunHistory.of(m["payload"]["events"], source=base + m["path"]) for m in members]
+        histories = [checked(m["payload"]["events"], base + m["path"]) for m in members]
         histories.sort(key=_rank_order)
         jobs.append((histories, ", ".join(base + m["path"] for m in members)))
     return jobs
@@ -87,8 +87,31 @@ def daemon_base(url: str) -> str:
 
 def answering(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """The jobs of a node daemon's /api/run whose agents answered with their run."""
-    return [job for job in payload["jobs"]
-            if isinstance(job.get("payload"), dict) and isinstance(job["payload"].get("events"), list)]
+    return [job for job in payload["jobs"] if records.AGENT_RUN.problem(job.get("payload"), "payload") is None]
+
+
+def checked(events: list[Any], source: str) -> RunHistory:
+    """A run from a live agent's events, each checked against its kind's schema (records.py):
+    one that does not fit is left out and named in the report's notes."""
+    kept, skipped = [], []
+    for index, event in enumerate(events):
+        wrong = records.problem(event)
+        if wrong:
+            skipped.append(f"event {index + 1}: {wrong}")
+        else:
+            kept.append(event)
+    notes = []
+    if skipped:
+        more = "; ..." if len(skipped) > 3 else ""
+        notes.append(f"{len(skipped)} unreadable event(s) from {source} skipped ({'; '.join(skipped[:3])}{more})")
+    header = next((event for event in kept if event.get("event") == "run"), None)
+    if header is None:
+        raise ReportSourceError(f"{source} answered no run header among {len(events)} events"
+                                + (f" ({notes[0]})" if notes else "") + ": is this a tuneup agent's URL?")
+    newer = records.newer(header)
+    if newer:
+        notes.append(f"{source}: {newer}")
+    return RunHistory.of(kept, source=source, notes=notes)
 
 
 def _rank_order(history: RunHistory) -> tuple[bool, int]:
@@ -102,11 +125,8 @@ def load(target: str) -> tuple[list[RunHistory], str]:
         files = log_files(Path(target))
         histories = []
         for path in files:
-            record = read_log(path)
-            note = record.skipped_note()
-            if note:  # said, not silently dropped; the report goes on from the rest
-                print(f"tuneup: {note}", file=sys.stderr)
-            histories.append(RunHistory.of(record.events, source=str(path)))
+            record = read_log(path)  # what it skips is said in the report's notes
+            histories.append(RunHistory.of(record.events, source=str(path), notes=record.notes()))
     except RunLogError as exc:
         raise ReportSourceError(str(exc)) from None
     histories.sort(key=_rank_order)
@@ -130,8 +150,13 @@ def fetch_run(url: str) -> dict[str, Any]:
         payload = restore_nonfinite(json.loads(body))
     except (ValueError, RecursionError):
         raise ReportSourceError(f"{endpoint} did not answer JSON: is this a tuneup agent's URL?") from None
-    if isinstance(payload, dict) and payload.get("daemon") and isinstance(payload.get("jobs"), list):
+    if isinstance(payload, dict) and payload.get("daemon") is True:
+        wrong = records.DAEMON_RUN.problem(payload, "the answer")
+        if wrong:
+            raise ReportSourceError(f"{endpoint} answered a node daemon's run list that does not fit ({wrong}): "
+                                    "are the daemon and this tuneup the same version?")
         return payload  # a node daemon: every running job's
-    if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
-        raise ReportSourceError(f"{endpoint} did not answer a tuneup run: is this a tuneup agent's URL?")
+    wrong = records.AGENT_RUN.problem(payload, "the answer")
+    if wrong:
+        raise ReportSourceError(f"{endpoint} did not answer a tuneup run ({wrong}): is this a tuneup agent's URL?")
     return payload

@@ -76,6 +76,8 @@ def findings_group(document: dict[str, Any]) -> Group:
 
 def render_text(document: dict[str, Any], console: Console) -> None:
     console.print(Text(f"tuneup report: {document['source']}", style="bold"))
+    for note in document.get("notes", ()):
+        console.print(Text(f"note: {note}", style="yellow"))
     console.print(findings_group(document))
     for run in document["runs"]:
         if len(document["runs"]) > 1:
@@ -91,6 +93,7 @@ def render_text(document: dict[str, Any], console: Console) -> None:
 
 def to_markdown(document: dict[str, Any]) -> str:
     out = ["# tuneup report", "", f"Source: `{document['source']}`", ""]
+    out += [f"> note: {note}" for note in document.get("notes", ())] + ([""] if document.get("notes") else [])
     findings = document["findings"]
     out += ["## Advice, ranked by estimated gain", ""]
     if not findings:
