@@ -94,7 +94,7 @@ OPTIONS = [
 ]
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=24, **SETTINGS)
 @given(case=st.sampled_from(OPTIONS), value=VALUES)
 def test_a_bad_option_value_is_one_line_and_exit_2(case, value, tmp_path):
     command, option, rest = case
@@ -137,7 +137,7 @@ def job(tmp_path_factory):
     return script, plain
 
 
-@settings(max_examples=14, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(variable=st.sampled_from(ENVIRONMENT), value=VALUES)
 def test_a_bad_tuneup_setting_leaves_the_job_as_plain_python_runs_it(job, variable, value, tmp_path):
     script, plain = job
@@ -188,7 +188,7 @@ def endpoint():
     server.server_close()
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=16, **SETTINGS)
 @given(payload=PAYLOADS, command=st.sampled_from(["watch", "report"]))
 def test_whatever_an_endpoint_answers_watch_and_report_say_one_line(endpoint, payload, command):
     endpoint.body = json.dumps(payload).encode()

@@ -132,7 +132,7 @@ def test_the_real_records_fit_their_schemas(real_events, tmp_path):
     assert document["runs"][0]["snapshot"]["actions"], "the apply-mode decisions are read back"
 
 
-@settings(max_examples=250, deadline=None, derandomize=True, database=None,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_damaged_field_is_skipped_and_named_or_harmless(real_events, tmp_path, data):
