@@ -220,7 +220,7 @@ def test_an_agents_damaged_events_are_skipped_and_named(server, real_events):
     (histories, _), = load_jobs(url)
     document, failed = render_everything(histories, url)
     assert failed == {}
-    assert document["notes"] == [f"1 unreadable event(s) from {url} skipped (event 2: config.loaders is a string, "
+    assert document["notes"] == [f"1 unreadable event(s) of {url} skipped (event 2: config.loaders is a string, "
                                  "not a list)"]
 
 

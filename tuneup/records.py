@@ -374,6 +374,20 @@ def problem(event: Any) -> str | None:
     return None if spec is None else spec.problem(event, kind)
 
 
+def notes(what: str, source: str, skipped: int, examples: list[str], events: list[dict[str, Any]]) -> list[str]:
+    """A report's note lines for records read from `source`: how many `what` (lines, events)
+    were skipped, the first `examples` named; and a header from a newer schema."""
+    out = []
+    if skipped:
+        more = "; ..." if skipped > len(examples) else ""
+        out.append(f"{skipped} unreadable {what} of {source} skipped ({'; '.join(examples)}{more})")
+    header = next((event for event in events if event.get("event") == "run"), None)
+    said = header and newer(header)
+    if said:
+        out.append(f"{source}: {said}")
+    return out
+
+
 def newer(header: Mapping[str, Any]) -> str | None:
     """One line when a run header says a newer tuneup wrote the log, else None."""
     version = header.get("schema")

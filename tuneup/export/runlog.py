@@ -144,16 +144,7 @@ class RunRecord:
     def notes(self) -> list[str]:
         """One line each for what the report leaves out of this log: the lines skipped (the
         first few named) and a header from a newer tuneup."""
-        out = []
-        if self.skipped_lines:
-            more = ", ..." if self.skipped_lines > len(self.skipped_examples) else ""
-            out.append(f"{self.skipped_lines} unreadable line(s) of {self.path} skipped "
-                       f"({'; '.join(self.skipped_examples)}{more})")
-        header = next((event for event in self.events if event.get("event") == "run"), None)
-        newer = header and records.newer(header)
-        if newer:
-            out.append(f"{self.path}: {newer}")
-        return out
+        return records.notes("line(s)", str(self.path), self.skipped_lines, self.skipped_examples, self.events)
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [event for event in self.events if event.get("event") == kind]

@@ -100,17 +100,10 @@ def checked(events: list[Any], source: str) -> RunHistory:
             skipped.append(f"event {index + 1}: {wrong}")
         else:
             kept.append(event)
-    notes = []
-    if skipped:
-        more = "; ..." if len(skipped) > 3 else ""
-        notes.append(f"{len(skipped)} unreadable event(s) from {source} skipped ({'; '.join(skipped[:3])}{more})")
-    header = next((event for event in kept if event.get("event") == "run"), None)
-    if header is None:
+    notes = records.notes("event(s)", source, len(skipped), skipped[:3], kept)
+    if not any(event.get("event") == "run" for event in kept):
         raise ReportSourceError(f"{source} answered no run header among {len(events)} events"
                                 + (f" ({notes[0]})" if notes else "") + ": is this a tuneup agent's URL?")
-    newer = records.newer(header)
-    if newer:
-        notes.append(f"{source}: {newer}")
     return RunHistory.of(kept, source=source, notes=notes)
 
 
