@@ -159,12 +159,15 @@ def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tu
             state["at"] = step
             dataset.fail_in_workers = True  # workers started from here on cannot read
 
-    dataset = SlowIndexed()
+    # 20 ms batches against a 20 ms step (as in the own-generator test below): a worker's gain
+    # that two busy processes beside the job cannot hide, so a change is kept.
+    dataset = SlowIndexed(size=1600, latency=0.00125)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        batches, _, _, agent, loader = io_bound_run(400, dataset=dataset, agent_options=apply_options(run_dir),
+        batches, _, _, agent, loader = io_bound_run(400, dataset=dataset, compute=0.02,
+                                                    agent_options=apply_options(run_dir),
                                                     after_step=break_workers_after_the_first_kept_change)
-    plain, _, _, _, _ = io_bound_run(400, dataset=SlowIndexed())
+    plain, _, _, _, _ = io_bound_run(400, dataset=SlowIndexed(size=1600, latency=0.00125), compute=0.02)
     assert "at" in state and batches == plain
     loader_records = records(agent, "dataloader")
     rolled = [r for r in loader_records if r["decision"] == "rolled back"]
@@ -199,8 +202,14 @@ class Timed(nn.Module):
 def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",),
             slow_under_autocast=0):
     """Train `Timed` under apply mode with the CPU's bf16 capability claimed (the documented
-    cpu_bf16 option): amp-off fires and apply mode tries AMP, whatever CPU the suite runs on."""
+    cpu_bf16 option): amp-off fires and apply mode tries AMP, whatever CPU the suite runs on.
+
+    On one intra-op thread, so that a step's time is its work: with two threads and two other
+    busy processes on two cores, each op's threads waited for one another to be scheduled, a
+    step took 0.2 s instead of 1 ms, and 12x the work made it only 2.4x slower."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = Timed(slow_under_autocast)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
@@ -228,6 +237,7 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
                 break
     finally:
         agent.detach()
+        torch.set_num_threads(threads)
     return agent, model, optimizer, times
 
 
@@ -494,14 +504,19 @@ def test_a_dataset_drawing_from_the_global_rng_keeps_its_order_and_its_workers_g
     assert "global RNG" in refused["reason"] and "generator=torch.Generator()" in refused["reason"]
     assert records(agent, "dataloader", "kept") == [] and loader.num_workers == 0
 
+    # A 20 ms batch against a 20 ms step in 100-step epochs: one worker nearly halves the step,
+    # and a worker's start at an epoch's beginning weighs little. With 10 ms batches in 40-step
+    # epochs, two busy processes beside the job brought the first worker's gain to 1.2x, and
+    # the trial was judged within the noise one run in three.
     order = torch.Generator().manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        noise, _, _, agent, _ = io_bound_run(480, dataset=Augmented(), generator=order, observe=noise_of,
+        noise, _, _, agent, _ = io_bound_run(500, dataset=Augmented(size=1600, latency=0.00125), compute=0.02,
+                                             generator=order, observe=noise_of,
                                              agent_options=apply_options(run_dir / "own-generator"))
     kept = records(agent, "dataloader", "kept")
-    assert kept, agent.actions()
-    later = epochs(noise)[-4:]  # epochs that ran entirely on workers tuneup started
+    assert kept, [(r["change"], r["decision"], r.get("reason")) for r in agent.actions()]
+    later = epochs(noise, 100)[-4:]  # epochs that ran entirely on workers tuneup started
     assert len(set(later)) == len(later), "workers of different epochs drew the same augmentation"
 
 

@@ -75,6 +75,40 @@ def test_unknown_command_is_one_clear_line():
                         result.stderr), result.stderr
 
 
+@pytest.mark.parametrize("args", [["rules"], ["rules", "--format", "markdown"], ["actions"]])
+def test_a_reader_that_leaves_is_not_reported_as_a_bug(args):
+    """`tuneup rules | head`: exit 141 as a shell reports a writer that SIGPIPE ended, nothing
+    on stderr; not 1 (tuneup's own bugs), which typer and rich both exit with on EPIPE."""
+    process = subprocess.Popen([sys.executable, "-m", "tuneup", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=child_env(session=True))
+    process.stdout.close()  # the reader is gone before the first line
+    stderr = process.stderr.read()
+    assert (process.wait(timeout=120), stderr) == (141, b"")
+
+
+def test_exit_codes_say_who_is_at_fault(tmp_path):
+    """2: what the user typed or pointed at, in one line with the fix; 3: a doctor check
+    failed; neither is 1, which is kept for tuneup's bugs."""
+    host = tuneup("daemon", "--host", "999.1.1.1", "--port", "9")
+    assert host.returncode == 2
+    assert host.stderr.startswith("tuneup: --host 999.1.1.1 is not an address of this machine") \
+        and host.stderr.count("\n") == 1, host.stderr
+    unwritable = tmp_path / "file"
+    unwritable.write_text("not a folder")
+    env = child_env(session=True, TUNEUP_RUN_DIR=str(unwritable / "run"))
+    doctor = subprocess.run([sys.executable, "-m", "tuneup", "doctor"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert doctor.returncode == 3 and "run directory" in doctor.stdout, (doctor.returncode, doctor.stdout)
+
+
+def test_a_demo_whose_run_log_cannot_be_written_does_not_point_at_one(tmp_path):
+    unwritable = tmp_path / "file"
+    unwritable.write_text("not a folder")
+    result = tuneup("demo", "--steps", "10", "--run-dir", str(unwritable / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "Run log: not written" in result.stdout and "This report again" not in result.stdout, result.stdout
+
+
 def test_no_arguments_prints_help():
     result = tuneup()
     assert result.returncode == 0

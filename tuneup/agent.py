@@ -68,7 +68,8 @@ class Agent:
     warnings = property(lambda self: self.state.warnings)
 
     server = property(lambda self: self.outputs.server if self.enabled else None, doc="The loopback endpoint, or None.")
-    run_dir = property(lambda self: self.outputs.run_dir if self.enabled else None, doc="The run log's folder, or None.")
+    run_dir = property(lambda self: self.outputs.run_dir if self.enabled and self.outputs.run_log is not None else None,
+                       doc="The run log's folder, or None when no run log is being written (it could not be).")
 
     def start(self) -> "Agent":
         """Install the probes and start sampling; on any failure undo all of it and raise."""

@@ -28,7 +28,31 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="tuneup: a live performance-tuning advisor for PyTorch training jobs.",
 )
-console = Console()
+
+
+class ReaderLeft(Exception):
+    """The reader of stdout left (`tuneup rules | head`): main() exits as a shell reports a
+    writer that SIGPIPE ended. Not an OSError: typer turns an EPIPE OSError into exit 1
+    (typer/core.py, _main), and rich does too (rich/console.py, Console.on_broken_pipe),
+    the code tuneup keeps for its own bugs."""
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise ReaderLeft
+
+
+def _out(text: str) -> None:
+    """Text to stdout, flushed here: a pipe closed at exit's flush would not reach main()."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise ReaderLeft from None
+
+
+console = _Console()
 errors = Console(stderr=True)
 
 
@@ -42,6 +66,13 @@ def _seconds(option: str, value: float, low: float, high: float) -> float:
         raise typer.BadParameter(f"{value:g} seconds is out of range: give one from {low:g} to {high:g}",
                                  param_hint=f"'{option}'")
     return value
+
+
+# Exit codes (README, "Use it"): 1 is kept for tuneup's own bugs.
+USAGE = 2  # what the user typed or pointed at
+DOCTOR_FAILED = 3  # `tuneup doctor`: a check failed
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+PIPE_CLOSED = 141  # 128 + SIGPIPE, as a shell reports `yes | head`
 
 
 class UserError(Exception):
@@ -100,7 +131,7 @@ def demo(
         finally:
             agent.detach()
     render_text(agent.document(), console)
-    if agent.run_dir is not None:
+    if agent.run_dir is not None:  # None when the run log could not be written (the warning said why)
         console.print(f"This report again: tuneup report {agent.run_dir}")
 
 
@@ -156,7 +187,7 @@ def report(
     else:
         text = "\n\n".join(render_document(document, format) for document in documents)
     if output is None:
-        sys.stdout.write(text + "\n")
+        _out(text + "\n")
         return
     try:
         output.write_text(text + ("\n" if not text.endswith("\n") else ""), encoding="utf-8")
@@ -189,7 +220,7 @@ def doctor() -> None:
 
     failed = run_checks(console)
     if failed:
-        raise typer.Exit(1)
+        raise typer.Exit(DOCTOR_FAILED)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -234,6 +265,7 @@ def daemon(
     import errno
     import logging
     import signal
+    import socket
     import threading
 
     from .export import discovery
@@ -257,6 +289,9 @@ def daemon(
         url = node.start(host, port)
     except OSError as exc:
         node.stop()
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"--host {host} is not an address of this machine ({exc.strerror or exc}): give one "
+                            "of its addresses, e.g. 127.0.0.1 (the default) or 0.0.0.0 for every interface") from None
         reason = "is in use (another tuneup daemon?)" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror or exc})"
         raise UserError(f"port {port} on {host} {reason}: choose another with --port") from None
     stop = threading.Event()
@@ -283,7 +318,7 @@ def rules(
     if format not in ("text", "markdown"):
         raise UserError(f"unknown --format {format!r}: use text or markdown")
     if format == "markdown":
-        sys.stdout.write(rules_markdown())
+        _out(rules_markdown())
         return
     for rule in RULES.values():
         console.print(f"[bold]{rule.id}[/bold] ({rule.severity}{', applicable' if rule.can_apply else ''}): {rule.title}",
@@ -336,14 +371,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)  # `tuneup` alone: the help was printed
         context = getattr(exc, "ctx", None)
         hint = f" (see '{context.command_path} --help')" if context is not None else ""
-        _fail(f"{exc.format_message()}{hint}", getattr(exc, "exit_code", 2))
+        _fail(f"{exc.format_message()}{hint}", getattr(exc, "exit_code", USAGE))
     except UserError as exc:
-        _fail(str(exc), 2)
+        _fail(str(exc), USAGE)
     except (KeyboardInterrupt, typer.Abort):
-        _fail("interrupted", 130)
-    except BrokenPipeError:  # `tuneup ... | head`: the reader left; leave quietly
+        _fail("interrupted", INTERRUPTED)
+    except (ReaderLeft, BrokenPipeError):  # `tuneup ... | head`: the reader left; leave quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        sys.exit(PIPE_CLOSED)
     except Exception as exc:  # a bug of ours: still one line, with what to report
         _fail(f"internal error: {type(exc).__name__}: {exc} (please report it with the command you ran)", 1)
     sys.exit(code or 0)
