@@ -29,6 +29,22 @@ def quiet_dynamo_switch() -> Callable[[Any], Any]:
     return set_eval_frame
 
 
+def dynamo_skips(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, marked so that dynamo's frame callback never sees its frames: a function
+    the interpreter calls on its own (a profile function, on every call of a watched step)
+    would otherwise be handed to dynamo inside a compiled region, and counted as a frame the
+    job's program compiled (torch/_dynamo/convert_frame.py: `counters["frames"]["total"]`
+    counts each frame the callback gets). The C flag torch._dynamo.eval_frame.skip_code sets,
+    without importing torch._dynamo; a torch without it leaves the function as it is."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(function.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    except (ImportError, AttributeError, TypeError, RuntimeError):  # pragma: no cover - older torch
+        pass
+    return function
+
+
 # A measured call of a torch function, posing as it (see posing_as and measured).
 _MEASURED = """
 def measured(*args, **kwargs):
@@ -73,6 +89,9 @@ OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
 # every step (evaluation phases, eval() forwards with grad). Autograd's state is not asked
 # here: torch.is_grad_enabled() in this test cost 4,000 instructions a step
 # (benchmarks/bench_instructions.py), so a no-grad forward in train() mode is the step's.
+# Optimizer.zero_grad: also called, off detail steps, for an optimizer whose instance has a
+# `step` of its own (the job compiled it: OptimizerProbe.adopt_compiled_step); never traced.
+OPTIMIZER_OFF_DETAIL = "not (_tuneup_gate.hooked or 'step' in args[0].__dict__) or _tuneup_is_compiling()"
 TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from .._patching import dynamo_skips
 from .hotpath import StepTimeline
 from .syncs import EXPLICIT_SYNC_KINDS, MAX_SOURCES, SyncCounter, format_location, user_frame
 
@@ -283,7 +284,7 @@ class CallWatch:
             except Exception as exc:
                 watch.fail(exc)
 
-        return profile
+        return dynamo_skips(profile)
 
     def _pop_mode(self) -> None:
         """Pop the one-shot mode if it is on this thread's stack (not while its handler runs:

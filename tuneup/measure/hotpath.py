@@ -117,8 +117,16 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
     After them, apply mode's guards (`guard_before`/`guard_after`, None while no change has
     any: act/action.py LiveJob.add_guard), for every optimizer; they handle their own errors."""
     tl, clock, measured = probe.timeline, probe.clock, probe.measured
+    compiling = torch.compiler.is_compiling
 
+    # A compiled optimizer step (`opt.step = torch.compile(opt.step)`) has dynamo trace torch's
+    # step wrapper and the global hooks in it (torch/optim/optimizer.py profile_hook_step):
+    # is_compiling() first folds to True there, so nothing of tuneup's enters the graph, no
+    # graph break, no guard on its state. Such a step's boundaries come from the loop's other
+    # calls (a fetch, the next forward after a backward).
     def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if compiling():
+            return
         key = id(optimizer)
         if key in measured or probe.admit(optimizer):
             try:
@@ -137,6 +145,8 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
             probe.guard_before(optimizer)
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if compiling():
+            return
         probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
         key = id(optimizer)
         if key in measured:
@@ -174,7 +184,13 @@ def zero_grad_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]
     tl, clock = probe.timeline, probe.clock
 
     def before(args: tuple, kwargs: dict) -> float | None:
-        return clock() if probe.on and tl.detail else None
+        if not probe.on:
+            return None
+        owner = args[0] if args else None
+        if isinstance(owner, torch.optim.Optimizer) and "step" in vars(owner) \
+                and id(owner) not in probe.compiled_steps:  # the job set a step of its own: compiled?
+            probe.adopt_compiled_step(owner)
+        return clock() if tl.detail else None
 
     def after(began: float, result: Any, args: tuple, kwargs: dict) -> None:
         probe.set_to_none = bool(args[1] if len(args) > 1 else kwargs.get("set_to_none", True))

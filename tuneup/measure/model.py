@@ -100,6 +100,7 @@ class ModelProbe:
         self.read_config_next_forward = True
         self._patches: PatchSet | None = None
         self.discovering: PatchSet | None = None  # nn.Module.__call__, replaced for discovery
+        self._ours: Any = None  # the __call__ discovery stood in with, once lifted
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
         self._depth = 0
         self._discovery_evaluation = False  # the outermost forward discovery sees is an evaluation
@@ -154,12 +155,21 @@ class ModelProbe:
         self._candidates = {}
 
     def _stop_discovery(self) -> None:
+        self._lift_discovery()
+        self.timeline.remove_listener("model-discovery")
+
+    def _lift_discovery(self) -> None:
+        """torch's own nn.Module.__call__ back (the roots seen so far stay candidates, hooked
+        at the step's close). Also at once when a compiled model is about to run: dynamo
+        traces the module calls inside it through `type(module).__call__` and guards on that
+        function (its closure: `dict(type(fn).__mro__[1].__dict__)['__call__'].__closure__`),
+        so a graph traced through ours would recompile once discovery put torch's back."""
         if self.discovering is not None:
             ours = vars(nn.Module)["__call__"]
             self.discovering.undo_all()
             _restore_dynamo_capture(ours, vars(nn.Module)["__call__"])
-        self.discovering = None
-        self.timeline.remove_listener("model-discovery")
+            self.discovering = None
+            self._ours = ours  # for a compiled wrapper built while it stood (_rebind)
 
     def root_models(self) -> list[nn.Module]:
         """The root models still alive."""
@@ -182,6 +192,14 @@ class ModelProbe:
             self.trained.add(key)
         self.timed = True
         weakref.finalize(model, self._forget_root, key)  # an id is reused once its object dies
+        if vars(model).get("_compiled_call_impl") is not None:
+            # Compiled in place (model.compile()): its class's forward runs inside the compiled
+            # code, where a patch would be guarded on (a recompile) and never run; the compiled
+            # call is wrapped instead, on the instance, where torch calls it eagerly
+            # (Module._wrapped_call_impl). Neither copies nor pickles take it along: torch's
+            # Module.__getstate__ drops `_compiled_call_impl`.
+            self._patches.replace(model, "_compiled_call_impl", lambda compiled: self._timed_compiled(model, compiled))
+            return
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
             self._patches.add_handle(model.register_forward_hook(_RootHook(self._root_post), always_call=True))
@@ -194,6 +212,20 @@ class ModelProbe:
     def _forget_root(self, key: int) -> None:
         self.roots.pop(key, None)
         self.trained.discard(key)
+
+    def _timed_compiled(self, model: nn.Module, compiled: Any) -> Any:
+        """A model's compiled call, timed as a root's forward (forward_hooks, given the model
+        as their first argument). Held weakly: the wrapper lives on the model itself."""
+        before, after = forward_hooks(self)  # hotpath.py
+        held = weakref.ref(model)
+
+        def with_model(call_args: tuple, kwargs: dict) -> tuple:
+            return (held(), *call_args)
+
+        return measured(compiled, lambda call_args, kwargs: before(with_model(call_args, kwargs), kwargs),
+                        lambda token, result, call_args, kwargs: after(token, result, with_model(call_args, kwargs),
+                                                                       kwargs),
+                        self.fail)
 
     def _wrap_forward(self, original):
         before, after = forward_hooks(self)  # hotpath.py
@@ -213,11 +245,15 @@ class ModelProbe:
         module = args[0] if args else None
         if not self.on or not isinstance(module, nn.Module):
             return None
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            # Compiled in place (module.compile()): dynamo's code, not timed, and what it
-            # calls eagerly (modules of torch's own, which dynamo skips) is no root either.
-            self._depth += 1
-            return _UNTIMED
+        compiled = _compiled(module)
+        if compiled:
+            self._lift_discovery()  # before dynamo traces the module calls inside it
+            _rebind(module, self._ours)
+            if self._depth:
+                # Compiled in place inside a root: dynamo's code, not timed, and what it calls
+                # eagerly (modules of torch's own, which dynamo skips) is no root either.
+                self._depth += 1
+                return _UNTIMED
         if self._depth == 0:
             if next(module.parameters(), None) is None:
                 # A loss module or other parameter-free callable, not a model: the model
@@ -344,6 +380,27 @@ class ModelProbe:
         self.on = False
         self.timeline.forward_depth = 0
         self.timeline.fail(self.name, exc)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """torch.compile(module)'s wrapper, or a module compiled in place (module.compile())."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    return eval_frame is not None and isinstance(module, getattr(eval_frame, "OptimizedModule", ()))
+
+
+def _rebind(module: nn.Module, ours: Any) -> None:
+    """A torch.compile(module) wrapper built while discovery stood in for nn.Module.__call__
+    holds ours for good: OptimizedModule binds `self._orig_mod.__call__` once, when it is built
+    (`_initialize`, torch/_dynamo/eval_frame.py), for models of the job's own classes. Built
+    again, as torch built it, now that torch's own is back: dynamo then traces what it traces
+    without tuneup, and nothing of discovery's is left behind."""
+    bound = getattr(getattr(module, "forward", None), "__wrapped__", None)
+    if ours is not None and getattr(bound, "__func__", None) is ours:
+        initialize = getattr(module, "_initialize", None)
+        if initialize is not None:
+            initialize()
 
 
 def _restore_dynamo_capture(ours: Any, original: Any) -> None:

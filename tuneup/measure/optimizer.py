@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_hooks_registry
 
-from .._patching import PatchSet, measured
+from .._patching import OPTIMIZER_OFF_DETAIL, PatchSet, measured
 from .config import plain_number
 from .hotpath import StepTimeline, optimizer_hooks, zero_grad_hooks
 
@@ -80,9 +80,13 @@ class OptimizerProbe:
         self.guard_before: Callable[[Any], None] | None = None
         self.guard_after: Callable[[Any], None] | None = None
         self.rates: dict[int, LearningRate] = {}  # by optimizer id (dropped with the optimizer)
+        self._patches: PatchSet | None = None
+        self._hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
+        self.compiled_steps: set[int] = set()  # ids of optimizers whose compiled step is wrapped
 
     def install(self, patches: PatchSet) -> None:
-        pre, post = optimizer_hooks(self)  # hotpath.py
+        self._patches = patches
+        pre, post = self._hooks = optimizer_hooks(self)  # hotpath.py
         patches.add_handle(optimizer_hooks_registry.register_optimizer_step_pre_hook(pre))
         patches.add_handle(optimizer_hooks_registry.register_optimizer_step_post_hook(post))
         # Posing as the original (see posing_as): Optimizer.zero_grad is dynamo-disabled
@@ -92,7 +96,8 @@ class OptimizerProbe:
         # Module.zero_grad's is not (dynamo inlines torch.nn's code, and would guard on the gate).
         before, after = zero_grad_hooks(self)
         patches.replace(torch.optim.Optimizer, "zero_grad",
-                        lambda original: measured(original, before, after, self.fail, gate=self.timeline))
+                        lambda original: measured(original, before, after, self.fail, gate=self.timeline,
+                                                  skip=OPTIMIZER_OFF_DETAIL))
         patches.replace(nn.Module, "zero_grad", lambda original: measured(original, before, after, self.fail))
 
     @property
@@ -139,7 +144,38 @@ class OptimizerProbe:
         """The optimizers alive, in the order they first stepped (a WeakSet has no order)."""
         return sorted(self.optimizers, key=lambda optimizer: self.first_step.get(id(optimizer), 1 << 30))
 
+    def adopt_compiled_step(self, optimizer: Any) -> None:
+        """`optimizer.step = torch.compile(optimizer.step)`: the global step hooks run inside
+        the compiled code, where they return at once (hotpath.optimizer_hooks), so the step
+        is called through them here instead, eagerly, around the compiled function: on the
+        instance, where the job put it (Optimizer.__getstate__ keeps only defaults, state and
+        param_groups: no copy or pickle takes the wrapper along). Seen at zero_grad on a
+        detail step, before the optimizer's first step in the usual loop."""
+        step = vars(optimizer).get("step")
+        key = id(optimizer)
+        if (step is None or key in self.compiled_steps or self._patches is None or self._hooks is None
+                or getattr(step, "_torchdynamo_orig_callable", None) is None):
+            return
+        self.compiled_steps.add(key)
+        pre, post = self._hooks
+        held = weakref.ref(optimizer)
+
+        def before(args: tuple, kwargs: dict) -> bool | None:
+            target = held()
+            if target is None:
+                return None
+            pre(target, args, kwargs)
+            return True
+
+        def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
+            target = held()
+            if target is not None:
+                post(target, args, kwargs)
+
+        self._patches.replace(optimizer, "step", lambda compiled: measured(compiled, before, after, self.fail))
+
     def _forget(self, key: int) -> None:
+        self.compiled_steps.discard(key)
         self.seen.discard(key)
         self.first_step.pop(key, None)
         self.measured.discard(key)

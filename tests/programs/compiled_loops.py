@@ -1,0 +1,110 @@
+"""Compiled training loops, the shapes people copy from the torch.compile tutorial and
+nanoGPT-style scripts: `model = torch.compile(model)`, `model.compile()`, a compiled
+`optimizer.step`, `fullgraph=True`, `dynamic=True`, and inductor, each a small MLP or
+transformer block trained with AdamW on batches from a DataLoader (two workers for one shape).
+
+Run one after another in this process (dynamo reset between them); for each, the losses and
+what torch's own counters say the program compiled (torch._dynamo.utils.counters: frames,
+unique graphs, recompiles, graph breaks) and the warnings it raised, printed as one JSON line
+`SHAPE {...}`, so that a run under `tuneup run` can be compared with plain python's.
+
+Ground truth, from this source: STEPS optimizer steps per shape (default 12), 7 shapes: 84
+steps in all; one `loss.item()` per step (the print); the data is in memory (no stall).
+"""
+
+import argparse
+import json
+import logging
+import warnings
+
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--shapes", default="module,user-module,in-place,optimizer,fullgraph,dynamic,inductor")
+args = parser.parse_args()
+
+seen_warnings = []
+warnings.simplefilter("always")
+warnings.showwarning = lambda message, category, *rest, **kw: seen_warnings.append(f"{category.__name__}: {message}")
+torch_log_records = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        torch_log_records.append(f"{record.levelname}: {record.getMessage()[:200]}")
+
+
+logging.getLogger("torch").addHandler(Keep(level=logging.WARNING))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (attention + MLP), as in nanoGPT."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x).mean(dim=1)
+
+
+def data(shape):
+    generator = torch.Generator().manual_seed(1)
+    if shape in ("module", "optimizer", "dynamic"):
+        x = torch.randn(args.steps * 16, 16, generator=generator)
+    else:
+        x = torch.randn(args.steps * 16, 8, 32, generator=generator)
+    y = torch.randn(args.steps * 16, 1, generator=generator)
+    workers = 2 if shape == "module" else 0
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False, num_workers=workers)
+
+
+def train(shape):
+    torch.manual_seed(0)
+    mlp = shape in ("module", "optimizer", "dynamic")
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)) if mlp else Block()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=shape != "optimizer")
+    backend = "inductor" if shape == "inductor" else "eager"
+    if shape == "in-place":
+        model.compile(backend=backend)
+    elif shape == "optimizer":
+        optimizer.step = torch.compile(optimizer.step, backend=backend)
+    elif shape == "fullgraph":
+        model = torch.compile(model, backend=backend, fullgraph=True)
+    elif shape == "dynamic":
+        model = torch.compile(model, backend=backend, dynamic=True)
+    else:
+        model = torch.compile(model, backend=backend)
+    losses = []
+    for x, y in data(shape):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        print(f"{shape} step {len(losses)} loss {losses[-1]:.6f}", flush=True)
+    return losses
+
+
+for shape in args.shapes.split(","):
+    torch._dynamo.reset()
+    counters.clear()
+    seen_warnings.clear()
+    torch_log_records.clear()
+    losses = train(shape)
+    compiled = {section: dict(counters[section]) for section in ("frames", "stats", "recompiles", "graph_break")
+                if counters[section]}
+    print("SHAPE " + json.dumps({"shape": shape, "losses": [float.hex(value) for value in losses],
+                                 "compiled": compiled, "warnings": sorted(set(seen_warnings)),
+                                 "torch_log": sorted(set(torch_log_records))}), flush=True)
