@@ -131,3 +131,61 @@ def test_a_compiled_model_or_step_is_found_and_timed(how, run_dir):
     assert graphs == 1
     assert vars(optimizer).get("step") is job_step  # detach put the job's own step back
     assert vars(model).get("_compiled_call_impl") is job_call  # ... and the model's compiled call
+
+
+class Gated(nn.Module):
+    """A forward that reads a value on the host (`.item()`): dynamo breaks the graph there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if h.mean().item() > 10.0:  # BREAK: a host read inside the compiled forward
+            h = h / 2
+        return self.b(h)
+
+
+def test_compile_time_recompiles_and_graph_breaks_are_shown_with_their_lines(run_dir):
+    """Ground truth, from the loop below: 30 steps; batches of 64 then 48 (the epoch's last
+    batch is short): the second size recompiles the forward once (dynamo then marks the size
+    dynamic); `.item()` in Gated.forward breaks the graph at the BREAK line; the steps that
+    compiled are warm-up steps, their compile time kept out of the step times."""
+    import inspect
+
+    torch._dynamo.reset()
+    break_line = next(number for number, line in enumerate(inspect.getsourcelines(Gated.forward)[0],
+                                                           inspect.getsourcelines(Gated.forward)[1])
+                      if "BREAK" in line)
+    agent = tuneup.attach(run_dir=run_dir, interval=0.2)
+    try:
+        torch.manual_seed(0)
+        model = torch.compile(Gated(), backend="eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.randn(112, 16), torch.randn(112, 1)
+        for step in range(30):
+            start = 0 if step % 2 == 0 else 64
+            x, y = data[0][start:start + 64], data[1][start:start + 64]
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    finally:
+        agent.detach()
+    snapshot = agent.snapshot()
+    compiled, totals = snapshot["compile"], snapshot["totals"]
+    torch._dynamo.reset()
+    assert snapshot["totals"]["steps"] == 30
+    assert compiled["compiles"] >= 2 and compiled["seconds"] > 0, compiled
+    assert compiled["recompiles"] >= 1 and compiled["recompile_sites"][0]["where"].startswith("forward at test_compile.py")
+    assert "size" in compiled["recompile_sites"][0]["guard"], compiled["recompile_sites"]
+    sites = {site["where"]: site for site in compiled["graph_break_sites"]}
+    assert f"test_compile.py:{break_line}" in sites, (break_line, compiled["graph_break_sites"])
+    assert "item" in sites[f"test_compile.py:{break_line}"]["reason"].lower()
+    # The compiling steps are warm-up steps: their compile time is out of the step times. (A
+    # loop without a DataLoader closes a step at the next optimizer step: the second
+    # iteration's forward, and its recompile, fall in step 1, one warm-up step.)
+    assert totals["warmup_steps"] >= 1, totals
+    assert totals["compile_seconds"] == pytest.approx(compiled["seconds"]), (totals, compiled)
+    report = agent.report()
+    assert "torch.compile:" in report and "graph break" in report and "recompiled" in report

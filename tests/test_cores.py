@@ -60,6 +60,7 @@ def make_columns(step_seconds, first=1, losses=None, **given):
         "loss": [NAN] * n,
         "syncs": [-1.0] * n,
         "gpu_seconds": [-1.0] * n,
+        "compile_seconds": [0.0] * n,
         "loss_known": [False] * n,
     }
     if losses is not None:
@@ -941,6 +942,19 @@ def test_step_ring_put_sets_and_adds():
     ring.put("late_skips", 2, 1.0, add=True)
     ring.put("late_skips", 2, 1.0, add=True)  # add: on top of its own value
     assert ring.late_skips[1] == 2.0
+
+
+def test_a_step_that_compiled_is_a_warm_up_step_without_its_compile_time():
+    # Steps 1..4 of 1.5 s each, odd ones detailed; 0.5 s then 0.25 s of compilation in step 3.
+    ring = ring_of(8, 4)
+    ring.put("compile_seconds", 3, 0.5, add=True)
+    ring.put("compile_seconds", 3, 0.25, add=True)
+    columns = ring.columns(1, 4)
+    assert columns["step_seconds"] == [1.5, 1.5, 0.75, 1.5]
+    assert columns["detailed"] == [True, False, False, False]  # step 3 gives no phase split
+    sums = summarize(columns)["sums"]
+    assert (sums["steps"], sums["seconds"], sums["compile_seconds"], sums["warmup_steps"]) == (4, 5.25, 0.75, 1)
+    assert sums["detailed_steps"] == 1
 
 
 def test_step_ring_put_add_does_not_add_to_another_steps_value():

@@ -254,6 +254,10 @@ SCALER = Obj(present=FLAG, enabled=Nullable(FLAG), scale=Nullable(SCALE),
              skip_rate=Nullable(SECONDS))
 
 LOCATED = Obj(location=TEXT)
+# torch.compile's work so far (measure/compiled.py)
+COMPILE = Obj(compiles=COUNT, seconds=SECONDS, graphs=COUNT, recompiles=COUNT, graph_breaks=COUNT,
+              recompile_sites=ListOf(Obj(where=TEXT, count=COUNT, guard=TEXT)),
+              graph_break_sites=ListOf(Obj(where=TEXT, count=COUNT, reason=TEXT)))
 HABITS = _maybe(
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,
@@ -282,7 +286,7 @@ STEPS = Obj(
                                        "input_ratio", "forward_ratio", "backward_ratio", "optimizer_ratio",
                                        "other_ratio")},
     **{name: Opt(COUNT) for name in ("optimizer_steps", "skipped_steps", "sync_sampled_steps")},
-    evaluation=Opt(ANY), syncs=Opt(SYNCS), scaler=Opt(SCALER), habits=Opt(HABITS),
+    evaluation=Opt(ANY), syncs=Opt(SYNCS), scaler=Opt(SCALER), habits=Opt(HABITS), compile=Opt(COMPILE),
 )
 
 RUN = Obj(

@@ -185,11 +185,11 @@ class RunHistory:
             if len(self.system) > MAX_SYSTEM_SAMPLES:
                 del self.system[: MAX_SYSTEM_SAMPLES // 2 : 2]  # thin the older half
         elif kind == "steps" and isinstance(event.get("sums"), dict):
-            interval = {k: v for k, v in event.items() if k not in ("event", "syncs", "scaler", "habits")}
+            interval = {k: v for k, v in event.items() if k not in ("event", "syncs", "scaler", "habits", "compile")}
             if event.get("scaler"):
                 interval["scale"] = event["scaler"].get("scale")
             self.intervals.append(interval)
-            for section in ("syncs", "scaler", "habits"):
+            for section in ("syncs", "scaler", "habits", "compile"):
                 if event.get(section) is not None:
                     self.latest[section] = event[section]
             if len(self.intervals) > self.max_intervals:
@@ -207,7 +207,7 @@ class RunHistory:
                 self.actions.append(action)
         elif kind == "end":
             self.end = {k: v for k, v in event.items() if k != "event"}
-            for section in ("syncs", "scaler", "habits"):
+            for section in ("syncs", "scaler", "habits", "compile"):
                 if event.get(section) is not None:
                     self.latest[section] = event[section]
 
@@ -282,6 +282,7 @@ class RunHistory:
             "syncs": self.latest.get("syncs") or {"measured": False},
             "scaler": self.latest.get("scaler") or {"present": False},
             "habits": self.latest.get("habits") or {},
+            "compile": self.latest.get("compile"),
             "system": self._system_in_window(window),
             "gpu_history": _gpu_history(self._samples_in_window(window)),
             "config": self.config,

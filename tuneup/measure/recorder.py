@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .calls import CallWatch
+from .compiled import CompileProbe
 from .config import read_config
 from .device_values import DeviceValues, raw_item
 from .ddp import AllReduceWait
@@ -70,6 +71,7 @@ class Recorder:
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
         self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())
         self.calls = CallWatch(self.timeline, self.syncs)
+        self.compile = CompileProbe(self.timeline)
         self.host: Any = None  # host.HostProbe, made at the first sample (psutil: not inside attach())
         self.gpus = open_gpus(options.nvml_module, options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
@@ -101,6 +103,7 @@ class Recorder:
         for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
             probe.install(patches)
         self.calls.install()
+        self.compile.watch()
 
     def quiet(self) -> None:
         """Every hot probe off (detach, a start that failed, a forked child)."""
@@ -110,6 +113,8 @@ class Recorder:
             self.input_lines.stop()
         self.syncs.close()
         self.calls.close()
+        self.compile.on = False
+        self.compile.close()
         self.model.uninstall_discovery()
 
     def forked(self) -> None:
@@ -229,6 +234,7 @@ class Recorder:
     def sample(self, tick: int, final: bool = False) -> None:
         """One background tick: the closed steps drained, the slow probes sampled, the
         configuration read when it may have changed; each as an event."""
+        self.compile.watch()  # torch._dynamo loaded since, or reset: its callbacks again
         interval = self.drain(final)
         self._watch_input(final)
         self.system = self.sample_system(final)
@@ -299,6 +305,9 @@ class Recorder:
         if self.syncs.sampled_steps:
             event["syncs"] = self.syncs.summary(top=5)
         event["habits"] = self.habits_summary()
+        compiled = self.compile.summary()
+        if compiled is not None:
+            event["compile"] = compiled
         return event
 
     def _watch_input(self, final: bool) -> None:

@@ -175,6 +175,7 @@ class RunState:
             "syncs": recorder.syncs.summary(),
             "scaler": recorder.scaler.summary(),
             "habits": recorder.habits_summary(),
+            "compile": recorder.compile.summary(),
             "system": out["system"] or recorder.system,
             "config": recorder.config,
             "probes": self.probe_states(),

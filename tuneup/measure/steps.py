@@ -75,6 +75,7 @@ LATE = (
     ("syncs", -1.0),  # host-device syncs counted on a sampled step; -1: not sampled
     ("gpu_seconds", -1.0),  # from CUDA events; -1: unknown
     ("late_skips", 0.0),  # GradScaler skips reported by the device after the step closed
+    ("compile_seconds", 0.0),  # torch.compile's compilations during the step (compiled.py)
 )
 
 
@@ -140,4 +141,11 @@ class StepRing:
         out["loss_known"] = [o == s for s, o in zip(steps, window(self.loss_step))]
         late_skips = out.pop("late_skips")
         out["skipped_steps"] = [a + b for a, b in zip(out["skipped_steps"], late_skips)]
+        compiling = out["compile_seconds"]
+        if any(compiling):
+            # A step that compiled is a warm-up step: its compilations are reported apart (as an
+            # evaluation is), and it gives no phase split (the compile sits inside its forward,
+            # backward or optimizer step).
+            out["step_seconds"] = [max(0.0, seconds - spent) for seconds, spent in zip(out["step_seconds"], compiling)]
+            out["detailed"] = [flag and not spent for flag, spent in zip(out["detailed"], compiling)]
         return out

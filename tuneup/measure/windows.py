@@ -130,6 +130,9 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         "last_loss": known_losses[-1] if known_losses else None,
         "evaluation_seconds": sum(columns["evaluation_seconds"]),
         "evaluations": int(sum(columns["evaluations"])),
+        # Compilations (kept out of the step times above) and the warm-up steps they ran in.
+        "compile_seconds": sum(columns.get("compile_seconds", ())),
+        "warmup_steps": sum(1 for spent in columns.get("compile_seconds", ()) if spent),
     }
     for part in SPLIT:
         sums[part] = sum(columns[part][i] for i in detailed)
@@ -205,7 +208,7 @@ class Totals:
     ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
              "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
              "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
-             "evaluations") + SPLIT
+             "evaluations", "compile_seconds", "warmup_steps") + SPLIT
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
@@ -246,6 +249,9 @@ class Totals:
             "last_loss": self.last_loss,
             "dropped_steps": self.dropped_steps,
             "evaluation": evaluation_summary(sums["evaluations"], sums["evaluation_seconds"], seconds),
+            # torch.compile's compilations, kept out of `seconds`, and the steps they ran in
+            "compile_seconds": sums["compile_seconds"],
+            "warmup_steps": int(sums["warmup_steps"]),
         }
         for part in SPLIT:
             out[part.replace("_seconds", "_ratio")] = _ratio(sums[part], sums["detailed_seconds"])

@@ -394,6 +394,7 @@ def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
     evaluation = summary.evaluation_line((snapshot.get("totals") or {}).get("evaluation"))
     if evaluation:
         items.insert(0, escape(evaluation))
+    items[:0] = [escape(line.strip()) for line in summary.compile_lines(snapshot.get("compile"), snapshot.get("totals"))]
     loss = window.get("loss")
     if loss:
         last, trend = _finite(loss["last"]), _finite(loss.get("trend"))

@@ -141,6 +141,29 @@ def evaluation_line(evaluation: dict[str, Any] | None) -> str | None:
             f"{seconds(numbers['mean_seconds'])} each; left out of the step times above")
 
 
+def compile_lines(compiled: dict[str, Any] | None, totals: dict[str, Any] | None) -> list[str]:
+    """torch.compile's work: compilations (their time kept out of the step times), graphs,
+    recompiles and graph breaks with where and why; nothing for a job that never compiled."""
+    if not isinstance(compiled, dict):
+        return []
+    count = lambda key: value if isinstance(value := compiled.get(key), int) else 0  # noqa: E731
+    spent = (totals or {}).get("compile_seconds")
+    warmup = (totals or {}).get("warmup_steps")
+    kept_out = ""
+    if isinstance(spent, (int, float)) and spent > 0:
+        kept_out = (f" ({seconds(spent)} of it in the steps measured, kept out of their times; "
+                    f"{warmup} warm-up step{'s' if warmup != 1 else ''} left out of the split)")
+    total = compiled.get("seconds")
+    lines = [f"torch.compile: {count('compiles')} compilation{'s' if count('compiles') != 1 else ''}, "
+             f"{seconds(total if isinstance(total, (int, float)) else None)}{kept_out}; {count('graphs')} graphs, "
+             f"{count('recompiles')} recompiles, {count('graph_breaks')} graph breaks"]
+    for site in compiled.get("recompile_sites") or []:
+        lines.append(f"    recompiled {site.get('count')}x: {site.get('where')}: {site.get('guard')}")
+    for site in compiled.get("graph_break_sites") or []:
+        lines.append(f"    graph break {site.get('count')}x at {site.get('where')}: {site.get('reason')}")
+    return lines
+
+
 def scaler_line(scaler: dict[str, Any]) -> str:
     if not scaler.get("present"):
         return "GradScaler: none in this job"
@@ -252,6 +275,7 @@ def render(snapshot: dict[str, Any]) -> Group:
     evaluation = evaluation_line(totals.get("evaluation"))
     if evaluation:
         lines.insert(0, evaluation)
+    lines[:0] = compile_lines(snapshot.get("compile"), totals)
     loss = window.get("loss")
     if loss:
         trend = f", trend {loss['trend']:+.0%} over the window" if loss.get("trend") is not None else ""
