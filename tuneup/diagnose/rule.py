@@ -143,6 +143,15 @@ class Facts:
         return habits
 
     @property
+    def compiled(self) -> dict[str, Any]:
+        """torch.compile's work in the job (measure/compiled.py)."""
+        return self.need(self.snapshot.get("compile"), "a job that uses torch.compile")
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        return self.snapshot.get("totals") or {}
+
+    @property
     def scaler(self) -> dict[str, Any]:
         return self.snapshot.get("scaler") or {"present": False}
 

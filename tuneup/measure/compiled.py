@@ -19,10 +19,14 @@ for in sys.modules at attach and at every tick, and the callbacks registered aga
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from collections import Counter
 from time import perf_counter
 from typing import Any
+
+import torch
 
 from .hotpath import StepTimeline
 
@@ -39,6 +43,7 @@ class CompileProbe:
         self.seconds = 0.0
         self._started: float | None = None
         self._handler: Any = None
+        self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen
 
     def watch(self) -> None:
         """Register the compile callbacks once torch._dynamo is loaded (again after a reset)."""
@@ -64,6 +69,12 @@ class CompileProbe:
 
     def _begin(self, args: Any) -> None:
         self._started = perf_counter()
+        # "F/C": dynamo's frame F compiled for the (C+1)-th time (torch/_guards.py CompileId):
+        # C recompiles of that frame so far.
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", None)
+        frame, _, attempt = str(getattr(args, "compile_id", "")).partition("/")
+        if trigger == "DYNAMO" and frame.isdigit() and attempt.split("_")[0].isdigit():
+            self.frames[int(frame)] = max(self.frames.get(int(frame), 0), int(attempt.split("_")[0]))
 
     def _end(self, args: Any) -> None:
         started, self._started = self._started, None
@@ -91,36 +102,59 @@ class CompileProbe:
             "compiles": self.compiles,
             "seconds": self.seconds,
             "graphs": int(stats.get("unique_graphs", 0)),
-            **recompiles(getattr(utils, "guard_failures", {})),
+            **recompiles(dict(self.frames), getattr(utils, "guard_failures", {})),
             **graph_breaks(list(getattr(utils, "graph_break_reasons", ()))),
         }
 
 
 def _where(code: Any) -> str:
-    return f"{getattr(code, 'co_name', '?')} at {_short(getattr(code, 'co_filename', '?'))}:{getattr(code, 'co_firstlineno', 0)}"
+    name, line = getattr(code, "co_name", "?"), getattr(code, "co_firstlineno", 0)
+    resumed = _RESUMED.match(name)
+    if resumed:  # the code dynamo made for what follows a graph break inside `name`
+        name = f"{resumed.group(1)} after its graph break at line {resumed.group(2)}"
+    return f"{name} at {_short(getattr(code, 'co_filename', '?'))}:{line}"
+
+
+_RESUMED = re.compile(r"torch_dynamo_resume_in_(.+)_at_(\d+)$")
 
 
 def _short(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torch_file(path: str) -> bool:
+    return path.startswith(_TORCH)
+
+
 def _first_line(text: Any) -> str:
     return str(text).strip().splitlines()[0][:200] if str(text).strip() else "?"
 
 
-def recompiles(failures: Any) -> dict[str, Any]:
-    """{"recompiles": n, "recompile_sites": [{"where", "count", "guard"}]}: per compiled code,
-    how often it recompiled and the latest guard that failed."""
-    sites = []
-    total = 0
+def recompiles(frames: dict[int, int], failures: Any) -> dict[str, Any]:
+    """{"recompiles": n, "recompile_sites": [{"where", "count", "guard"}]}: per compiled frame,
+    how often it recompiled (from the compile ids dynamo's callbacks saw) and the latest guard
+    that failed for it. `guard_failures` is no count: it holds a reason for every cached graph
+    whose guards failed at a lookup (a call that finds its graph third notes two), each
+    prefixed with that graph's compile id "F/C"; the frame's code is its key."""
+    reasons_by_frame: dict[int, tuple[Any, str]] = {}
     for code, reasons in list(dict(failures).items()):
-        reasons = list(reasons)
-        if not reasons:
+        for reason in list(reasons):
+            frame = str(reason).split("/", 1)[0]
+            if frame.isdigit():
+                reasons_by_frame[int(frame)] = (code, str(reason))
+    sites = []
+    for frame, count in frames.items():
+        if count < 1:
             continue
-        total += len(reasons)
-        sites.append({"where": _where(code), "count": len(reasons), "guard": _first_line(reasons[-1])})
+        code, reason = reasons_by_frame.get(frame, (None, "?"))
+        guard = _first_line(reason.split(": ", 1)[1] if ": " in reason else reason)
+        sites.append({"where": _where(code) if code is not None else f"frame {frame}", "count": count,
+                      "guard": guard})
     sites.sort(key=lambda site: -site["count"])
-    return {"recompiles": total, "recompile_sites": sites[:TOP]}
+    return {"recompiles": sum(frames.values()), "recompile_sites": sites[:TOP]}
 
 
 def graph_breaks(reasons: list[Any]) -> dict[str, Any]:
@@ -131,7 +165,9 @@ def graph_breaks(reasons: list[Any]) -> dict[str, Any]:
         if not getattr(reason, "graph_break", True):
             continue
         stack = getattr(reason, "user_stack", None) or []
-        frame = stack[-1] if stack else None
+        # The innermost frame of the job's own (a break inside torch's code is named where
+        # the job called into it).
+        frame = next((entry for entry in reversed(stack) if not _torch_file(entry.filename)), stack[-1] if stack else None)
         where = f"{_short(frame.filename)}:{frame.lineno}" if frame is not None else "?"
         counted[(where, _first_line(getattr(reason, "reason", "?")))] += 1
     return {"graph_breaks": sum(counted.values()),

@@ -1,3 +1,3 @@
 """The rule catalog, one module per area; importing this package registers every rule."""
 
-from . import code, distributed, gpu, input, precision, syncs  # noqa: F401
+from . import code, compiled, distributed, gpu, input, precision, syncs  # noqa: F401
