@@ -226,3 +226,31 @@ def test_the_compile_rules_name_the_recompiling_guard_and_the_breaking_line(run_
     assert "mark_dynamic" in recompiling.fix
     breaking = findings["graph-breaks"]
     assert f"test_compile.py:{break_line}" in breaking.observed and "capture_scalar_outputs" in breaking.fix
+
+
+def test_amp_off_on_a_compiled_model_promises_what_the_amp_action_does(run_dir):
+    """A compiled fp32 model on hardware with bf16 (claimed: cpu_bf16=True): amp-off fires, but
+    says apply mode cannot make the change, for the reason the AMP action refuses with."""
+    torch._dynamo.reset()
+    agent = tuneup.attach(run_dir=run_dir, mode="apply", actions=["amp"], cpu_bf16=True, interval=0.2)
+    try:
+        torch.manual_seed(0)
+        model = torch.compile(Net(), backend="eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(64, 16), torch.randn(64, 1)
+        for _ in range(60):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        agent.ticker.tick()  # the rules and apply mode's turn, now
+        for _ in range(60):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    finally:
+        agent.detach()
+        torch._dynamo.reset()
+    [amp_off] = [finding for finding in agent.findings() if finding["rule"] == "amp-off"]
+    assert amp_off["can_apply"] is False and "is compiled" in amp_off["evidence"]["not_applicable"]
+    [refused] = [record for record in agent.actions() if record["action"] == "amp"]
+    assert refused["decision"] == "not applicable" and refused["reason"] == amp_off["evidence"]["not_applicable"]

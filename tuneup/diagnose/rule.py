@@ -34,6 +34,8 @@ class Evidence:
     gain: float | None = None
     gain_text: str | None = None
     severity: str | None = None  # overrides the rule's default (e.g. a larger stall)
+    # Overrides the rule's can_apply: False where apply mode's action would refuse this job.
+    can_apply: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Rule:
             gain=evidence.gain,
             gain_text=gain_text,
             fix=evidence.fix.strip("\n"),
-            can_apply=self.can_apply,
+            can_apply=self.can_apply if evidence.can_apply is None else evidence.can_apply and self.can_apply,
             doc=self.doc,
             rank=rank,
         )

@@ -57,6 +57,26 @@ def loader_config(loader: DataLoader) -> dict[str, Any]:
     }
 
 
+# Optimizers whose step() takes a closure and re-evaluates the model inside it.
+CLOSURE_OPTIMIZERS = ("LBFGS",)
+
+
+def amp_refusal(config: dict[str, Any]) -> str | None:
+    """Why apply mode's AMP action cannot try autocast in a job of this configuration (its
+    models' classes and `compiled`, its optimizers' classes, `distributed.initialized`), in one
+    phrase; None where it can. The amp-off rule asks too, so a finding never says apply mode
+    can make a change the action then refuses."""
+    for model in config.get("models") or []:
+        if model.get("compiled"):
+            return f"{model.get('class')} is compiled: set autocast in the code before compiling"
+    closures = sorted({optimizer.get("class") for optimizer in config.get("optimizers") or []} & set(CLOSURE_OPTIMIZERS))
+    if closures:
+        return f"{', '.join(closures)} re-evaluates the model in its closure"
+    if (config.get("distributed") or {}).get("initialized"):
+        return "a distributed job: each rank would keep or roll back autocast on its own"
+    return None
+
+
 def is_compiled(model: nn.Module) -> bool:
     """torch.compile(model) (an OptimizedModule) or model.compile() (in place)."""
     return type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None

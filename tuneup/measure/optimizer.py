@@ -24,9 +24,6 @@ from .hotpath import StepTimeline, optimizer_hooks, zero_grad_hooks
 CURVE_POINTS = 256  # learning-rate changes kept per optimizer (halved, every other one, when full)
 
 
-# Optimizers whose step() takes a closure and re-evaluates the model inside it.
-CLOSURE_OPTIMIZERS = ("LBFGS",)
-
 class LearningRate:
     """One optimizer's learning rate as the job really ran it (its first param group's),
     read after the update of each detail step: whoever sets it (an LRScheduler, or the loop

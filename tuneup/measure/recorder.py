@@ -24,7 +24,7 @@ import torch
 
 from .calls import CallWatch
 from .compiled import CompileProbe
-from .config import read_config
+from .config import CLOSURE_OPTIMIZERS, read_config
 from .device_values import DeviceValues, raw_item
 from .ddp import AllReduceWait
 from .gpu import NvmlGpus, cuda_uuids, open_gpus
@@ -34,7 +34,7 @@ from .loader import LoaderProbe
 from .memory import allocator_stats
 from .model import ModelProbe
 from .objects import Tracked
-from .optimizer import CLOSURE_OPTIMIZERS, OptimizerProbe
+from .optimizer import OptimizerProbe
 from .scaler import ScalerProbe
 from .stacks import InputSampler
 from .hotpath import StepTimeline

@@ -32,9 +32,8 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from ..._patching import PatchSet, measured, posing_as
-from ...measure.config import cuda_bf16, is_compiled
+from ...measure.config import amp_refusal, cuda_bf16, is_compiled
 from ...measure.model import tracing
-from ...measure.optimizer import CLOSURE_OPTIMIZERS
 from ..action import FASTER, Action, Change, LiveJob
 
 GUARD_STEPS = 300
@@ -295,14 +294,16 @@ class Amp(Action):
         models = job.models.root_models()
         if not models:
             return None
+        refusal = amp_refusal({  # the test amp-off's "apply mode can make it" asks as well
+            "models": [{"class": type(model).__name__, "compiled": is_compiled(model)} for model in models],
+            "optimizers": [{"class": type(optimizer).__name__} for optimizer in job.optimizers.optimizers],
+            "distributed": {"initialized": job.distributed}})
+        if refusal:
+            return self.refuse(refusal)
         for model in models:
-            if is_compiled(model):
-                return self.refuse(f"{type(model).__name__} is compiled: set autocast in the code before compiling")
             if "forward" in vars(model):
                 return self.refuse(f"{type(model).__name__}.forward is replaced on the instance "
                                    "(a wrapper owns it); tuneup leaves it alone")
-        if job.distributed:
-            return self.refuse("a distributed job: each rank would keep or roll back autocast on its own")
         if any(getattr(module, "sparse", False) for model in models for module in model.modules()
                if isinstance(module, (nn.Embedding, nn.EmbeddingBag))):
             return self.refuse("the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check")
@@ -314,9 +315,6 @@ class Amp(Action):
         if len(devices) != 1 or devices - {"cpu", "cuda"}:
             return self.refuse(f"parameters on {', '.join(sorted(devices))}: autocast needs one CPU or CUDA device")
         device, index = devices.pop(), parameters[0].device.index
-        closures = sorted({type(o).__name__ for o in job.optimizers.optimizers} & set(CLOSURE_OPTIMIZERS))
-        if closures:
-            return self.refuse(f"{', '.join(closures)} re-evaluates the model in its closure")
         scalers = [s for s in job.scalers.scalers if getattr(s, "_device", None) == device]
         if bf16_supported(device, index):
             enabled = [s for s in scalers if s._enabled]

@@ -4,6 +4,7 @@ GradScaler skipping steps, and layer sizes Tensor Cores cannot use fully."""
 from __future__ import annotations
 
 from ...format import percent
+from ...measure.config import amp_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
@@ -105,6 +106,7 @@ def amp_off(facts: Facts) -> Evidence | None:
     if device is None:
         return None
     share = _compute_share(facts)
+    refusal = amp_refusal(facts.config)
     bf16 = device == "cpu" or all(d.get("bf16") for d in facts.config["hardware"]["cuda_devices"])
     if bf16:
         fix = (f"with torch.autocast(device_type=\"{device}\", dtype=torch.bfloat16):\n"
@@ -118,8 +120,10 @@ def amp_off(facts: Facts) -> Evidence | None:
         observed=f"autocast is off and the model is fp32 on {device.upper()} hardware with "
                  f"{'bf16' if bf16 else 'fp16'} acceleration"
                  + (f"; forward + backward take {percent(share)} of a step" if share is not None else ""),
-        numbers={"device": device, "dtype": "bfloat16" if bf16 else "float16", "compute_share": share},
+        numbers={"device": device, "dtype": "bfloat16" if bf16 else "float16", "compute_share": share,
+                 **({"not_applicable": refusal} if refusal else {})},
         fix=fix,
+        can_apply=refusal is None,  # the test apply mode's AMP action asks
         gain=AMP_SPEEDUP_SHARE * share if share is not None else None,
         gain_text=None if share is not None else "typically 1.5-3x faster matmuls and convolutions",
     )
