@@ -1,0 +1,81 @@
+"""tuneup's added cost per step on a compiled loop, next to the same loop eager, in one run.
+
+    python benchmarks/bench_compile.py [--rounds 11] [--backend inductor]
+
+bench_overhead.py's two CPU loops (~5 ms AdamW step, ~0.4 ms SGD step), each eager and with
+`torch.compile(model)` (compiled once, before the rounds: the compile is not what is timed
+here; tuneup keeps it out of its step times too). Each round runs the four configurations
+(eager, eager + tuneup, compiled, compiled + tuneup) in a shuffled order; a run's figure is its
+mean wall and CPU time per step (time.process_time(): tuneup's own thread counted); printed:
+medians over rounds, the ratio to the loop without tuneup, and the added time per step paired
+with the same round's run without tuneup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tuneup  # noqa: E402
+from benchmarks.bench_overhead import WARMUP_STEPS, WORKLOADS, loop, make  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend (inductor, aot_eager, eager)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    print(f"torch {torch.__version__} on CPU, backend {args.backend}, {args.rounds} interleaved rounds, "
+          "mean time per step per run, median over rounds")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
+            loader, model, optimizer = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+            compiled = torch.compile(model, backend=args.backend)
+            began = time.perf_counter()
+            loop(loader, compiled, optimizer, WARMUP_STEPS + 10)  # compiles forward and backward
+            compile_seconds = time.perf_counter() - began
+            steps = WARMUP_STEPS + timed
+
+            def run(trained, attached):
+                if not attached:
+                    return loop(loader, trained, optimizer, steps)
+                with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
+                    return loop(loader, trained, optimizer, steps)
+
+            configs = {"eager": (model, False), "eager + tuneup": (model, True),
+                       "compiled": (compiled, False), "compiled + tuneup": (compiled, True)}
+            wall: dict[str, list[float]] = {name: [] for name in configs}
+            cpu: dict[str, list[float]] = {name: [] for name in configs}
+            for _ in range(args.rounds):
+                order = list(configs.items())
+                random.shuffle(order)
+                for name, (trained, attached) in order:
+                    seconds, cpu_seconds = run(trained, attached)
+                    wall[name].append(seconds / timed)
+                    cpu[name].append(cpu_seconds / timed)
+            print(f"\n{workload} (batch {batch}, {timed} timed steps per run; compiling took {compile_seconds:.1f} s)")
+            for title, figures in (("wall time", wall), ("CPU time", cpu)):
+                print(f"  {title:<20}{'median step':>14}{'ratio':>9}{'added/step':>13}{'paired added/step (IQR)':>30}")
+                for name in configs:
+                    base_name = name.replace(" + tuneup", "")
+                    base = statistics.median(figures[base_name])
+                    median = statistics.median(figures[name])
+                    added = [(value - plain) * 1e6 for value, plain in zip(figures[name], figures[base_name])]
+                    q1, _, q3 = statistics.quantiles(added, n=4)
+                    print(f"  {name:<20}{median * 1e3:>11.3f} ms{median / base:>9.3f}{(median - base) * 1e6:>10.1f} µs"
+                          f"{statistics.median(added):>12.1f} µs ({q1:.1f} to {q3:.1f})")
+
+
+if __name__ == "__main__":
+    main()
