@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from prometheus_client.parser import text_string_to_metric_families
 from torch._dynamo.utils import counters
 
 import tuneup
@@ -170,10 +172,18 @@ def test_compile_time_recompiles_and_graph_breaks_are_shown_with_their_lines(run
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
+        agent.ticker.tick()
+        with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=10) as response:
+            exposition = response.read().decode()
     finally:
         agent.detach()
     snapshot = agent.snapshot()
     compiled, totals = snapshot["compile"], snapshot["totals"]
+    scraped = {sample.name: sample.value for family in text_string_to_metric_families(exposition)
+               for sample in family.samples if sample.name.startswith("tuneup_") and "compile" in sample.name
+               or sample.name in ("tuneup_recompiles_total", "tuneup_graph_breaks_total")}
+    assert scraped["tuneup_recompiles_total"] >= 1 and scraped["tuneup_graph_breaks_total"] >= 1, scraped
+    assert scraped["tuneup_compile_seconds_total"] > 0 and scraped["tuneup_compiled_graphs"] >= 2, scraped
     torch._dynamo.reset()
     assert snapshot["totals"]["steps"] == 30
     assert compiled["compiles"] >= 2 and compiled["seconds"] > 0, compiled

@@ -126,8 +126,8 @@ class AgentCollector(Collector):
         self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank),
                                                str(state.run_info["training_job"])])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
-            self.run, self.steps, self.syncs, self.scaler, self.loss, self.gpu, self.allocator, self.host, self.ddp,
-            self.findings, self.health)
+            self.run, self.steps, self.compiled, self.syncs, self.scaler, self.loss, self.gpu, self.allocator,
+            self.host, self.ddp, self.findings, self.health)
 
     def collect(self) -> Iterator[Metric]:
         for section in self.sections:
@@ -184,6 +184,22 @@ class AgentCollector(Collector):
                 continue  # no model timed: the forward is part of "other"
             f.add(phases, sums[key], phase)
         yield phases
+
+    def compiled(self) -> Iterator[Metric]:
+        """torch.compile's work (measure/compiled.py); nothing for a job that never loaded dynamo."""
+        f = self.families
+        summary = self.state.recorder.compile.summary()
+        if summary is None:
+            return
+        yield f.single("counter", "tuneup_compile_seconds", "Time torch.compile spent compiling (kept out of the "
+                       "step times)", summary["seconds"])
+        yield f.single("counter", "tuneup_compiles", "torch.compile compilations (first compiles and recompiles)",
+                       summary["compiles"])
+        yield f.single("counter", "tuneup_recompiles", "torch.compile recompilations (a guard failed)",
+                       summary["recompiles"])
+        yield f.single("counter", "tuneup_graph_breaks", "Graph breaks torch.compile met while compiling",
+                       summary["graph_breaks"])
+        yield f.single("gauge", "tuneup_compiled_graphs", "Graphs torch.compile holds for the job", summary["graphs"])
 
     def syncs(self) -> Iterator[Metric]:
         f = self.families
