@@ -76,6 +76,31 @@ def test_a_compiled_program_compiles_the_same_under_tuneup(runs):
         [line for line in plain.stdout.splitlines() if not line.startswith("SHAPE ")]
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_cuda_graphs_and_compiled_shapes_compile_the_same_under_tuneup(tmp_path):
+    """On CUDA, with mode="reduce-overhead" (CUDA graphs) added: the same graphs, breaks,
+    recompiles, warnings and losses under `tuneup run --apply`, every step counted; tuneup's
+    CUDA-event timing records no event inside a capture (a capture would fail with an error)."""
+    shapes_run = "module,in-place,optimizer,inductor,reduce-overhead"
+    env = child_env(session=True, TUNEUP_RUN_DIR=str(tmp_path / "run"))
+    argv = [str(PROGRAM), "--device", "cuda", "--shapes", shapes_run]
+    plain = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=900)
+    tuned = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", *argv], capture_output=True, text=True,
+                           env=env, timeout=900)
+    assert plain.returncode == tuned.returncode == 0, (plain.stderr[-2000:], tuned.stderr[-2000:])
+    before, after = shapes(plain.stdout), shapes(tuned.stdout)
+    assert list(after) == list(before) == shapes_run.split(",")
+    for shape, record in before.items():
+        compiled, expected = dict(after[shape]["compiled"]), dict(record["compiled"])
+        if shape == "optimizer":
+            compiled.pop("frames", None), expected.pop("frames", None)  # see the CPU test
+        assert (after[shape]["losses"], compiled) == (record["losses"], expected), shape
+        assert [w for w in after[shape]["warnings"] if not w.startswith("TuneupWarning")] == record["warnings"], shape
+    events = read_log(next((tmp_path / "run").glob("events*.jsonl"))).events
+    [end] = [event for event in events if event.get("event") == "end"]
+    assert end["totals"]["steps"] == len(before) * STEPS
+
+
 def test_every_compiled_step_is_counted(runs):
     """A compiled optimizer step included: its hooks return at once inside the compiled code,
     and tuneup calls them around the compiled function instead."""

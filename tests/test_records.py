@@ -267,3 +267,12 @@ def test_numbers_are_bounded_and_losses_may_diverge():
     assert records.LOSS.problem(math.nan, "x") is None and records.LOSS.problem(math.inf, "x") is None
     assert records.problem({"event": ["steps"]}) == "its event kind is a list, not a string"
     assert records.problem({"event": "from-a-newer-version", "x": object()}) is None
+
+
+def test_syncs_measured_with_a_null_rate_read_as_not_measured():
+    """Found by the damage test on a busy machine: the schema lets `per_step` be null while
+    `measured` is true; the report said TypeError instead of a line."""
+    from tuneup.report.summary import sync_lines
+
+    lines = sync_lines({"measured": True, "per_step": None, "meaning": "x", "sampled_steps": 3, "top_sources": []})
+    assert lines[0].startswith("Host-device syncs: not measured")

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--shapes", default="module,user-module,in-place,optimizer,fullgraph,dynamic,inductor")
+parser.add_argument("--device", default="cpu", help="cuda: on the GPU (add the shape reduce-overhead: CUDA graphs)")
 args = parser.parse_args()
 
 seen_warnings = []
@@ -61,21 +62,22 @@ class Block(nn.Module):
 
 def data(shape):
     generator = torch.Generator().manual_seed(1)
-    if shape in ("module", "optimizer", "dynamic"):
+    if shape in ("module", "optimizer", "dynamic", "reduce-overhead"):
         x = torch.randn(args.steps * 16, 16, generator=generator)
     else:
         x = torch.randn(args.steps * 16, 8, 32, generator=generator)
     y = torch.randn(args.steps * 16, 1, generator=generator)
     workers = 2 if shape == "module" else 0
-    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False, num_workers=workers)
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False, num_workers=workers,
+                      pin_memory=args.device == "cuda")
 
 
 def train(shape):
     torch.manual_seed(0)
-    mlp = shape in ("module", "optimizer", "dynamic")
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)) if mlp else Block()
+    mlp = shape in ("module", "optimizer", "dynamic", "reduce-overhead")
+    model = (nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)) if mlp else Block()).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=shape != "optimizer")
-    backend = "inductor" if shape == "inductor" else "eager"
+    backend = "inductor" if shape in ("inductor", "reduce-overhead") else "eager"
     if shape == "in-place":
         model.compile(backend=backend)
     elif shape == "optimizer":
@@ -84,10 +86,13 @@ def train(shape):
         model = torch.compile(model, backend=backend, fullgraph=True)
     elif shape == "dynamic":
         model = torch.compile(model, backend=backend, dynamic=True)
+    elif shape == "reduce-overhead":  # CUDA graphs (on the GPU)
+        model = torch.compile(model, mode="reduce-overhead")
     else:
         model = torch.compile(model, backend=backend)
     losses = []
     for x, y in data(shape):
+        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

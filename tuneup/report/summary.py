@@ -113,7 +113,8 @@ def changes_group(actions: list[dict[str, Any]]) -> Group:
 
 
 def sync_lines(syncs: dict[str, Any]) -> list[str]:
-    if not syncs.get("measured"):
+    if not syncs.get("measured") or not isinstance(syncs.get("per_step"), (int, float)):
+        # (A record may say measured with no rate: the schema lets per_step be null.)
         reason = syncs.get("off_reason") or "no step was sampled"
         return [f"Host-device syncs: not measured ({reason})"]
     lines = [f"Host-device syncs: {syncs['per_step']:.1f} per step ({syncs['meaning']}, "
