@@ -79,7 +79,7 @@ class OptimizerProbe:
         self.rates: dict[int, LearningRate] = {}  # by optimizer id (dropped with the optimizer)
         self._patches: PatchSet | None = None
         self._hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
-        self.compiled_steps: set[int] = set()  # ids of optimizers whose compiled step is wrapped
+        self.compiled_steps: set[int] = set()  # ids of optimizers whose own step was looked at (wrapped if compiled)
 
     def install(self, patches: PatchSet) -> None:
         self._patches = patches
@@ -146,14 +146,16 @@ class OptimizerProbe:
         the compiled code, where they return at once (hotpath.optimizer_hooks), so the step
         is called through them here instead, eagerly, around the compiled function: on the
         instance, where the job put it (Optimizer.__getstate__ keeps only defaults, state and
-        param_groups: no copy or pickle takes the wrapper along). Seen at zero_grad on a
-        detail step, before the optimizer's first step in the usual loop."""
+        param_groups: no copy or pickle takes the wrapper along). Seen at zero_grad, before
+        the optimizer's first step in the usual loop; each optimizer is looked at once (a step
+        of its own that is not compiled is left alone, and not looked at again)."""
         step = vars(optimizer).get("step")
         key = id(optimizer)
-        if (step is None or key in self.compiled_steps or self._patches is None or self._hooks is None
-                or getattr(step, "_torchdynamo_orig_callable", None) is None):
+        if step is None or key in self.compiled_steps or self._patches is None or self._hooks is None:
             return
         self.compiled_steps.add(key)
+        if getattr(step, "_torchdynamo_orig_callable", None) is None:
+            return
         pre, post = self._hooks
         held = weakref.ref(optimizer)
 
