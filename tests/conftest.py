@@ -96,6 +96,27 @@ def no_agent_left(monkeypatch, tmp_path_factory):
         pytest.fail("the test left an agent attached")
 
 
+@pytest.fixture(autouse=True)
+def run_logs_fit_their_schemas(request, tmp_path):
+    """Every run log a test's jobs wrote (events*.jsonl under its tmp_path: attach, `tuneup run`,
+    torchrun ranks, the framework callbacks, the fake-NVML GPU sampler) reads back with no line
+    skipped and no note: the schemas that guard `tuneup report` (tuneup/records.py) raise no
+    false alarm on what tuneup itself writes. Tests that damage a log on purpose say so with
+    the `damaged_log` marker. An unreadable log (a job killed before its first line) is the
+    test's own business."""
+    yield
+    if request.node.get_closest_marker("damaged_log"):
+        return
+    from tuneup.export.runlog import RunLogError, read_log
+
+    for path in sorted(tmp_path.rglob("events*.jsonl")):
+        try:
+            record = read_log(path)
+        except RunLogError:
+            continue
+        assert record.skipped_lines == 0 and not record.notes(), (path, record.notes())
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     return tmp_path / "run"

@@ -235,13 +235,17 @@ def stepping(url):
 
 
 def test_ranks_on_one_node_listen_on_a_port_each(tmp_path):
-    """No TUNEUP_PORT: the port is 9477 + the local rank (another free one where that is busy)."""
+    """No TUNEUP_PORT: the port is 9477 + the local rank (another free one where that is busy).
+    Local ranks 200 and 201 (ports 9677, 9678): every other job the suite starts without a
+    TUNEUP_PORT listens on 9477 + a local rank below 4, and may hold it while this test runs
+    beside it (pytest -n 2)."""
     folder = tmp_path / "agents"
     processes = []
     try:
         urls = []
-        for rank in (0, 1):
-            env = environment(folder, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT="29600")
+        for local in (200, 201):
+            env = environment(folder, RANK=str(local - 200), LOCAL_RANK=str(local), WORLD_SIZE="2",
+                              MASTER_PORT="29600")
             del env["TUNEUP_PORT"]
             process = subprocess.Popen([sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "60"],
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -250,11 +254,11 @@ def test_ranks_on_one_node_listen_on_a_port_each(tmp_path):
         assert len(set(urls)) == 2
         for rank, url in enumerate(urls):
             with socket.socket() as probe:
-                busy = probe.connect_ex(("127.0.0.1", 9477 + rank)) == 0
-            assert url.endswith(f":{9477 + rank}") or busy
+                busy = probe.connect_ex(("127.0.0.1", 9677 + rank)) == 0
+            assert url.endswith(f":{9677 + rank}") or busy
             text = wait_for(lambda: stepping(url))
             labels = samples(text, "tuneup_step_seconds_count")[0].labels
-            assert labels == {"rank": str(rank), "local_rank": str(rank), "training_job": "29600"}
+            assert labels == {"rank": str(rank), "local_rank": str(200 + rank), "training_job": "29600"}
         # The daemon groups the two ranks as one job (same rendezvous), as their series do.
         groups = {entry["group"] for entry in discovery.live_agents(folder)}
         assert groups == {"29600"}

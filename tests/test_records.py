@@ -132,6 +132,7 @@ def test_the_real_records_fit_their_schemas(real_events, tmp_path):
     assert document["runs"][0]["snapshot"]["actions"], "the apply-mode decisions are read back"
 
 
+@pytest.mark.damaged_log
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
@@ -161,6 +162,7 @@ def test_a_damaged_field_is_skipped_and_named_or_harmless(real_events, tmp_path,
     assert failed == {}, (events[index]["event"], path, value)
 
 
+@pytest.mark.damaged_log
 def test_a_log_from_a_newer_tuneup_says_so(real_events, tmp_path):
     events = copy.deepcopy(real_events)
     events[0]["schema"] = records.VERSION + 1
@@ -172,6 +174,7 @@ def test_a_log_from_a_newer_tuneup_says_so(real_events, tmp_path):
     assert f"log schema {records.VERSION + 1}, newer than this tuneup's {records.VERSION}" in newer
 
 
+@pytest.mark.damaged_log
 def test_the_report_command_names_a_damaged_line_and_goes_on(real_events, tmp_path):
     events = copy.deepcopy(real_events)
     steps = [i for i, event in enumerate(events) if event["event"] == "steps"]

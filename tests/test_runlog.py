@@ -63,6 +63,7 @@ def test_log_stays_within_its_size_budget(run_dir):
     assert record.last("end")["totals"]["steps"] == 2500
 
 
+@pytest.mark.damaged_log
 def test_torn_last_line_is_ignored_and_corrupt_lines_are_counted(tmp_path):
     path = tmp_path / "events.jsonl"
     log = RunLog(path, 1 << 20, {"event": "run", "run_id": "x"})
@@ -119,6 +120,7 @@ def test_appending_runs_keeps_the_newest(run_dir):
     assert len(record.of("run")) == 1
 
 
+@pytest.mark.damaged_log
 def test_a_huge_line_and_deep_json_are_skipped_by_name_without_reading_them_whole(tmp_path, monkeypatch):
     import tuneup.export.runlog as runlog
 
