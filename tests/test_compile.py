@@ -12,6 +12,8 @@ losses, and every step counted.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import subprocess
 import urllib.request
@@ -139,12 +141,20 @@ def test_a_compiled_model_or_step_is_found_and_timed(how, run_dir):
         else:
             optimizer.step = torch.compile(optimizer.step, backend="eager")
         job_step, job_call = vars(optimizer).get("step"), vars(model).get("_compiled_call_impl")
+        job_forward = vars(trained).get("forward")  # built while discovery stood in for __call__
         x, y = torch.randn(64, 16), torch.randn(64, 1)
         for _ in range(40):
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(trained(x), y)
             loss.backward()
             optimizer.step()
+        # Timed without module hooks: the compiled call stays on nn.Module's fast path.
+        assert not trained._forward_hooks and not trained._forward_pre_hooks
+        if how == "torch.compile(model)":
+            assert vars(trained)["forward"] is not job_forward  # timed on the instance
+            twin = copy.deepcopy(trained)  # rebuilt from the module it wraps, without tuneup's wrapper
+            assert twin.forward.__wrapped__ is not vars(trained)["forward"].__wrapped__
+            assert torch.equal(twin(x), trained(x))
     finally:
         agent.detach()
         graphs = counters["stats"]["unique_graphs"]
@@ -158,6 +168,8 @@ def test_a_compiled_model_or_step_is_found_and_timed(how, run_dir):
     assert graphs == 1
     assert vars(optimizer).get("step") is job_step  # detach put the job's own step back
     assert vars(model).get("_compiled_call_impl") is job_call  # ... and the model's compiled call
+    if how == "torch.compile(model)":  # ... and torch.compile's forward, around torch's own __call__
+        assert vars(trained)["forward"].__wrapped__.__func__ is vars(nn.Module)["__call__"]
 
 
 class Gated(nn.Module):

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.fx import _symbolic_trace as _fx_tracing
 
-from .._patching import TRAINING_OFF_DETAIL, PatchSet, measured
+from .._patching import HELD_TRAINING_OFF_DETAIL, TRAINING_OFF_DETAIL, PatchSet, measured
 from .hotpath import StepTimeline, backward_hooks, forward_hooks
 
 _UNTIMED = "untimed"  # discovery's token for a module compiled in place
@@ -198,7 +198,18 @@ class ModelProbe:
             # call is wrapped instead, on the instance, where torch calls it eagerly
             # (Module._wrapped_call_impl). Neither copies nor pickles take it along: torch's
             # Module.__getstate__ drops `_compiled_call_impl`.
-            self._patches.replace(model, "_compiled_call_impl", lambda compiled: self._timed_compiled(model, compiled))
+            self._patches.replace(model, "_compiled_call_impl",
+                                  lambda compiled: self._timed_compiled(model, compiled, model))
+            return
+        inner = _optimized_inner(model)
+        if inner is not None:
+            # torch.compile(model): the OptimizedModule's own `forward`, set on the instance
+            # (OptimizedModule._initialize), wrapped there the same way. Instance hooks instead
+            # put every step of it on nn.Module's slow call path (_call_impl with hooks) and read
+            # its `training` property: +150 µs a step on a 0.4 ms compiled step
+            # (benchmarks/bench_compile.py). Copies and pickles rebuild the wrapper from the
+            # module it wraps (OptimizedModule.__reduce__), without this.
+            self._patches.replace(model, "forward", lambda compiled: self._timed_compiled(model, compiled, inner))
             return
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
@@ -213,9 +224,11 @@ class ModelProbe:
         self.roots.pop(key, None)
         self.trained.discard(key)
 
-    def _timed_compiled(self, model: nn.Module, compiled: Any) -> Any:
+    def _timed_compiled(self, model: nn.Module, compiled: Any, trains: nn.Module) -> Any:
         """A model's compiled call, timed as a root's forward (forward_hooks, given the model
-        as their first argument). Held weakly: the wrapper lives on the model itself."""
+        as their first argument), on detail steps and for a model in eval() mode as
+        _wrap_forward does; `trains` is the module whose `training` says which (the model, or
+        the one torch.compile wrapped). Both held weakly: the wrapper lives on the model itself."""
         before, after = forward_hooks(self)  # hotpath.py
         held = weakref.ref(model)
 
@@ -225,7 +238,7 @@ class ModelProbe:
         return measured(compiled, lambda call_args, kwargs: before(with_model(call_args, kwargs), kwargs),
                         lambda token, result, call_args, kwargs: after(token, result, with_model(call_args, kwargs),
                                                                        kwargs),
-                        self.fail)
+                        self.fail, gate=self.timeline, skip=HELD_TRAINING_OFF_DETAIL, held=weakref.ref(trains))
 
     def _wrap_forward(self, original):
         before, after = forward_hooks(self)  # hotpath.py
@@ -388,6 +401,16 @@ def _compiled(module: nn.Module) -> bool:
         return True
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
     return eval_frame is not None and isinstance(module, getattr(eval_frame, "OptimizedModule", ()))
+
+
+def _optimized_inner(module: nn.Module) -> nn.Module | None:
+    """The module torch.compile(module)'s wrapper (OptimizedModule) wraps, if it is one whose
+    `forward` is set on the instance, as torch sets it."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not isinstance(module, getattr(eval_frame, "OptimizedModule", ())):
+        return None
+    inner = vars(module).get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, nn.Module) and "forward" in vars(module) else None
 
 
 def _rebind(module: nn.Module, ours: Any) -> None:
