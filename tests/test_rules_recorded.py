@@ -167,6 +167,34 @@ def test_gpu_launch_bound_and_memory_unused(cpu_snapshot):
     assert "gpu-launch-bound" not in fired(on_cuda(cpu_snapshot))
 
 
+def gpu_busy(snapshot, share):
+    step = snapshot["window"]["step_seconds"]["median"]
+    snapshot["window"]["gpu_seconds"] = {"median": share * step, "mean": share * step, "p90": step, "min": 0,
+                                         "max": step}
+    return snapshot
+
+
+def test_compile_off_on_an_eager_cuda_model_whose_gpu_idles_for_no_other_reason(cpu_snapshot):
+    s = gpu_busy(on_cuda(cpu_snapshot), 0.3)
+    s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.35)]
+    found = fired(s)
+    assert found["compile-off"].gain == pytest.approx(0.7)
+    assert "torch.compile(model)" in found["compile-off"].fix
+    assert "gpu-launch-bound" not in found  # one finding for one cause, from the job's own GPU time
+    # Not where something else explains the idle GPU, the model is compiled, or the GPU is busy.
+    assert "compile-off" not in fired(gpu_busy(on_cuda(cpu_snapshot), 0.8))
+    stalled = gpu_busy(on_cuda(cpu_snapshot), 0.3)
+    stalled["window"]["stall_ratio"] = 0.4
+    assert "compile-off" not in fired(stalled)
+    syncing = gpu_busy(on_cuda(cpu_snapshot), 0.3)
+    syncing["syncs"].update(per_step=3.0, by_kind={"item": 3.0})
+    assert "compile-off" not in fired(syncing) and "host-syncs" in fired(syncing)
+    compiled = gpu_busy(on_cuda(cpu_snapshot), 0.3)
+    compiled["compile"] = {"compiles": 2, "seconds": 4.0, "graphs": 2, "recompiles": 0, "graph_breaks": 0}
+    assert "compile-off" not in fired(compiled)
+    assert "compile-off" not in fired(gpu_busy(copy.deepcopy(cpu_snapshot), 0.3))  # a CPU job
+
+
 def test_memory_pressure(cpu_snapshot):
     s = on_cuda(cpu_snapshot)
     s["system"]["memory"]["devices"] = [allocator(alloc_retries=3)]
@@ -317,3 +345,29 @@ def test_data_stall_asks_for_no_more_cpu_bound_workers_than_the_cores_can_run(cp
     roomy = next(f for f in evaluate(stalled(cpu_snapshot, cores=8, own=0.1, workers=(0.95, 0.95))).findings
                  if f.rule == "data-stall")
     assert "num_workers=4" in roomy.fix
+
+
+@pytest.mark.gpu
+def test_compile_off_fires_on_a_launch_bound_eager_cuda_model(tmp_path):
+    """On a GPU: a deep narrow MLP on tiny batches already on the device, read every 100 steps
+    (no syncs, no data wait): each kernel takes microseconds and the GPU waits for the next launch."""
+    from torch import nn
+
+    from tuneup.report.document import build
+    from tuneup.report.sources import load
+
+    layers = [nn.Linear(64, 64) if i % 2 == 0 else nn.ReLU() for i in range(24)]
+    model = nn.Sequential(*layers).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")
+    with tuneup.attach(run_dir=tmp_path / "run", interval=0.1):
+        for step in range(600):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 100 == 0:
+                loss.item()
+    histories, source = load(str(tmp_path / "run"))
+    findings = {f["rule"]: f for f in build(histories, source=source)["findings"]}
+    assert "compile-off" in findings and "gpu-launch-bound" not in findings, sorted(findings)

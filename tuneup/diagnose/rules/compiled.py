@@ -1,10 +1,37 @@
-"""torch.compile: graphs that recompile again and again, and graph breaks in the job's code."""
+"""torch.compile: graphs that recompile again and again, graph breaks in the job's code, and
+an eager CUDA model whose steps go to launching kernels rather than running them."""
 
 from __future__ import annotations
 
-from ..rule import Evidence, Facts, rule
+from ...format import percent
+from ..rule import Evidence, Facts, Missing, rule
 
 RECOMPILES_PER_SITE = 2  # dynamo's automatic dynamic shapes recompile once by design
+GPU_BUSY_BELOW = 0.60  # of the step: below this, with no data wait or syncs, the host is what is slow
+LOW_STALL = 0.10
+FEW_SYNCS = 1.0  # per step (the host-syncs rule's threshold): more, and they are the GPU's idle time
+
+
+def launch_bound_share(facts: Facts) -> float | None:
+    """The share of an eager CUDA job's step in which its GPU has no work although no data wait
+    and no host-device sync explains it: the host launching kernels one by one (Python, dispatch,
+    launch latency). None where that does not hold. From the job's own CUDA-event GPU time per
+    step (measure/gpu_time.py), not NVML's device-wide utilization."""
+    if not facts.on_cuda:
+        raise Missing("a CUDA job")
+    compiled = facts.snapshot.get("compile") or {}
+    if compiled.get("compiles") or any(m.get("class") == "OptimizedModule"
+                                       for m in (facts.snapshot.get("config") or {}).get("models") or []):
+        return None  # already compiled
+    window = facts.window
+    gpu = facts.need((window.get("gpu_seconds") or {}).get("median"), "GPU time per step (CUDA events)")
+    step = facts.need((window.get("step_seconds") or {}).get("median"), "step times")
+    stall = window.get("stall_ratio") or 0.0
+    syncs = facts.snapshot.get("syncs") or {}
+    if not step or stall >= LOW_STALL or (syncs.get("per_step") or 0.0) >= FEW_SYNCS:
+        return None
+    busy = gpu / step
+    return 1 - busy if busy < GPU_BUSY_BELOW else None
 
 
 @rule(
@@ -81,4 +108,34 @@ def graph_breaks(facts: Facts) -> Evidence | None:
         fix=fix,
         gain_text="fewer, larger graphs: fusion across the break, fewer guard checks, no host wait there "
                   "(not measurable from step times alone)",
+    )
+
+
+@rule(
+    id="compile-off",
+    title="An eager model spends its CUDA steps launching kernels: torch.compile would fuse them",
+    severity="medium",
+    inputs="GPU busy time per step (CUDA events around the step's work), step time, data wait, "
+           "host-device syncs per step, whether anything in the job is compiled",
+    threshold=f"eager model on CUDA, GPU busy < {percent(GPU_BUSY_BELOW)} of the step with data wait < "
+              f"{percent(LOW_STALL)} and < {FEW_SYNCS:g} sync per step",
+    why="When neither the input pipeline nor a sync holds the GPU back, the time it sits idle is the "
+        "host issuing one small kernel after another (Python, dispatch, launch latency). torch.compile "
+        "fuses them into fewer, larger kernels; mode=\"reduce-overhead\" also replays them as a CUDA "
+        "graph, one launch per step. It costs a compilation at the start (seconds to minutes).",
+    doc="https://docs.pytorch.org/docs/stable/generated/torch.compile.html",
+)
+def compile_off(facts: Facts) -> Evidence | None:
+    idle = launch_bound_share(facts)
+    if idle is None:
+        return None
+    return Evidence(
+        observed=f"the GPU was busy {percent(1 - idle)} of a step, with data wait and syncs too small to explain "
+                 "the rest; nothing in the job is compiled",
+        numbers={"gpu_busy_ratio": 1 - idle, "launch_bound_ratio": idle},
+        fix="model = torch.compile(model)   # before the training loop; the first steps compile\n"
+            "# small, fixed shapes: torch.compile(model, mode=\"reduce-overhead\")   # CUDA graphs",
+        gain=idle,
+        gain_text=f"up to {percent(idle)} shorter steps (the GPU's idle share of a step; what fusion saves "
+                  "is not known until it is tried)",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...format import percent, size
 from ..rule import Evidence, Facts, Missing, rule
+from .compiled import launch_bound_share
 
 CUDA_NOTES = "https://docs.pytorch.org/docs/stable/notes/cuda.html"
 MIN_GPU_SAMPLES = 5
@@ -33,6 +34,11 @@ def _utilization(facts: Facts) -> float:
 def gpu_launch_bound(facts: Facts) -> Evidence | None:
     if not facts.on_cuda:
         raise Missing("a CUDA job")
+    try:
+        if launch_bound_share(facts) is not None:
+            return None  # compile-off says it, from the job's own GPU time per step
+    except Missing:
+        pass
     utilization = _utilization(facts)
     stall = facts.need(facts.window.get("stall_ratio"), "the data wait")
     if utilization >= LAUNCH_BOUND_UTILIZATION or stall >= LOW_STALL:
