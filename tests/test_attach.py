@@ -413,7 +413,7 @@ def test_compiled_models_get_no_graph_breaks_from_the_agent(run_dir):
     snapshot = agent.snapshot()
     assert snapshot["syncs"]["per_step"] == 1  # the loop's own .item(), outside compiled code
     # model.compile() in place: the model is found as itself and its compiled call timed,
-    # from outside the compiled code (ModelProbe._timed_compiled).
+    # from outside the compiled code (ModelProbe.timed_compiled).
     assert [model["class"] for model in snapshot["config"]["models"]] == ["Sequential"]
     assert snapshot["window"]["forward_seconds"]["median"] > 0
     assert snapshot["window"]["backward_seconds"]["median"] > 0

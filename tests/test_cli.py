@@ -44,12 +44,16 @@ def test_demo_measures_its_bottlenecks_and_points_at_the_run_log(tmp_path):
 
 
 def test_demo_with_workers_stalls_less(tmp_path):
-    stall = {}
+    """Less time waiting for data with two workers: the seconds waited, not the stall share (on
+    a machine busy with other work the step's own compute slows down, and with it the share of
+    a wait that is mostly sleeps, the demo's storage latency). 150 steps spread the workers'
+    start over enough steps: a busy machine starts them late."""
+    waited = {}
     for workers in ("0", "2"):
-        result = tuneup("demo", "--steps", "60", "--workers", workers, "--run-dir", str(tmp_path / workers))
+        result = tuneup("demo", "--steps", "150", "--workers", workers, "--run-dir", str(tmp_path / workers))
         assert result.returncode == 0, result.stderr
-        stall[workers] = read_log(tmp_path / workers / "events.jsonl").last("end")["totals"]["stall_ratio"]
-    assert stall["2"] < stall["0"]
+        waited[workers] = read_log(tmp_path / workers / "events.jsonl").last("end")["totals"]["data_wait_seconds"]
+    assert waited["2"] < waited["0"], waited
 
 
 def test_version():

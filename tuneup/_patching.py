@@ -93,7 +93,7 @@ OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
 # `step` of its own (the job compiled it: OptimizerProbe.adopt_compiled_step); never traced.
 OPTIMIZER_OFF_DETAIL = "not (_tuneup_gate.hooked or 'step' in args[0].__dict__) or _tuneup_is_compiling()"
 TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"
-# The same for a compiled model's call, wrapped on the instance (ModelProbe._timed_compiled):
+# The same for a compiled model's call, wrapped on the instance (ModelProbe.timed_compiled):
 # its module is not among the arguments but `held()`, a weak reference to the module whose
 # `training` is a plain attribute (torch.compile's OptimizedModule forwards `training` to the
 # module it wraps through a property: 5 µs a read, measured by cProfile on a 0.4 ms step).

@@ -177,15 +177,18 @@ def _rule_ids(value: Any) -> tuple[str, ...]:
 
 def parse_actions(value: Any) -> tuple[str, ...]:
     """The actions apply mode may take: a comma-separated string or an iterable of ids;
-    "all" (the default) is every action."""
-    from .act.actions import ACTIONS
+    "all" (the default) is every action but the opt-in ones (compile), which are taken only by
+    name ("all,compile")."""
+    from .act.actions import ACTIONS, DEFAULT_ACTIONS
 
     ids = _ids(value, "action ids")
-    if ids == ("all",):
-        return tuple(ACTIONS)
-    unknown = [action for action in ids if action not in ACTIONS]
+    unknown = [action for action in ids if action not in ACTIONS and action != "all"]
     if unknown:
-        raise ValueError(f"unknown action {unknown[0]!r} (the actions are: {', '.join(ACTIONS)}, or all)")
+        opt_in = [name for name in ACTIONS if name not in DEFAULT_ACTIONS]
+        raise ValueError(f"unknown action {unknown[0]!r} (the actions are: {', '.join(DEFAULT_ACTIONS)}, or all; "
+                         f"only by name: {', '.join(opt_in)})")
+    if "all" in ids:
+        ids = DEFAULT_ACTIONS + tuple(name for name in ids if name not in DEFAULT_ACTIONS and name != "all")
     return ids
 
 

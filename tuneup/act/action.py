@@ -41,6 +41,7 @@ class LiveJob:
     optimizers: OptimizerProbe
     models: ModelProbe
     scalers: ScalerProbe
+    compiles: Any = None  # the recorder's CompileProbe (measure/compiled.py): compilations so far
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
     system: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
@@ -148,6 +149,8 @@ class Action:
     title: ClassVar[str]
     fixes: ClassVar[tuple[str, ...]]
     summary: ClassVar[str]  # what it changes, when it keeps it, what rolls it back (`tuneup actions`)
+    opt_in: ClassVar[bool] = False  # taken only where the user names it, never by default ("all")
+    needs_finding: ClassVar[bool] = True  # False: tried without one of `fixes` firing (only opt-in ones)
 
     def __init__(self) -> None:
         self.done = False  # nothing more to try in this run

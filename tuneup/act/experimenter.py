@@ -59,12 +59,21 @@ class _Trial:
     baseline: dict[str, Any]
     first: int
     last: int
-    deadline: float  # time.monotonic() after which the trial is judged on the steps it has
+    allowance: float  # seconds the trial's steps may take before it is judged on the steps it has
+    deadline: float | None = None  # time.monotonic() of that moment, once the trial's first step ran
 
     def due(self, step: int) -> bool:
-        """At the close of `step`, whose ring holds the steps before it."""
+        """At the close of `step`, whose ring holds the steps before it. The deadline's clock
+        starts with the trial's own steps, not at apply: a settle step may compile for seconds
+        (the compile action's first calls compile forward and backward)."""
         ran = step - self.first
-        return ran >= self.last - self.first + 1 or (ran >= MIN_TRIAL_STEPS and time.monotonic() >= self.deadline)
+        if ran >= self.last - self.first + 1:
+            return True
+        if ran < 1:
+            return False
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.allowance
+        return ran >= MIN_TRIAL_STEPS and time.monotonic() >= self.deadline
 
 
 class Experimenter:
@@ -92,10 +101,11 @@ class Experimenter:
     def on_probes(cls, recorder: Any, allowed: tuple[str, ...] | None, warn: Callable[[str, str], None]) -> "Experimenter":
         """Apply mode over a recorder's probes (measure/recorder.py), with the actions
         `allowed` (None: all of them)."""
-        from .actions import ACTIONS
+        from .actions import ACTIONS, DEFAULT_ACTIONS
 
-        job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler)
-        ids = allowed if allowed is not None else tuple(ACTIONS)
+        job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler,
+                      compiles=recorder.compile)
+        ids = allowed if allowed is not None else DEFAULT_ACTIONS
         experimenter = cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
         models = recorder.model
         models.before_training = experimenter.at_start
@@ -143,7 +153,8 @@ class Experimenter:
     def _anything_to_try(self) -> bool:
         """Whether an action is in the middle of a sequence or has a finding to fix."""
         findings = self.job.findings
-        return any(action.busy or (not action.done and not findings.keys().isdisjoint(action.fixes))
+        return any(action.busy or (not action.done and (not action.needs_finding
+                                                        or not findings.keys().isdisjoint(action.fixes)))
                    for action in self.actions)
 
     # --- the training thread ---------------------------------------------------------
@@ -198,7 +209,8 @@ class Experimenter:
             return
         if not self._anything_to_try():
             return
-        waiting = [action for action in self._ordered() if action.busy or self.job.finding(*action.fixes)]
+        waiting = [action for action in self._ordered()
+                   if action.busy or not action.needs_finding or self.job.finding(*action.fixes)]
         if not waiting:
             return
         self._next_look = step + LOOK_EVERY_STEPS  # if nothing starts now
@@ -242,7 +254,7 @@ class Experimenter:
         expected = (change.settle_steps + window) * sum(baseline["step_seconds"]) / len(baseline["step_seconds"])
         self.trial = _Trial(change, action, record, baseline, step + 1 + change.settle_steps,
                             step + change.settle_steps + window,
-                            time.monotonic() + DEADLINE_FACTOR * max(expected, TRIAL_SECONDS))
+                            DEADLINE_FACTOR * max(expected, TRIAL_SECONDS))
         timeline = self.job.timeline
         timeline.detail_through(step + change.guard_steps)
         self._emit(record)

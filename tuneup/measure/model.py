@@ -199,7 +199,7 @@ class ModelProbe:
             # (Module._wrapped_call_impl). Neither copies nor pickles take it along: torch's
             # Module.__getstate__ drops `_compiled_call_impl`.
             self._patches.replace(model, "_compiled_call_impl",
-                                  lambda compiled: self._timed_compiled(model, compiled, model))
+                                  lambda compiled: self.timed_compiled(model, compiled, model))
             return
         inner = _optimized_inner(model)
         if inner is not None:
@@ -209,7 +209,7 @@ class ModelProbe:
             # its `training` property: +150 µs a step on a 0.4 ms compiled step
             # (benchmarks/bench_compile.py). Copies and pickles rebuild the wrapper from the
             # module it wraps (OptimizedModule.__reduce__), without this.
-            self._patches.replace(model, "forward", lambda compiled: self._timed_compiled(model, compiled, inner))
+            self._patches.replace(model, "forward", lambda compiled: self.timed_compiled(model, compiled, inner))
             return
         if "forward" in vars(model):
             self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
@@ -224,7 +224,7 @@ class ModelProbe:
         self.roots.pop(key, None)
         self.trained.discard(key)
 
-    def _timed_compiled(self, model: nn.Module, compiled: Any, trains: nn.Module) -> Any:
+    def timed_compiled(self, model: nn.Module, compiled: Any, trains: nn.Module) -> Any:
         """A model's compiled call, timed as a root's forward (forward_hooks, given the model
         as their first argument), on detail steps and for a model in eval() mode as
         _wrap_forward does; `trains` is the module whose `training` says which (the model, or
@@ -258,7 +258,7 @@ class ModelProbe:
         module = args[0] if args else None
         if not self.on or not isinstance(module, nn.Module):
             return None
-        compiled = _compiled(module)
+        compiled = is_compiled(module)
         if compiled:
             self._lift_discovery()  # before dynamo traces the module calls inside it
             _rebind(module, self._ours)
@@ -395,7 +395,7 @@ class ModelProbe:
         self.timeline.fail(self.name, exc)
 
 
-def _compiled(module: nn.Module) -> bool:
+def is_compiled(module: nn.Module) -> bool:
     """torch.compile(module)'s wrapper, or a module compiled in place (module.compile())."""
     if getattr(module, "_compiled_call_impl", None) is not None:
         return True

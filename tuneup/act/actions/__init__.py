@@ -1,10 +1,13 @@
 """The catalog of actions apply mode can take, by id (TUNEUP_ACTIONS picks among them)."""
 
 from .amp import Amp
+from .compile import Compile
 from .cudnn_benchmark import CudnnBenchmark
 from .dataloader import DataLoaderTuning
 from .zero_grad import ZeroGradSetToNone
 
-ACTIONS = {action.id: action for action in (DataLoaderTuning, Amp, CudnnBenchmark, ZeroGradSetToNone)}
+ACTIONS = {action.id: action for action in (DataLoaderTuning, Amp, CudnnBenchmark, ZeroGradSetToNone, Compile)}
+# What apply mode may take unless told otherwise ("all"): every action but the opt-in ones.
+DEFAULT_ACTIONS = tuple(name for name, action in ACTIONS.items() if not action.opt_in)
 
-__all__ = ["ACTIONS"]
+__all__ = ["ACTIONS", "DEFAULT_ACTIONS"]

@@ -1,0 +1,125 @@
+"""Apply mode's compile action (opt-in): model.compile() in place as a measured experiment,
+refused where it is not safe, rolled back (the job never seeing it) when compiling fails."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tuneup
+from tuneup.act.actions import DEFAULT_ACTIONS
+from tuneup.act.actions.compile import CompileChange
+from tuneup.options import parse_actions
+
+
+class Pointwise(nn.Module):
+    """A block of many elementwise ops on mid-sized activations (GELU, scale, residual, norm by
+    hand): eager runs one kernel per op, inductor fuses them into a few."""
+
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(x)
+            h = h * torch.sigmoid(1.702 * h)  # GELU, written out
+            h = (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-5)
+            x = x + 0.5 * torch.tanh(h) * torch.exp(-h.abs())
+        return self.head(x)
+
+
+def train(steps: int, options: dict | None = None, *, hook: bool = False, compiled: bool = False, after=None):
+    """A loop over in-memory batches; returns (losses, model, agent)."""
+    torch.manual_seed(0)
+    model = Pointwise()
+    if hook:
+        model.register_forward_hook(lambda module, args, output: None)
+    trained = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = [(torch.randn(64, 256), torch.randn(64, 1)) for _ in range(8)]
+    agent = tuneup.attach(**options) if options is not None else None
+    losses = []
+    try:
+        for step in range(steps):
+            x, y = data[step % len(data)]
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(trained(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if after is not None:
+                after(step, agent, model)
+    finally:
+        if agent is not None:
+            agent.detach()
+    return losses, model, agent
+
+
+def apply_options(run_dir, **extra):
+    return dict(mode="apply", run_dir=run_dir, interval=0.2, cpu_bf16=False, actions=["compile"], **extra)
+
+
+def compile_records(agent):
+    return [r for r in agent.actions() if r["action"] == "compile"]
+
+
+def test_compile_is_taken_only_by_name():
+    assert "compile" not in DEFAULT_ACTIONS and "compile" not in parse_actions("all")
+    assert parse_actions("all,compile") == DEFAULT_ACTIONS + ("compile",)
+    with pytest.raises(ValueError, match="only by name: compile"):
+        parse_actions("compiler")
+
+
+def test_a_failing_compile_rolls_back_and_the_job_runs_as_eager(run_dir, monkeypatch):
+    """A backend that fails (a missing C compiler, an unsupported op): that call and every one
+    after run eagerly, so the losses are exactly the eager job's, and the change is rolled back."""
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no C compiler on this machine")
+
+    monkeypatch.setattr(CompileChange, "backend", staticmethod(broken))
+    plain, _, _ = train(300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses, model, agent = train(300, apply_options(run_dir))
+    [record] = compile_records(agent)
+    assert record["decision"] == "rolled back", record
+    assert "torch.compile failed" in record["reason"] and "no C compiler" in record["reason"]
+    assert losses == plain
+    assert getattr(model, "_compiled_call_impl", None) is None
+
+
+def test_compile_is_judged_and_leaves_nothing_when_undone(run_dir):
+    """Compiled for real (inductor): decided on the judge's terms, its compile steps out of the
+    trial; after detach the model runs eagerly again, as torch's own."""
+    state = {}
+
+    def watch(step, agent, model):
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            state.setdefault("compiled_at", step)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, model, agent = train(500, apply_options(run_dir), after=watch)
+    [record] = compile_records(agent)
+    assert "compiled_at" in state, record
+    assert record["decision"] in ("kept", "reverted") and "trial" in record, record
+    assert record["trial"]["steps"] >= 12 and record["applied_step"] + 5 < record["trial"]["first_step"], record
+    assert getattr(model, "_compiled_call_impl", None) is None  # detach undid it (kept or not)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        assert torch.equal(model(x), Pointwise.forward(model, x))  # eager, torch's own call
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("hook", "module hooks the job registered"),
+    ("compiled", "compiled already"),
+])
+def test_compile_is_refused_where_it_is_not_safe(run_dir, case, reason):
+    _, _, agent = train(80, apply_options(run_dir), **{case: True})
+    [record] = compile_records(agent)
+    assert record["decision"] == "not applicable" and reason in record["reason"], record
