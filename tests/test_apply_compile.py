@@ -12,25 +12,8 @@ from torch import nn
 import tuneup
 from tuneup.act.actions import DEFAULT_ACTIONS
 from tuneup.act.actions.compile import CompileChange
+from benchmarks.bench_compile_action import Pointwise
 from tuneup.options import parse_actions
-
-
-class Pointwise(nn.Module):
-    """A block of many elementwise ops on mid-sized activations (GELU, scale, residual, norm by
-    hand): eager runs one kernel per op, inductor fuses them into a few."""
-
-    def __init__(self, width: int = 256, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            h = layer(x)
-            h = h * torch.sigmoid(1.702 * h)  # GELU, written out
-            h = (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-5)
-            x = x + 0.5 * torch.tanh(h) * torch.exp(-h.abs())
-        return self.head(x)
 
 
 def train(steps: int, options: dict | None = None, *, hook: bool = False, compiled: bool = False, after=None):
