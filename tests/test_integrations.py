@@ -48,8 +48,21 @@ def reports(tmp_path_factory):
     for name in ("plain_loop.py", "lightning_job.py", "hf_trainer.py"):
         run_dir = tmp_path_factory.mktemp(name.removesuffix(".py")) / "run"
         result = run_example(name, "--steps", "150", "--run-dir", str(run_dir))
-        out[name] = {"report": report(run_dir), "events": events(run_dir), "stdout": result.stdout}
+        out[name] = {"report": report(run_dir), "events": events(run_dir), "stdout": result.stdout,
+                     "run_dir": run_dir}
     return out
+
+
+@pytest.mark.parametrize("name", ["plain_loop.py", "lightning_job.py", "hf_trainer.py"])
+def test_framework_run_logs_fit_their_schemas(reports, name):
+    """What tuneup writes under Lightning and the HF Trainer reads back with no line skipped and no
+    note (the schemas raise no false alarm on framework runs; conftest checks every test's own
+    tmp_path, and these logs live in the module's)."""
+    from tuneup.export.runlog import read_log
+
+    record = read_log(reports[name]["run_dir"] / "events.jsonl")
+    assert record.skipped_lines == 0 and not record.notes(), record.notes()
+    assert record.of("steps"), "a run log with its step records"
 
 
 @pytest.mark.parametrize("name", ["plain_loop.py", "lightning_job.py", "hf_trainer.py"])
