@@ -148,6 +148,9 @@ def why_not(model: nn.Module, job: LiveJob) -> str | None:
     if "forward" in vars(model):
         return f"{name} has a forward set on the instance (a wrapper's); compile it in the script"
     hooked = [sub for sub in model.modules() if any(getattr(sub, hooks, None) for hooks in _HOOKS)]
-    if hooked or nn.modules.module._has_any_global_hook():
+    # nn.Module's global hooks (register_module_forward_hook...): the check OptimizedModule makes
+    # itself (torch/_dynamo/eval_frame.py), absent from older torch.
+    global_hooks = getattr(nn.modules.module, "_has_any_global_hook", lambda: False)()
+    if hooked or global_hooks:
         return f"{name} has module hooks the job registered (dynamo would trace them into the graph)"
     return None
