@@ -24,7 +24,10 @@ RESULTS: list[tuple[frozenset[str], set[str]]] = []
 CPU_BF16 = {"no bf16": False, "bf16": True}
 # Evidence each scenario's rule must carry: (rule, evidence key, check).
 EVIDENCE = {
-    "io-bound loader": ("data-stall", lambda e: e["stall_ratio"] >= 0.15 and e["num_workers"] == 0),
+    # Ground truth: 64 samples of 0.1 ms sleep a batch in the main process, so at least 6.4 ms
+    # of waiting a step, however busy the machine. Not the stall share: a busy machine slows
+    # the step's compute and shrinks it (13% measured with two other processes busy).
+    "io-bound loader": ("data-stall", lambda e: e["data_wait_seconds"] >= 64 * 0.0001 and e["num_workers"] == 0),
     "host reads": ("host-syncs", lambda e: e["syncs_per_step"] == 2.0
                    and e["top_sources"][0]["location"].startswith("benchmarks/advice_scenarios.py:")),
     "fp16 overflows": ("scaler-skips", lambda e: 0.05 <= e["skip_rate"] <= 0.15),

@@ -77,11 +77,13 @@ def prometheus(tmp_path_factory):
         "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_PORT": str(rank0), "TUNEUP_MODE": "apply",
                    "TUNEUP_ACTIONS": "dataloader", "FAKE_NVML_UTILIZATION": "3"},
                   ["--delay", "0.0005", "--skip-every", "4", "--fake-allocator", "--ddp"]),
-        # Stalls by sleeping: 12 ms a sample, 16 a batch, 2 workers: a batch every 96 ms against
-        # a step of 20 ms (sleep) plus a small convolution: over TuneupDataStallHigh's 20% with
-        # the convolution 3x slower on a busy machine, and the slow rank too.
+        # Stalls by sleeping: 30 ms a sample, 16 a batch, 2 workers: a batch every 240 ms against
+        # a step of 20 ms (sleep) plus a small convolution, and rank 0's step (they meet in each
+        # allreduce): over TuneupDataStallHigh's 20%, and the slow rank, unless rank 0's step
+        # takes 190 ms. With 12 ms a sample (96 ms a batch), two busy processes beside the
+        # suite slowed rank 0's CPU work enough that rank 1 was neither stalled nor slow.
         "rank1": ({**ddp, "RANK": "1", "LOCAL_RANK": "1", "TUNEUP_PORT": str(rank1)},
-                  ["--delay", "0.012", "--workers", "2", "--compute", "0.02", "--ddp"]),
+                  ["--delay", "0.03", "--workers", "2", "--compute", "0.02", "--ddp"]),
         "hung": ({"TUNEUP_PORT": str(hung)}, ["--steps", "40", "--hang"]),
     }
     processes = []
