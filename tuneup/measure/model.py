@@ -397,8 +397,11 @@ class ModelProbe:
 
 def is_compiled(module: nn.Module) -> bool:
     """torch.compile(module)'s wrapper, or a module compiled in place (module.compile())."""
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        return True
+    return getattr(module, "_compiled_call_impl", None) is not None or _optimized(module)
+
+
+def _optimized(module: nn.Module) -> bool:
+    """torch.compile(module)'s wrapper (OptimizedModule)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
     return eval_frame is not None and isinstance(module, getattr(eval_frame, "OptimizedModule", ()))
 
@@ -406,8 +409,7 @@ def is_compiled(module: nn.Module) -> bool:
 def _optimized_inner(module: nn.Module) -> nn.Module | None:
     """The module torch.compile(module)'s wrapper (OptimizedModule) wraps, if it is one whose
     `forward` is set on the instance, as torch sets it."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None or not isinstance(module, getattr(eval_frame, "OptimizedModule", ())):
+    if not _optimized(module):
         return None
     inner = vars(module).get("_modules", {}).get("_orig_mod")
     return inner if isinstance(inner, nn.Module) and "forward" in vars(module) else None

@@ -143,7 +143,7 @@ def why_not(model: nn.Module, job: LiveJob) -> str | None:
     if isinstance(model, torch.jit.ScriptModule):
         return f"{name} is a TorchScript module"
     wrapper = type(model).__module__.split(".")[:3]
-    if wrapper[:3] in (["torch", "nn", "parallel"], ["torch", "distributed", "fsdp"]):
+    if wrapper in (["torch", "nn", "parallel"], ["torch", "distributed", "fsdp"]):
         return f"{name} is a distributed wrapper; compile the module it wraps in the script"
     if "forward" in vars(model):
         return f"{name} has a forward set on the instance (a wrapper's); compile it in the script"
