@@ -24,12 +24,14 @@ MACHINE = ("TUNEUP_CPU_BF16",)
 SESSION = ("TUNEUP_PORT", "TUNEUP_REGISTRY_DIR")  # set per test by no_agent_left
 
 
-def child_env(*, session: bool = False, **variables: str | None) -> dict[str, str]:
+def child_env(**variables: str | None) -> dict[str, str]:
     """The environment of a process a test starts: none of the caller's TUNEUP_* settings but
-    the machine's (MACHINE, as the test sees it) and, with `session`, this test's free port and
-    private registry; this checkout first on PYTHONPATH. A variable given None is removed."""
+    the machine's (MACHINE, as the test sees it) and this test's (SESSION: a free port, a
+    private registry), so that no job a test starts takes the default port 9477 from a job
+    another test runs beside it (pytest -n 2); this checkout first on PYTHONPATH. A variable
+    given None is removed (TUNEUP_PORT=None: the default port, for the test of it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEUP_")}
-    env.update({k: os.environ[k] for k in MACHINE + (SESSION if session else ()) if k in os.environ})
+    env.update({k: os.environ[k] for k in MACHINE + SESSION if k in os.environ})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     for name, value in variables.items():
         if value is None:
@@ -125,7 +127,7 @@ def run_dir(tmp_path):
 def run_program(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
                 **kwargs) -> subprocess.CompletedProcess:
     """Run tests/programs/<name> in a fresh interpreter (for faults that end a process)."""
-    full_env = child_env(session=True, **(env or {}))
+    full_env = child_env(**(env or {}))
     return subprocess.run(
         [sys.executable, str(PROGRAMS / name), *args],
         env=full_env, capture_output=True, text=True, timeout=timeout, **kwargs,

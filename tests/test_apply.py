@@ -553,12 +553,14 @@ def test_reverting_a_persistent_loader_between_epochs_keeps_later_epochs_in_orde
             state["at"] = step
             agent.revert_all()
 
-    # One worker sleeping 1.5 ms a sample (24 ms a batch) against a 6 ms step: a second worker
-    # halves the step, an effect no machine load hides in the noise (the trial must be kept).
+    # One worker sleeping 3 ms a sample (48 ms a batch) against a 6 ms step: a second worker
+    # halves the step (the trial must be kept). With 24 ms batches the gain, 2x idle, fell to
+    # 1.2-1.3x beside two busy processes (the scheduler's delay on each of a batch's wake-ups
+    # weighs on a short step) and to 1.09x in CI.
     options = dict(num_workers=1, persistent_workers=True)
-    plain, _, plain_rng, _, _ = io_bound_run(360, dataset=SlowIndexed(size=640, latency=0.0015), compute=0.006,
+    plain, _, plain_rng, _, _ = io_bound_run(240, dataset=SlowIndexed(size=640, latency=0.003), compute=0.006,
                                              **options)
-    tuned, _, tuned_rng, agent, loader = io_bound_run(360, dataset=SlowIndexed(size=640, latency=0.0015),
+    tuned, _, tuned_rng, agent, loader = io_bound_run(240, dataset=SlowIndexed(size=640, latency=0.003),
                                                       compute=0.006,
                                                       agent_options=apply_options(run_dir),
                                                       after_step=revert_at_an_epoch_end, **options)

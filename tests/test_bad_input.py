@@ -99,7 +99,7 @@ OPTIONS = [
 def test_a_bad_option_value_is_one_line_and_exit_2(case, value, tmp_path):
     command, option, rest = case
     argv = tuneup(command, *rest, *([option, value] if option else [value]))
-    code, _, stderr, rss = run_measured(argv, env=child_env(session=True), cwd=tmp_path, timeout=90)
+    code, _, stderr, rss = run_measured(argv, env=child_env(), cwd=tmp_path, timeout=90)
     assert_clear(code, stderr, rss, argv[3:])
 
 
@@ -141,7 +141,7 @@ def job(tmp_path_factory):
 @given(variable=st.sampled_from(ENVIRONMENT), value=VALUES)
 def test_a_bad_tuneup_setting_leaves_the_job_as_plain_python_runs_it(job, variable, value, tmp_path):
     script, plain = job
-    env = child_env(session=True, **{variable: value, "TUNEUP_RUN_DIR": os.environ.get("TUNEUP_RUN_DIR")})
+    env = child_env(**{variable: value, "TUNEUP_RUN_DIR": os.environ.get("TUNEUP_RUN_DIR")})
     if variable != "TUNEUP_RUN_DIR":
         env["TUNEUP_RUN_DIR"] = str(tmp_path / "run")
     code, stdout, stderr, rss = run_measured(tuneup("run", str(script)), env=env, cwd=tmp_path, timeout=120)
@@ -194,5 +194,5 @@ def test_whatever_an_endpoint_answers_watch_and_report_say_one_line(endpoint, pa
     endpoint.body = json.dumps(payload).encode()
     url = f"http://127.0.0.1:{endpoint.server_address[1]}"
     argv = tuneup(command, url, *(["--once"] if command == "watch" else []))
-    code, _, stderr, rss = run_measured(argv, env=child_env(session=True), timeout=60)
+    code, _, stderr, rss = run_measured(argv, env=child_env(), timeout=60)
     assert_clear(code, stderr, rss, (command, payload))

@@ -15,7 +15,7 @@ from tuneup.export.runlog import read_log
 
 
 def tuneup(*args: str, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = child_env(session=True, COLUMNS="200")  # COLUMNS: one summary line per line, for the assertions
+    env = child_env(COLUMNS="200")  # COLUMNS: one summary line per line, for the assertions
     return subprocess.run([sys.executable, "-m", "tuneup", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout)
 
@@ -84,7 +84,7 @@ def test_a_reader_that_leaves_is_not_reported_as_a_bug(args):
     """`tuneup rules | head`: exit 141 as a shell reports a writer that SIGPIPE ended, nothing
     on stderr; not 1 (tuneup's own bugs), which typer and rich both exit with on EPIPE."""
     process = subprocess.Popen([sys.executable, "-m", "tuneup", *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=child_env(session=True))
+                               stderr=subprocess.PIPE, env=child_env())
     process.stdout.close()  # the reader is gone before the first line
     stderr = process.stderr.read()
     assert (process.wait(timeout=120), stderr) == (141, b"")
@@ -99,7 +99,7 @@ def test_exit_codes_say_who_is_at_fault(tmp_path):
         and host.stderr.count("\n") == 1, host.stderr
     unwritable = tmp_path / "file"
     unwritable.write_text("not a folder")
-    env = child_env(session=True, TUNEUP_RUN_DIR=str(unwritable / "run"))
+    env = child_env(TUNEUP_RUN_DIR=str(unwritable / "run"))
     doctor = subprocess.run([sys.executable, "-m", "tuneup", "doctor"], capture_output=True, text=True, env=env,
                             timeout=300)
     assert doctor.returncode == 3 and "run directory" in doctor.stdout, (doctor.returncode, doctor.stdout)

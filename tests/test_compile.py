@@ -43,7 +43,7 @@ def shapes(stdout: str) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("compiled") / "run"
-    env = child_env(session=True, TUNEUP_RUN_DIR=str(run_dir))
+    env = child_env(TUNEUP_RUN_DIR=str(run_dir))
     plain = subprocess.run([sys.executable, str(PROGRAM)], capture_output=True, text=True, env=env, timeout=900)
     assert plain.returncode == 0, plain.stderr[-3000:]
     tuned = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", str(PROGRAM)], capture_output=True,
@@ -84,7 +84,7 @@ def test_on_the_gpu_cuda_graphs_and_compiled_shapes_compile_the_same_under_tuneu
     recompiles, warnings and losses under `tuneup run --apply`, every step counted; tuneup's
     CUDA-event timing records no event inside a capture (a capture would fail with an error)."""
     shapes_run = "module,in-place,optimizer,inductor,reduce-overhead"
-    env = child_env(session=True, TUNEUP_RUN_DIR=str(tmp_path / "run"))
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"))
     argv = [str(PROGRAM), "--device", "cuda", "--shapes", shapes_run]
     plain = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=900)
     tuned = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", *argv], capture_output=True, text=True,

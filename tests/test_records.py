@@ -50,7 +50,7 @@ def real_events(tmp_path_factory):
     """The events of a real run, as its run log holds them."""
     run_dir = tmp_path_factory.mktemp("source") / "run"
     done = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", str(PROGRAMS / "scaled_regression.py")],
-                          env=child_env(session=True, TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.2",
+                          env=child_env(TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.2",
                                         TUNEUP_CPU_BF16="0"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

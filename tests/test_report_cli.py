@@ -63,7 +63,7 @@ def write_job(folder: Path, attach: str = "") -> Path:
 
 def env_for(run_dir: Path) -> dict[str, str]:
     # The CPU's bf16 capability is pinned (absent): these jobs' findings are compared exactly.
-    return child_env(session=True, TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.1", COLUMNS="200",
+    return child_env(TUNEUP_RUN_DIR=str(run_dir), TUNEUP_INTERVAL="0.1", COLUMNS="200",
                      TUNEUP_CPU_BF16="0")
 
 
