@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from ...format import percent, size
 from ..rule import Evidence, Facts, Missing, rule
-from .compiled import launch_bound_share
+from .compiled import LOW_STALL, launch_bound_share
 
 CUDA_NOTES = "https://docs.pytorch.org/docs/stable/notes/cuda.html"
 MIN_GPU_SAMPLES = 5
 LAUNCH_BOUND_UTILIZATION = 0.70
-LOW_STALL = 0.10
 
 
 def _utilization(facts: Facts) -> float:
