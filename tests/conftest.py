@@ -67,21 +67,7 @@ def wait_for(predicate, timeout: float = 60.0):
     raise AssertionError("timed out")
 
 
-# Under `pytest -n 2 --dist loadgroup` (the README's command) every file is one xdist group,
-# as with --dist loadfile, except these, which are one group together, so that none of them
-# runs beside another: files whose tests rest on a timing premise (apply mode keeps a change
-# only when its trial is faster beyond the noise) and files that load every core (torchrun
-# jobs, inductor's compile workers, a 512-rank fleet behind a real Prometheus). Beside a
-# torchrun job and two busy processes, a DataLoader worker's 2x gain on the I/O-bound loop
-# fell to 1.12x (p=0.24): the judge was right to call it noise, and the premise was gone.
-SERIAL = frozenset({"test_apply.py", "test_apply_compile.py", "test_compile.py", "test_distributed.py",
-                    "test_fleet_prometheus.py"})
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("serial" if name in SERIAL else name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU machine: pytest -m gpu)")
