@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -39,6 +40,20 @@ def child_env(**variables: str | None) -> dict[str, str]:
         else:
             env[name] = value
     return env
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch on one intra-op thread for the block (as decorator: for the call), then the
+    thread count it had. For jobs whose premise is timing: with two threads on a machine busy
+    with other processes, each op's threads wait for one another to be scheduled, and the
+    second one spins after every op while the loop waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
 from tuneup.act.judge import ALPHA, MIN_SPEEDUP
 from tuneup.report.live import frame as live_frame
+from tests.conftest import one_intra_op_thread
 
 
 class SlowIndexed(Dataset):
@@ -48,6 +49,7 @@ class SlowIndexed(Dataset):
         return [(*sample(index, 32), index) for index in indices]
 
 
+@one_intra_op_thread()
 def io_bound_run(steps: int, *, compute: float = 0.02, set_to_none: bool = True, dataset: Dataset | None = None,
                  agent_options: dict | None = None, after_step=None, observe=None, **loader_options):
     """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG unless told
@@ -70,16 +72,6 @@ def io_bound_run(steps: int, *, compute: float = 0.02, set_to_none: bool = True,
     busy processes that CPU was what the steps waited for: the worker's gain fell to 1.12x
     (p=0.24) in the full suite beside two busy processes.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _io_bound_run(steps, compute=compute, set_to_none=set_to_none, dataset=dataset,
-                             agent_options=agent_options, after_step=after_step, observe=observe, **loader_options)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _io_bound_run(steps, *, compute, set_to_none, dataset, agent_options, after_step, observe, **loader_options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -217,6 +209,7 @@ class Timed(nn.Module):
         return self.layers(x)
 
 
+@one_intra_op_thread()
 def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",),
             slow_under_autocast=0):
     """Train `Timed` under apply mode with the CPU's bf16 capability claimed (the documented
@@ -226,8 +219,6 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
     busy processes on two cores, each op's threads waited for one another to be scheduled, a
     step took 0.2 s instead of 1 ms, and 12x the work made it only 2.4x slower."""
     torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     model = Timed(slow_under_autocast)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
@@ -255,7 +246,6 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
                 break
     finally:
         agent.detach()
-        torch.set_num_threads(threads)
     return agent, model, optimizer, times
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import tuneup
 from benchmarks.scenarios import SlowDataset, SlowStream, SpinLayer, loader_for, mlp, spin, train
+from tests.conftest import one_intra_op_thread
 
 POINTS = 0.02  # stall ratio tolerance: ±2 percentage points
 # tuneup closes a step when the next batch arrives, inside the loop's `next()`: the loop's own
@@ -120,15 +121,10 @@ def test_forward_backward_optimizer_split(run_dir):
     model = nn.Sequential(SpinLayer(64, 0.003), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = loader_for(SlowDataset(size=512), batch_size=8)
-    threads = torch.get_num_threads()
     # One intra-op thread: on a loaded machine, a parallel region's barrier waits for a
     # descheduled sibling thread, which can stretch a microsecond op to milliseconds.
-    torch.set_num_threads(1)
-    try:
-        with tuneup.attach(run_dir=run_dir) as agent:
-            train(loader, model, optimizer, steps=30)
-    finally:
-        torch.set_num_threads(threads)
+    with one_intra_op_thread(), tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, steps=30)
     window = agent.snapshot()["window"]
     # The layer spins for 3 ms: a floor for the forward (a loaded machine only adds to it).
     assert window["forward_seconds"]["median"] >= 0.003
