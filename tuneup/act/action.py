@@ -157,6 +157,11 @@ class Action:
         self.busy = False  # in the middle of a sequence of changes: go on before other actions
         self.not_applicable: str | None = None  # why the finding cannot be acted on (reported once)
 
+    def wanted(self, job: LiveJob) -> bool:
+        """Whether the job calls for this action now: one of the findings it fixes fires (an
+        action that needs none, always)."""
+        return not self.needs_finding or job.finding(*self.fixes) is not None
+
     def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         """The next change to try now, or None. `recent`: a summary of the latest steps in
         the current configuration (windows.summarize), None when there are too few."""

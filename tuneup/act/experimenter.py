@@ -152,10 +152,7 @@ class Experimenter:
 
     def _anything_to_try(self) -> bool:
         """Whether an action is in the middle of a sequence or has a finding to fix."""
-        findings = self.job.findings
-        return any(action.busy or (not action.done and (not action.needs_finding
-                                                        or not findings.keys().isdisjoint(action.fixes)))
-                   for action in self.actions)
+        return any(action.busy or (not action.done and action.wanted(self.job)) for action in self.actions)
 
     # --- the training thread ---------------------------------------------------------
 
@@ -209,8 +206,7 @@ class Experimenter:
             return
         if not self._anything_to_try():
             return
-        waiting = [action for action in self._ordered()
-                   if action.busy or not action.needs_finding or self.job.finding(*action.fixes)]
+        waiting = [action for action in self._ordered() if action.busy or action.wanted(self.job)]
         if not waiting:
             return
         self._next_look = step + LOOK_EVERY_STEPS  # if nothing starts now
