@@ -193,7 +193,7 @@ CLEAN = Job()
 SCENARIOS: list[Scenario] = [
     Scenario("clean", CLEAN, frozenset(), "a well-configured job: nothing may fire"),
     Scenario("io-bound loader", replace(CLEAN, latency=0.0001), frozenset({"data-stall"}),
-             "0.1 ms per sample read, num_workers=0"),
+             "0.1 ms per sample read, num_workers=0", by_timing=frozenset({"data-stall"})),
     Scenario("host reads", replace(CLEAN, host_reads=2), frozenset({"host-syncs"}), "two loss.item() per step"),
     Scenario("fp16 overflows", replace(CLEAN, scaler=True, overflow_every=10), frozenset({"scaler-skips"}),
              "every 10th batch unnormalized x1e30 under GradScaler"),

@@ -14,7 +14,9 @@ counted. The agent's background sampler is stopped: its cost is per second, not 
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
 are the training thread's hot path: hooks, sampled and detail steps, the call watch. With
 --against DIR, the tuneup checkout in DIR (e.g. a `git worktree` of an earlier commit) is
-counted in the same run, side by side. With --apply, apply mode is counted too, with
+counted in the same run, side by side. The detail steps are paced (hotpath.py StepTimeline.pace)
+as the sampler's first drain paces them, by the bare step's time measured outside valgrind first
+(under valgrind every step looks fifty times longer). With --apply, apply mode is counted too, with
 nothing to act on (no findings reach it while the sampler is stopped): it should cost what
 advise mode costs. Repeated runs agree to about 3,000 instructions per step (the garbage
 collector, the loader's shuffle thread; one checkout gave 43.3k, 46.0k, 43.8k and 43.5k added
@@ -39,16 +41,21 @@ import os
 import sys
 
 mode, steps, checkout, root, workload, warmup = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
+native_step = float(sys.argv[7])  # the bare step's time outside valgrind (mode "time" measures it)
 sys.path.insert(0, checkout)
 import torch
 import tuneup  # the checkout's, before bench_overhead puts this repository first on the path
 
 sys.path.append(root)
-from benchmarks.bench_overhead import WORKLOADS, loop, make
+from benchmarks.bench_overhead import WARMUP_STEPS, WORKLOADS, loop, make
 
 torch.set_num_threads(1)
 features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS[workload]
 job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+if mode == "time":
+    wall, _ = loop(*job, steps)
+    print(wall / (steps - WARMUP_STEPS))
+    sys.exit()
 if mode in ("tuneup", "apply"):
     agent = tuneup.attach(log=False, serve=False, gpu=False, mode="advise" if mode == "tuneup" else "apply")
     if hasattr(agent, "ticker"):  # the background sampler: see the module docstring
@@ -57,6 +64,9 @@ if mode in ("tuneup", "apply"):
         agent._stop.set()
         agent._thread.join()
 loop(*job, warmup)
+timeline = agent.recorder.timeline if mode in ("tuneup", "apply") else None
+if hasattr(timeline, "pace"):  # the detail rate the sampler's first drain sets, from the step's native time
+    timeline.pace(native_step)  # (under valgrind's fifty-fold slowdown every step looks long)
 os.getpgrp()  # callgrind dumps what came before: start-up, warm-up
 loop(*job, steps)
 os.getpgrp()  # ... and here the counted steps
@@ -64,12 +74,12 @@ os.getpgrp()  # ... and here the counted steps
 
 
 def instructions(job: Path, mode: str, steps: int, warmup: int, workload: str, checkout: Path, folder: Path,
-                 name: str) -> int:
+                 name: str, native_step: float) -> int:
     """Instructions of the counted steps: the dump callgrind wrote at the last getpgrp()."""
     out = folder / name
     subprocess.run(
         ["valgrind", "--tool=callgrind", "--dump-before=getpgrp", f"--callgrind-out-file={out}", sys.executable,
-         str(job), mode, str(steps), str(checkout), str(ROOT), workload, str(warmup)],
+         str(job), mode, str(steps), str(checkout), str(ROOT), workload, str(warmup), repr(native_step)],
         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     # One part per dump (out.1, out.2, ...; the part after the last dump is `out` itself).
     parts = sorted(folder.glob(f"{name}.*"), key=lambda path: int(path.suffix[1:]))
@@ -105,14 +115,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         job = Path(folder) / "job.py"
         job.write_text(JOB)
+        native = subprocess.run([sys.executable, str(job), "time", "2000", str(ROOT), str(ROOT), args.workload, "0", "0"],
+                                capture_output=True, text=True, check=True)
+        native_step = float(native.stdout.split()[-1])
         with ThreadPoolExecutor(args.jobs) as pool:
             counts = dict(zip(configs, pool.map(
                 lambda item: instructions(job, item[1][0], args.steps, args.warmup, args.workload, item[1][1], Path(folder),
-                                          f"run{item[0]}"),
+                                          f"run{item[0]}", native_step),
                 enumerate(configs.values()))))
     per_step = {name: count / args.steps for name, count in counts.items()}
     bare = per_step["bare loop"]
-    print(f"instructions per training step (callgrind), over {args.steps} steps of the {args.workload} (CPU) workload")
+    print(f"instructions per training step (callgrind), over {args.steps} steps of the {args.workload} (CPU) workload"
+          f" (bare step outside valgrind: {native_step * 1e3:.3f} ms, which paces the detail steps)")
     print(f"  {'configuration':<48}{'per step':>14}{'ratio':>9}{'added/step':>14}")
     for name, value in per_step.items():
         print(f"  {name:<48}{value:>14,.0f}{value / bare:>9.4f}{value - bare:>14,.0f}")

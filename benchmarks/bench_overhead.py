@@ -9,7 +9,9 @@ shuffled order, so slow drifts of the machine hit all of them alike. A run's fig
 mean step time (wall time / steps, so the occasional sampled step is paid for); the table
 prints the median over rounds, the ratio to the bare loop and the added time per step, and
 the median (and IQR) of the difference to the bare run of the same round; then the same for
-CPU time per step (time.process_time(): it counts tuneup's own threads).
+CPU time per step (time.process_time(): it counts tuneup's own threads). Every run trains
+SETTLE seconds before its timed steps begin (the same for every configuration): the figures
+are the steady state's, attach's one-time work left to bench_startup.py.
 
 With --device cuda the same loops train on the GPU (data made on the device, a synchronize
 before each run's end time): the overhead on a real CUDA loop, where tuneup's hooks are all
@@ -46,6 +48,12 @@ WORKLOADS = {
     "~0.4 ms step": (16, 32, 1, 8, torch.optim.SGD, True, 2500),  # about the smallest full step here
 }
 WARMUP_STEPS = 30
+# Seconds every run trains before its timed steps: the per-step cost is the steady state's.
+# What attach() does once is over by then (the first steps' model discovery and detail steps,
+# the sampler's first ticks, which read the configuration and pace the detail steps); attach
+# and detach themselves are timed by bench_startup.py. Without it, the 0.4 ms workload's
+# 0.6 s of timed steps held those one-time costs too.
+SETTLE = 1.5
 
 
 class Batches(Dataset):
@@ -79,15 +87,19 @@ def make(features, hidden, depth, batch, optimizer_class, pre_batched, device="c
     return loader, model, optimizer
 
 
-def loop(loader, model, optimizer, steps: int, on_step=None) -> tuple[float, float]:
-    """Run `steps` steps; returns the wall and CPU time of the last `steps - WARMUP_STEPS` (CPU
-    time of the whole process: the agent's own thread included)."""
+def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0) -> tuple[float, float]:
+    """Run WARMUP_STEPS steps, and more until `settle` seconds have passed, then `steps -
+    WARMUP_STEPS` timed steps; returns their wall and CPU time (CPU time of the whole process:
+    the agent's own thread included)."""
     step = 0
     started = None
+    end = -1
+    began = time.perf_counter()
     while True:
         for x, y in loader:
-            if step == WARMUP_STEPS:
+            if started is None and step >= WARMUP_STEPS and time.perf_counter() - began >= settle:
                 started = time.perf_counter(), time.process_time()
+                end = step + steps - WARMUP_STEPS
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -97,19 +109,19 @@ def loop(loader, model, optimizer, steps: int, on_step=None) -> tuple[float, flo
             if on_step is not None:
                 on_step()
             step += 1
-            if step == steps:
+            if step == end:
                 if loss.is_cuda:
                     torch.cuda.synchronize()  # the GPU's queued work belongs to the run
                 return time.perf_counter() - started[0], time.process_time() - started[1]
 
 
 def bare(job, steps, _tmp):
-    return loop(*job, steps)
+    return loop(*job, steps, settle=SETTLE)
 
 
 def with_tuneup(job, steps, tmp):
     with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
-        return loop(*job, steps)
+        return loop(*job, steps, settle=SETTLE)
 
 
 def with_profiler(job, steps, _tmp):
@@ -119,7 +131,7 @@ def with_profiler(job, steps, _tmp):
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule,
                                     on_trace_ready=lambda prof: None) as profiler:
-            return loop(*job, steps, on_step=profiler.step)
+            return loop(*job, steps, on_step=profiler.step, settle=SETTLE)
     finally:
         os.dup2(saved, 2)
         os.close(saved)

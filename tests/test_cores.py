@@ -27,7 +27,7 @@ from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_s
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
 from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
-from tuneup.measure.hotpath import StepTimeline, optimizer_hooks
+from tuneup.measure.hotpath import DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, StepTimeline, optimizer_hooks
 from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, spikes, summarize
 
 NAN, INF = math.nan, math.inf
@@ -1087,6 +1087,36 @@ def test_timeline_detail_steps():
     # Drawn, not every 4th: each position within a block is taken about as often.
     positions = [block.index(True) for block in blocks]
     assert all(positions.count(place) >= 10 for place in range(4)), positions
+
+
+def test_the_detail_rate_is_paced_by_the_step_time_unless_set():
+    """Unset, one detail step in 4, fewer on steps under DETAIL_SPACING / 4 (a detail step every
+    DETAIL_SPACING of training), never fewer than one in MAX_DETAIL_EVERY; a rate the job set
+    stays as set."""
+    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY) == (4, 0.004, 32)
+    tl = timeline()
+    assert tl.detail_every == 4
+    for median, every in ((0.005, 4), (0.001, 4), (0.0009, 5), (0.0004, 10), (0.00036, 12), (0.0001, 32),
+                          (1e-6, 32), (2.0, 4), (0.0, 4)):  # (no median: as it was)
+        tl.pace(median)
+        assert tl.detail_every == every, (median, tl.detail_every)
+    for chosen in (1, 4, 7):
+        fixed = StepTimeline(16, lambda name, exc: None, chosen)
+        fixed.pace(0.0001)
+        assert fixed.detail_every == chosen
+
+
+def test_paced_detail_steps_stay_drawn_from_blocks():
+    """The rate changes between detail steps: the draw after it comes from blocks of the new size."""
+    tl = timeline(capacity=1024)
+    for step in range(1, 101):
+        tl.manual_step(now=float(step))
+    tl.pace(0.0004)  # one in 10 from here
+    for step in range(101, 1001):
+        tl.manual_step(now=float(step))
+    detailed = tl.ring.columns(101, 1000)["detailed"]
+    blocks = [detailed[start:start + 10] for start in range(10, 900, 10)]  # steps 111-120, ..., 991-1000
+    assert all(block.count(True) == 1 for block in blocks)
 
 
 def test_sampled_steps_do_not_alias_with_a_loop_period():

@@ -92,3 +92,30 @@ def test_steps_a_snapshot_drains_reach_the_history_and_the_run_log(run_dir):
     logged = [event for event in events if event["event"] == "steps"]
     assert sum(event["steps"] for event in logged) == 30 == agent.snapshot()["totals"]["steps"]
     assert [(e["first_step"], e["last_step"]) for e in logged][0] == (1, 19)
+
+
+def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
+    """Each drain sets the automatic detail rate from its steps' median (StepTimeline.pace): a
+    loop of sub-millisecond steps gets fewer detail steps than one in 4; detail_every set by the
+    job is kept."""
+    import math
+
+    from tuneup.measure.hotpath import DETAIL_SPACING, MAX_DETAIL_EVERY
+
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(8, 64), torch.randn(8, 1)) for _ in range(8)]
+    for chosen in (None, 4):
+        with tuneup.attach(run_dir=run_dir / str(chosen), interval=60, detail_every=chosen) as agent:
+            for step in range(400):
+                x, y = data[step % 8]
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+            interval = agent.recorder.drain()
+            median = interval["step_seconds"]["median"]
+            every = agent.recorder.timeline.detail_every
+        if chosen is None:
+            assert every == max(4, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / median))), (median, every)
+        else:
+            assert every == 4

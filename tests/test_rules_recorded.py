@@ -261,6 +261,43 @@ def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
     assert found.gain == pytest.approx(0.4 - s["window"]["stall_ratio"])
 
 
+def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):
+    """A rule whose threshold is crossed but whose measured gain is under MIN_GAIN passes, with
+    its gain kept under `slight` and named in the report's summary line: numpy copies that take
+    0.2% of a step, host syncs on a GPU that never idles. A collapsed GradScaler scale (no skips,
+    so no speed to gain) stays a finding."""
+    from tuneup.diagnose.rule import MIN_GAIN
+    from tuneup.report.text import checked_summary
+
+    assert MIN_GAIN == 0.01
+    step = cpu_snapshot["totals"]["seconds"] / cpu_snapshot["totals"]["steps"]
+    cheap = copy.deepcopy(cpu_snapshot)
+    cheap["habits"].update(numpy_copies_per_step=1.0, numpy_copy_seconds_per_step=0.002 * step)
+    costly = copy.deepcopy(cheap)
+    costly["habits"]["numpy_copy_seconds_per_step"] = 0.05 * step
+    assert fired(costly)["numpy-copies"].gain == pytest.approx(0.05)
+    evaluation = evaluate(cheap)
+    assert "numpy-copies" not in {f.rule for f in evaluation.findings}
+    assert "numpy-copies" in evaluation.passed
+    assert evaluation.slight == {"numpy-copies": pytest.approx(0.002)}
+    line = checked_summary({"runs": [{"evaluation": evaluation.to_dict(), "snapshot": cheap}], "findings": []})
+    assert "found a fix worth under 1% of a step: numpy-copies 0.2%" in line
+
+    busy_gpu = on_cuda(cpu_snapshot)
+    busy_gpu["syncs"].update(per_step=3.0, by_kind={"item": 3.0})
+    busy_gpu["window"]["stall_ratio"] = 0.0
+    median = busy_gpu["window"]["step_seconds"]["median"]
+    busy_gpu["window"]["gpu_seconds"] = {"median": median, "mean": median, "p90": median, "min": median, "max": median}
+    assert "host-syncs" not in fired(busy_gpu)
+    assert evaluate(busy_gpu).slight == {"host-syncs": 0.0}
+
+    collapsed = copy.deepcopy(cpu_snapshot)
+    collapsed["scaler"] = {"present": True, "enabled": True, "scale": 0.5, "longest_skip_run": 0, "backoff_events": 3}
+    collapsed["window"]["skipped_steps"] = 0
+    found = fired(collapsed)["scaler-skips"]
+    assert found.gain is None and "scale now 0.5" in found.observed
+
+
 @pytest.mark.gpu
 def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
     """On a GPU: a conv net with pageable batches, cudnn.benchmark off and fp32."""

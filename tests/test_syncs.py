@@ -113,7 +113,7 @@ def test_reads_inside_the_dataloader_do_not_count(run_dir):
 
 def test_only_sampled_steps_are_counted(run_dir):
     loader, model, optimizer = job()
-    with tuneup.attach(run_dir=run_dir, sync_sample_every=10) as agent:
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=10, detail_every=4) as agent:  # (not paced: as listed below)
         train(loader, model, optimizer, steps=25, host_reads=1)
     columns = agent.recorder.timeline.ring.columns(1, 25)
     sampled = {step for step, syncs in zip(columns["step"], columns["syncs"]) if syncs >= 0}

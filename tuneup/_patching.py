@@ -45,10 +45,34 @@ def dynamo_skips(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
+def compile_check() -> tuple[Callable[[], bool], Any]:
+    """(dynamo, flags): `dynamo() or flags._is_compiling_flag` is torch.compiler.is_compiling()
+    at one Python call instead of two (torch/compiler/__init__.py: is_compiling() calls
+    torch.jit.is_scripting() and returns the module's _is_compiling_flag), for the checks that
+    run on every step. While dynamo traces it, `is_dynamo_compiling()` folds to True
+    (torch/_dynamo/variables/torch.py: a constant) and `or` never reads the flag, so dynamo
+    guards on nothing; non-strict torch.export runs the code itself with the flag set
+    (torch/_export/utils.py). A torch without either: is_compiling() alone."""
+    import torch.compiler as compiler
+
+    dynamo = getattr(compiler, "is_dynamo_compiling", None)
+    if dynamo is not None and isinstance(getattr(compiler, "_is_compiling_flag", None), bool):
+        return dynamo, compiler
+    return compiler.is_compiling, types.SimpleNamespace(_is_compiling_flag=False)
+
+
+COMPILING = "(_tuneup_dynamo() or _tuneup_flags._is_compiling_flag)"  # in templates: compile_bindings()
+
+
+def compile_bindings() -> dict[str, Any]:
+    dynamo, flags = compile_check()
+    return {"_tuneup_dynamo": dynamo, "_tuneup_flags": flags}
+
+
 # A measured call of a torch function, posing as it (see posing_as and measured).
-_MEASURED = """
+_MEASURED = f"""
 def measured(*args, **kwargs):
-    if _tuneup_is_compiling():
+    if {COMPILING}:
         return _tuneup_original(*args, **kwargs)
     _tuneup_prior = _tuneup_quiet(None)
     try:
@@ -84,20 +108,20 @@ def measured(*args, **kwargs):
 # wrapper (its file is one dynamo skips: Tensor.backward, Optimizer.zero_grad).
 # The gate is the step timeline: `hooked` is True on detail steps and, in loops that update
 # their parameters by hand, on every step (hotpath.py StepTimeline.by_hand).
-OFF_DETAIL = "not _tuneup_gate.hooked or _tuneup_is_compiling()"
+OFF_DETAIL = f"not _tuneup_gate.hooked or {COMPILING}"
 # A module's forward: one in train() mode off hooked steps; one in eval() mode is looked at on
 # every step (evaluation phases, eval() forwards with grad). Autograd's state is not asked
 # here: torch.is_grad_enabled() in this test cost 4,000 instructions a step
 # (benchmarks/bench_instructions.py), so a no-grad forward in train() mode is the step's.
 # Optimizer.zero_grad: also called, off detail steps, for an optimizer whose instance has a
 # `step` of its own (the job compiled it: OptimizerProbe.adopt_compiled_step); never traced.
-OPTIMIZER_OFF_DETAIL = "not (_tuneup_gate.hooked or 'step' in args[0].__dict__) or _tuneup_is_compiling()"
-TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and args[0].training)"
+OPTIMIZER_OFF_DETAIL = f"not (_tuneup_gate.hooked or 'step' in args[0].__dict__) or {COMPILING}"
+TRAINING_OFF_DETAIL = f"{COMPILING} or (not _tuneup_gate.hooked and args[0].training)"
 # The same for a compiled model's call, wrapped on the instance (ModelProbe.timed_compiled):
 # its module is not among the arguments but `held()`, a weak reference to the module whose
 # `training` is a plain attribute (torch.compile's OptimizedModule forwards `training` to the
 # module it wraps through a property: 5 µs a read, measured by cProfile on a 0.4 ms step).
-HELD_TRAINING_OFF_DETAIL = "_tuneup_is_compiling() or (not _tuneup_gate.hooked and _tuneup_held().training)"
+HELD_TRAINING_OFF_DETAIL = f"{COMPILING} or (not _tuneup_gate.hooked and _tuneup_held().training)"
 
 
 def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callable[[Any, Any, tuple, dict], None],
@@ -108,7 +132,7 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     once the call returned (result None if it raised). An exception either raises goes to
     `failed` (the probe turns itself off), never into the job; `failed` may not raise.
 
-    Neither runs while dynamo traces the call (is_compiling() comes first and folds to True:
+    Neither runs while dynamo traces the call (COMPILING comes first and folds to True:
     dynamo traces straight to `original` and guards on none of tuneup's state), and both run
     with dynamo's frame callback off, as torch._dynamo.disable does it
     (torch/_dynamo/eval_frame.py: `set_eval_frame(None)`): inside a compiled function's eager
@@ -118,13 +142,11 @@ def measured(original: Any, before: Callable[[tuple, dict], Any], after: Callabl
     With a `gate` (an object with a `hooked` flag, the StepTimeline), calls are skipped as
     `skip` says: OFF_DETAIL, TRAINING_OFF_DETAIL or HELD_TRAINING_OFF_DETAIL (with `held`, a
     weak reference to the module it reads; see there)."""
-    import torch
-
     bindings = dict(_tuneup_original=original, _tuneup_before=before, _tuneup_after=after, _tuneup_failed=failed,
-                    _tuneup_is_compiling=torch.compiler.is_compiling, _tuneup_quiet=quiet_dynamo_switch())
+                    _tuneup_quiet=quiet_dynamo_switch(), **compile_bindings())
     if gate is None:
         return posing_as(original, _MEASURED, home=home, **bindings)
-    template = _MEASURED.replace("    if _tuneup_is_compiling():", f"    if {skip}:", 1)
+    template = _MEASURED.replace(f"    if {COMPILING}:", f"    if {skip}:", 1)
     if held is not None:
         bindings["_tuneup_held"] = held
     return posing_as(original, template, home=home, _tuneup_gate=gate, **bindings)

@@ -201,7 +201,7 @@ class Options:
     log_shared: bool = False  # run directories 0750 and logs 0640 (the group reads them) instead of 0700/0600
     interval: float = 1.0
     sync_sample_every: int = 20
-    detail_every: int = 4
+    detail_every: int | None = None  # None: 4, further apart on steps under a millisecond (hotpath.py pace)
     window_steps: int = 1000
     gpu: bool = True
     nvml_module: str = "pynvml"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from . import rules as _catalog  # noqa: F401  (registers the rules)
-from .rule import RULES, SEVERITIES, Facts, Finding, Missing
+from .rule import MIN_GAIN, RULES, SEVERITIES, Facts, Finding, Missing
 
 _SEVERITY_ORDER = {name: index for index, name in enumerate(SEVERITIES)}
 
@@ -24,11 +24,13 @@ class Evaluation:
     passed: list[str] = field(default_factory=list)  # rules whose thresholds were not crossed
     silenced: list[str] = field(default_factory=list)  # rules the user turned off (silence=)
     errors: dict[str, str] = field(default_factory=dict)
+    # Passed rules whose threshold was crossed with a gain under MIN_GAIN: rule -> that gain.
+    slight: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"findings": [f.to_dict() for f in self.findings], "unmeasured": self.unmeasured,
-                "wanting": self.wanting,
-                "passed": self.passed, "silenced": self.silenced, "errors": self.errors}
+                "wanting": self.wanting, "passed": self.passed, "slight": self.slight,
+                "silenced": self.silenced, "errors": self.errors}
 
 
 def unknown_rules(ids: Iterable[str]) -> list[str]:
@@ -63,6 +65,9 @@ def evaluate(snapshot: dict[str, Any], *, ranks: Iterable[dict[str, Any]] = (),
             continue
         if evidence is None:
             result.passed.append(rule_id)
+        elif evidence.gain is not None and evidence.gain < MIN_GAIN:
+            result.passed.append(rule_id)
+            result.slight[rule_id] = evidence.gain
         else:
             result.findings.append(rule.finding(evidence, rank))
     result.findings.sort(key=_key)

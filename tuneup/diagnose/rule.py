@@ -15,6 +15,9 @@ from typing import Any, Callable, Iterable
 
 SEVERITIES = ("high", "medium", "low")
 MIN_STEPS = 20  # fewer measured steps than this: too little to judge a rate or a share
+# A fix measured to save less than this share of the step is not worth a finding (a finding
+# that would save nothing is noise): the rule counts as passed, its gain kept in `slight`.
+MIN_GAIN = 0.01
 
 
 class Missing(Exception):

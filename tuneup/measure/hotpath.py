@@ -1,9 +1,10 @@
 """The hot path: everything tuneup runs on every training step, in one place.
 
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
-opt.step()` calls, in order (all of it together: about 43,000 instructions per step on the
-~0.4 ms CPU step, 4.9% of it, by benchmarks/bench_instructions.py; about 520 Python
-operations of tuneup's own, each costing 60-90 ns in place there):
+opt.step()` calls, in order (all of it together: 31,000-34,000 instructions per step on the
+~0.3 ms CPU step, 3.6-3.9% of it, by benchmarks/bench_instructions.py; about 400 Python
+operations and 11 calls of tuneup's own off detail steps, each operation costing 60-90 ns in
+place there, and a detail step 1,000 operations more, paced to one in 16 there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
                         └ when an optimizer stepped since the last fetch: StepTimeline.close
@@ -11,7 +12,7 @@ operations of tuneup's own, each costing 60-90 ns in place there):
                           steps and on the steps they asked for through `wake_at`)
     opt.zero_grad()    zero_grad_before/after   Optimizer.zero_grad: one attribute test off
                                                 hooked steps (Module.zero_grad: a call)
-    model(x)           forward_before/after     the root class's forward: is_compiling() and
+    model(x)           forward_before/after     the root class's forward: a compile check and
                                                 two attribute tests off hooked steps, unless
                                                 the module is in eval() mode (an evaluation
                                                 phase: evaluation_forward .. evaluation_ends)
@@ -21,8 +22,8 @@ operations of tuneup's own, each costing 60-90 ns in place there):
                                                 without a fetch; optimizer time on detail steps
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
-On detail steps (the first five, then one drawn at random from every `detail_every`, and
-apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer,
+On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
+more on steps under a millisecond, StepTimeline.pace; and apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer,
 the input before the first forward (input_ended), and keep the loss for reading at the close;
 a root's training forward gets a pre-hook on its output's grad_fn (model.ForwardGraphs: is
 its graph used by a backward?), about 5 µs a forward, most of it torch's register_prehook.
@@ -48,15 +49,19 @@ reads and calls are looked at only on sampled/watched steps (syncs.py, calls.py)
 
 from __future__ import annotations
 
+import math
 from time import perf_counter
 from typing import Any, Callable
 
 import torch
 
-from .._patching import unwind
+from .._patching import COMPILING, compile_check, unwind
 from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
+DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
+DETAIL_SPACING = 0.004  # seconds of training, at least, between paced detail steps
+MAX_DETAIL_EVERY = 32
 
 
 # --- DataLoader: next(iterator) --------------------------------------------------------------
@@ -95,9 +100,15 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             if look:
                 probe.look_after(rng, batch)
             kind = type(batch)
-            first = batch[0] if (kind is tuple or kind is list) and batch else None
-            # shape[0], not len(): Tensor.__len__ is a Python function (torch/_tensor.py).
-            tl.samples += first.shape[0] if type(first) is tensor and first.dim() else batch_size(batch)
+            if (kind is tuple or kind is list) and batch and type(first := batch[0]) is tensor:
+                # size(0), not len() (a Python function: torch/_tensor.py) nor shape[0] (a new
+                # torch.Size); a 0-d first tensor raises (loader.batch_size: one sample).
+                try:
+                    tl.samples += first.size(0)
+                except IndexError:
+                    tl.samples += 1
+            else:
+                tl.samples += batch_size(batch)
             # Timed after the bookkeeping: data wait is what a timer around the loop's
             # next() shows (the few µs of closing the step count as waiting for it).
             tl.data_wait += clock() - began
@@ -117,15 +128,15 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
     After them, apply mode's guards (`guard_before`/`guard_after`, None while no change has
     any: act/action.py LiveJob.add_guard), for every optimizer; they handle their own errors."""
     tl, clock, measured = probe.timeline, probe.clock, probe.measured
-    compiling = torch.compiler.is_compiling
+    dynamo, flags = compile_check()  # `dynamo() or flags._is_compiling_flag`: is_compiling(), one call
 
     # A compiled optimizer step (`opt.step = torch.compile(opt.step)`) has dynamo trace torch's
     # step wrapper and the global hooks in it (torch/optim/optimizer.py profile_hook_step):
-    # is_compiling() first folds to True there, so nothing of tuneup's enters the graph, no
+    # the compile check first folds to True there, so nothing of tuneup's enters the graph, no
     # graph break, no guard on its state. Such a step's boundaries come from the loop's other
     # calls (a fetch, the next forward after a backward).
     def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if compiling():
+        if dynamo() or flags._is_compiling_flag:
             return
         key = id(optimizer)
         if key in measured or probe.admit(optimizer):
@@ -145,7 +156,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
             probe.guard_before(optimizer)
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if compiling():
+        if dynamo() or flags._is_compiling_flag:
             return
         probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
         key = id(optimizer)
@@ -167,7 +178,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                         tl.in_input = True
                         tl.input_mark = (now, tl.data_wait, tl.optimizer + tl.evaluation)
                 if tl.loss is not None:
-                    tl.step_loss, tl.loss = tl.loss, None
+                    tl.step_loss, tl.loss, tl.wake_at = tl.loss, None, 0  # the close reads it
             except Exception as exc:
                 probe.fail(exc)
         if probe.guard_after is not None:
@@ -286,12 +297,12 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
 # --- host reads (.item(), ...): a Tensor method, posing as it (syncs.py) ---------------------------
 # Like _patching.measured, but it tests counting_reads before anything else: host reads may
 # come many to a step, and off sampled steps this one attribute is all they pay for
-# (is_compiling() costs four times as much). Dynamo never inlines it: it handles tensor
+# (the compile check costs several times as much). Dynamo never inlines it: it handles tensor
 # methods by name (torch/_dynamo/variables/tensor.py call_method), and skips this wrapper's
 # frame as one of torch/_tensor.py's.
-HOST_READ = """
+HOST_READ = f"""
 def host_read(*args, **kwargs):
-    if not _tuneup_counter.counting_reads or _tuneup_is_compiling():
+    if not _tuneup_counter.counting_reads or {COMPILING}:
         return _tuneup_original(*args, **kwargs)
     _tuneup_prior = _tuneup_quiet(None)
     try:
@@ -313,10 +324,12 @@ def host_read(*args, **kwargs):
 class StepTimeline:
     """Accumulates the open step from hook events and closes it into the ring."""
 
-    def __init__(self, capacity: int, fail: Callable[[str, BaseException], None], detail_every: int = 4) -> None:
+    def __init__(self, capacity: int, fail: Callable[[str, BaseException], None], detail_every: int | None = None) -> None:
         self.ring = StepRing(capacity)
         self.fail = fail
-        self.detail_every = detail_every
+        # One detail step drawn from every `detail_every`; None: DETAIL_EVERY, paced (`pace`).
+        self.detail_every = detail_every or DETAIL_EVERY
+        self.paced = detail_every is None
         self.detail = True  # measure the split and the loss on the open step
         # Until an optimizer steps (or the loop marks its steps), a loop may update its
         # parameters by hand: every backward is then watched, and the next forward after it
@@ -357,7 +370,8 @@ class StepTimeline:
         self.scaled_loss_id = 0  # id of GradScaler.scale()'s output: backward keeps the unscaled loss
         # Run with the step number at the close of every detail step and of the steps a
         # listener asked for through `wake_at` (the agent: loss reads, sync sampling, CUDA
-        # events). A listener that raises is dropped and reported through `fail`.
+        # events; 0 when a step's loss waits to be read). A listener that raises is dropped
+        # and reported through `fail`.
         self.on_close: tuple[tuple[str, Callable[[int], None]], ...] = ()
         self.wake_at = 1
         # Running totals since attach (never reset: see the module docstring).
@@ -472,7 +486,7 @@ class StepTimeline:
             self.gpu_timer.optimizer_ended()
         self.group.append(id(optimizer))
         if self.loss is not None:
-            self.step_loss, self.loss = self.loss, None
+            self.step_loss, self.loss, self.wake_at = self.loss, None, 0  # the close reads it
 
     def step_begins(self, now: float) -> None:
         """A @tuneup.step_function call begins: it is a step of its own, so a step the
@@ -493,7 +507,7 @@ class StepTimeline:
             self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
             self.evaluations, self.detail,
         )
-        if self.detail or step >= self.wake_at or self.step_loss is not None:
+        if self.detail or step >= self.wake_at:  # (a step's loss to read sets wake_at to 0)
             self._notify(step)
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
@@ -501,7 +515,7 @@ class StepTimeline:
             self.detail = self.hooked = self.in_input = True
             self.input_mark = (now, self.data_wait, self.optimizer + self.evaluation)
             self.next_detail = self._detail_after(step + 1)
-        else:
+        elif self.detail:  # (after a step that was not one, these are as they should be)
             self.detail = self.in_input = False
             self.hooked = self.by_hand or self.evaluating
         ring.count = step  # publish last: readers only see complete records
@@ -513,6 +527,17 @@ class StepTimeline:
         if following <= EARLY_DETAIL_STEPS or following <= self.detail_until:
             return following
         return sampled_after(step, self.detail_every)
+
+    def pace(self, step_seconds: float) -> None:
+        """The automatic detail rate (the detail_every option unset), from the median step time:
+        DETAIL_EVERY, or more on short steps, so that detail steps come at most once every
+        DETAIL_SPACING of training. A detail step costs about 1,000 Python operations more than
+        another (70,000 instructions: benchmarks/bench_instructions.py, TUNEUP_DETAIL_EVERY=1
+        against 1000000), some 35 µs in place: one in 4 on a 0.4 ms step is 9 µs a step, one
+        every 4 ms is under 1% of any step. At most one in MAX_DETAIL_EVERY, so the split and
+        the loss keep coming on the shortest steps (still hundreds a second there)."""
+        if self.paced and step_seconds > 0.0:
+            self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / step_seconds)))
 
     def detail_through(self, step: int) -> None:
         """Every step up to `step` is a detail step (apply mode's guarded steps), from the
@@ -552,7 +577,7 @@ class StepTimeline:
         """Close at a boundary no optimizer step made (tuneup.step(), a hand update): the loss
         of the latest backward is the step's."""
         if self.step_loss is None and self.loss is not None:
-            self.step_loss, self.loss = self.loss, None
+            self.step_loss, self.loss, self.wake_at = self.loss, None, 0  # the close reads it
         self.close(now)
 
     # --- values that arrive late (read asynchronously from the device) ----------------

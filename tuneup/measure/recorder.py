@@ -286,6 +286,7 @@ class Recorder:
         interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses,
                              spike_floor=spike_floor(self._first_losses))
         if interval is not None:
+            self.timeline.pace(interval["step_seconds"]["median"])
             # The wall-clock end of the last step: its perf_counter close, moved to time.time().
             ended = ring.records[(last - 1) % ring.capacity][0]
             self.totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))

@@ -21,8 +21,8 @@ through the Python attribute) are installed once, at attach, and only check a fl
 sampled steps. Installing them per sampled step would be simpler, but setting attributes
 on torch.Tensor (dunder slots above all) invalidates the interpreter's attribute caches for
 every tensor: measured at 30-240 µs per sampled step, against nothing measurable for a
-permanent wrapper (benchmarks/bench_overhead.py). Each wrapper first asks
-torch.compiler.is_compiling(), so dynamo folds it away and never guards on our state.
+permanent wrapper (benchmarks/bench_overhead.py). Each wrapper, after its flag, asks whether
+torch compiles (_patching.COMPILING), so dynamo folds it away and never guards on our state.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._patching import PatchSet, posing_as, quiet_dynamo_switch
+from .._patching import PatchSet, compile_bindings, posing_as, quiet_dynamo_switch
 from .copies import BLOCKING_COPY_KIND, is_blocking_copy
 from .hotpath import HOST_READ, StepTimeline
 from .steps import sampled_after
@@ -266,8 +266,8 @@ class SyncCounter:
         # Posing as the Tensor method it wraps (see posing_as): after a graph break, dynamo
         # skips its frame as it skips torch's own instead of compiling it.
         return posing_as(original, HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
-                         _tuneup_counts=functools.partial(self._counts, kind), _tuneup_is_compiling=torch.compiler.is_compiling,
-                         _tuneup_quiet=quiet_dynamo_switch())
+                         _tuneup_counts=functools.partial(self._counts, kind), _tuneup_quiet=quiet_dynamo_switch(),
+                         **compile_bindings())
 
     def _counts(self, kind: str) -> bool:
         """Whether the read under way (the caller's caller) is one of the job's host reads on

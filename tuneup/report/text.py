@@ -9,6 +9,7 @@ from rich.padding import Padding
 from rich.syntax import Syntax
 from rich.text import Text
 
+from ..diagnose.rule import MIN_GAIN
 from ..format import percent
 from . import summary
 
@@ -44,6 +45,10 @@ def checked_summary(document: dict[str, Any]) -> str:
     if len(reasons) > WANTS_SHOWN:
         why += f"; {sum(count for _, count in reasons[WANTS_SHOWN:])} more"
     text = f"{passed} rules checked and passed"
+    slight = evaluation.get("slight") or {}
+    if slight:  # crossed their thresholds, but the fix would save next to nothing (rule.MIN_GAIN)
+        named = ", ".join(f"{rule} {100 * gain:.1f}%" for rule, gain in sorted(slight.items()))
+        text += f" ({len(slight)} of them found a fix worth under {100 * MIN_GAIN:.0f}% of a step: {named})"
     return text + (f", {len(unmeasured)} could not be checked ({why})" if unmeasured else "")
 
 

@@ -231,7 +231,7 @@ def scaler_skips(facts: Facts) -> Evidence | None:
             "    loss = loss_fn(model(x), y)\n"
             "# staying on fp16? find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
             "#   scores = scores.float().softmax(-1)   and use torch.finfo(x.dtype).min instead of -inf constants",
-        gain=rate,
+        gain=rate or None,  # a collapsed scale with no skips yet: a finding for correctness, not speed
         gain_text=f"{percent(rate)} of steps stop being wasted" if rate >= 0.005 else None,
     )
 
