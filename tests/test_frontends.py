@@ -368,7 +368,8 @@ def test_torchscript_jobs_run_as_under_plain_python(tmp_path, name, attach):
     assert measured.stdout == plain.stdout and measured.stdout
     assert "Traceback" not in measured.stderr and "TuneupWarning" not in measured.stderr, measured.stderr
     if name == "GPT-2 pretraining script":
-        # The numpy-copies rule still sees the script's one torch.tensor(array) per step.
+        # The numpy-copies rule still sees the script's one torch.tensor(array) per step; a
+        # finding where the copies take 1% of a step or more (rule.MIN_GAIN), else passed as slight.
         from tuneup.report.document import build
         from tuneup.report.sources import load
 
@@ -376,4 +377,8 @@ def test_torchscript_jobs_run_as_under_plain_python(tmp_path, name, attach):
         document = build(histories, source=source)
         habits = document["runs"][0]["snapshot"]["habits"]
         assert habits["numpy_copies_per_step"] == 1.0 and habits["clip_grad_calls_per_step"] == 1.0
-        assert any(f["rule"] == "numpy-copies" for f in document["findings"])
+        run = document["runs"][0]
+        totals = run["snapshot"]["totals"]
+        share = habits["numpy_copy_seconds_per_step"] / (totals["seconds"] / totals["steps"])
+        found = any(f["rule"] == "numpy-copies" for f in document["findings"])
+        assert found == (share >= 0.01) and found != ("numpy-copies" in run["evaluation"]["slight"]), share

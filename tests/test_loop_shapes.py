@@ -119,12 +119,29 @@ def test_public_loop_shapes_against_their_ground_truth(tmp_path, program):
             assert entry["location"].endswith(f"{program}:{marked_line(program, 'READ-EVAL')}")
         [optimizer] = snapshot["config"]["optimizers"]
         assert optimizer["lr_measured"]["changes"] >= optimizer["lr_measured"]["reads"] - 2  # set by the loop
+        # No DataLoader: get_batch() stacks batch_size = 8 sequences (line 37), the forward's
+        # batch, and a step is gradient_accumulation_steps = 2 forwards (line 32): 16 a step.
+        window = snapshot["window"]
+        assert window["batch_size"] == 16
+        assert window["samples_per_second"] == pytest.approx(16 * window["steps_per_second"])
     if program == "slow_tokenizer.py":
         # The script times its own tokenizing (stderr); tuneup's input share is the same stretch.
         own = float(re.search(r"tokenize share ([\d.]+)", measured.stderr).group(1))
         assert snapshot["window"]["input_ratio"] == pytest.approx(own, abs=0.1)
         lines = snapshot["habits"]["input_lines"]["top_lines"]
         assert lines[0]["function"] in ("encode", "make_batch"), lines
+
+
+def test_throughput_without_a_dataloader_comes_from_the_forwards_batch(run_dir):
+    """A loop that builds its batches itself: each step's samples are its training forwards'
+    batch dimension (here 64 rows, 3 forwards a step: 192), seen on detail steps (the median
+    of those: the first step's first forward comes before the model is found)."""
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:
+        _regression(60, _sgd_then_none, accumulate=3)
+    window = agent.snapshot()["window"]
+    assert window["fetches_per_step"] == 0
+    assert window["batch_size"] == 192
+    assert window["samples_per_second"] == pytest.approx(192 * window["steps_per_second"])
 
 
 # --- the step boundary of loops that update their parameters by hand ----------------------------

@@ -241,7 +241,12 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         if outermost and probe.read_config_next_forward:
             probe.read_config()
         tl.forward_begin(clock())
-        return WATCHED if outermost and module.training and probe.grad_enabled() else True
+        if outermost and module.training:
+            if not tl.fetches:  # no DataLoader: the step's samples are the forward's batch
+                probe.count_input(args, kwargs)
+            if probe.grad_enabled():
+                return WATCHED
+        return True
 
     def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
         if token is EVALUATION:

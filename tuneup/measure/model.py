@@ -346,6 +346,17 @@ class ModelProbe:
         except Exception as exc:
             self.fail(exc)
 
+    def count_input(self, args: tuple, kwargs: dict) -> None:
+        """A training forward on a detail step of a loop that fetches no batch from a
+        DataLoader: its batch dimension (dim 0 of the root's first tensor argument) is that
+        step's samples, added up over its forwards (gradient accumulation)."""
+        ring = self.timeline.ring
+        for value in (*args[1:], *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.dim():
+                    ring.put("input_samples", ring.count + 1, float(value.shape[0]), add=True)
+                return
+
     # --- the step boundary of loops that update parameters by hand (no optimizer) ----------
 
     def mark_gradients(self) -> None:

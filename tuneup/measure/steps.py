@@ -76,6 +76,7 @@ LATE = (
     ("gpu_seconds", -1.0),  # from CUDA events; -1: unknown
     ("late_skips", 0.0),  # GradScaler skips reported by the device after the step closed
     ("compile_seconds", 0.0),  # torch.compile's compilations during the step (compiled.py)
+    ("input_samples", -1.0),  # no DataLoader: the batch dimension of a detail step's training forwards; -1: not seen
 )
 
 

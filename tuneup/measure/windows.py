@@ -97,6 +97,13 @@ def _ratio(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
+def batch_size(sums: dict[str, Any], steps: int) -> float | None:
+    """Samples per DataLoader fetch; without fetches, per step (the forwards' batch)."""
+    if sums.get("fetches"):
+        return sums["samples"] / sums["fetches"]
+    return sums["samples"] / steps if sums["samples"] and steps else None
+
+
 def summarize(columns: Columns, forward_measured: bool = True, loss_context: Sequence[float] = (),
               spike_floor: float = 0.0) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
@@ -134,6 +141,11 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         "compile_seconds": sum(columns.get("compile_seconds", ())),
         "warmup_steps": sum(1 for spent in columns.get("compile_seconds", ()) if spent),
     }
+    fed = [value for value in columns.get("input_samples", ()) if value >= 0]
+    if not sums["samples"] and fed:
+        # No DataLoader fetch: the samples are the forwards' batch, seen on detail steps (the
+        # median: the run's first step may miss the forward made before its model was found).
+        sums["samples"] = round(median(fed) * steps)
     for part in SPLIT:
         sums[part] = sum(columns[part][i] for i in detailed)
     sums["detailed_data_wait_seconds"] = sum(data_wait[i] for i in detailed)
@@ -150,7 +162,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         "stall_ratio": _ratio(sums["data_wait_seconds"], total_time),
         "steps_per_second": _ratio(steps, total_time),
         "samples_per_second": _ratio(sums["samples"], total_time) if sums["samples"] else None,
-        "batch_size": sums["samples"] / sums["fetches"] if sums["fetches"] else None,
+        "batch_size": batch_size(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": sums["optimizer_steps"],
         "skipped_steps": sums["skipped_steps"],

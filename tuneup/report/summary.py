@@ -246,6 +246,9 @@ def batch_text(window: dict[str, Any], config: dict[str, Any] | None) -> str | N
     if len(sizes) == 1 and None not in sizes:
         return f"batch {sizes.pop()}"
     mean = window.get("batch_size")
+    if mean and not window.get("fetches_per_step"):  # no DataLoader: the forwards' batch, per step
+        return f"{mean:.0f} samples a step, the forward's batch" if mean == round(mean) else \
+            f"{mean:.1f} samples a step on average, the forward's batch"
     return f"{mean:.1f} samples per batch on average" if mean else None
 
 
