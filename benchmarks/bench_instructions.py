@@ -8,7 +8,7 @@ the cost being measured.
 The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
 SGD, a loss.item() every 10 steps; or another of its WORKLOADS, by name) runs bare and with
 tuneup attached (advise mode, no endpoint, no run log):
-200 warm-up steps (--warmup), then the counted ones, between two calls of getpgrp() (nothing else calls
+1,100 warm-up steps (--warmup), then the counted ones, between two calls of getpgrp() (nothing else calls
 it), at which callgrind dumps its counters (--dump-before=getpgrp): start-up and exit are not
 counted. The agent's background sampler is stopped: its cost is per second, not per step,
 and under valgrind's fifty-fold slowdown it would be counted fifty times over. So the counts
@@ -93,7 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another tuneup checkout to count beside this one")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=200, help="steps run before counting begins (over 30)")
+    parser.add_argument("--warmup", type=int, default=1100,
+                        help="steps run before counting begins (over 30; past 1000 closed, the detail steps are paced)")
     parser.add_argument("--workload", default="~0.4 ms step", help="a workload of bench_overhead.py, by name")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--apply", action="store_true",

@@ -27,7 +27,8 @@ from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_s
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
 from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
-from tuneup.measure.hotpath import DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, StepTimeline, optimizer_hooks
+from tuneup.measure.hotpath import (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
+                                   optimizer_hooks)
 from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, spikes, summarize
 
 NAN, INF = math.nan, math.inf
@@ -1092,31 +1093,36 @@ def test_timeline_detail_steps():
 
 def test_the_detail_rate_is_paced_by_the_step_time_unless_set():
     """Unset, one detail step in 4, fewer on steps under DETAIL_SPACING / 4 (a detail step every
-    DETAIL_SPACING of training), never fewer than one in MAX_DETAIL_EVERY; a rate the job set
-    stays as set."""
-    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY) == (4, 0.004, 32)
-    tl = timeline()
-    assert tl.detail_every == 4
+    DETAIL_SPACING of training), never fewer than one in MAX_DETAIL_EVERY, and not before
+    PACED_FROM_STEP steps; a rate the job set stays as set."""
+    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.004, 32, 1000)
+    tl = timeline(capacity=2048)
+    for step in range(1, PACED_FROM_STEP):
+        tl.manual_step(now=float(step))
+    tl.pace(0.0001)
+    assert tl.detail_every == 4  # a short run: not yet
+    tl.manual_step(now=float(PACED_FROM_STEP))
     for median, every in ((0.005, 4), (0.001, 4), (0.0009, 5), (0.0004, 10), (0.00036, 12), (0.0001, 32),
                           (1e-6, 32), (2.0, 4), (0.0, 4)):  # (no median: as it was)
         tl.pace(median)
         assert tl.detail_every == every, (median, tl.detail_every)
     for chosen in (1, 4, 7):
         fixed = StepTimeline(16, lambda name, exc: None, chosen)
+        fixed.ring.count = PACED_FROM_STEP
         fixed.pace(0.0001)
         assert fixed.detail_every == chosen
 
 
 def test_paced_detail_steps_stay_drawn_from_blocks():
     """The rate changes between detail steps: the draw after it comes from blocks of the new size."""
-    tl = timeline(capacity=1024)
-    for step in range(1, 101):
+    tl = timeline(capacity=2048)
+    for step in range(1, 1001):
         tl.manual_step(now=float(step))
     tl.pace(0.0004)  # one in 10 from here
-    for step in range(101, 1001):
+    for step in range(1001, 1901):
         tl.manual_step(now=float(step))
-    detailed = tl.ring.columns(101, 1000)["detailed"]
-    blocks = [detailed[start:start + 10] for start in range(10, 900, 10)]  # steps 111-120, ..., 991-1000
+    detailed = tl.ring.columns(1001, 1900)["detailed"]
+    blocks = [detailed[start:start + 10] for start in range(10, 900, 10)]  # steps 1011-1020, ..., 1891-1900
     assert all(block.count(True) == 1 for block in blocks)
 
 
@@ -1220,3 +1226,22 @@ def test_timeline_skip_reported_while_a_step_closes_goes_to_that_step():
     tl.flush()
     assert tl.ring.count == 4
     assert tl.ring.columns(1, 4)["skipped_steps"] == [0, 1, 0, 0]
+
+
+def test_the_compile_check_is_one_call_that_dynamo_folds():
+    """_patching.COMPILING: False in eager code at one Python call; True while dynamo traces,
+    with no graph break and no guard on the flag (fullgraph, the same answer on each call)."""
+    import torch
+
+    from tuneup._patching import compile_check
+
+    dynamo, flags = compile_check()
+    assert dynamo is torch.compiler.is_dynamo_compiling and flags is torch.compiler
+    assert not (dynamo() or flags._is_compiling_flag)
+
+    def step(x):
+        return x + 1 if (dynamo() or flags._is_compiling_flag) else x - 1
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    assert compiled(torch.zeros(1)).item() == 1.0 and compiled(torch.zeros(1)).item() == 1.0
+    assert step(torch.zeros(1)).item() == -1.0

@@ -96,8 +96,8 @@ def test_steps_a_snapshot_drains_reach_the_history_and_the_run_log(run_dir):
 
 def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
     """Each drain sets the automatic detail rate from its steps' median (StepTimeline.pace): a
-    loop of sub-millisecond steps gets fewer detail steps than one in 4; detail_every set by the
-    job is kept."""
+    loop of sub-millisecond steps gets fewer detail steps than one in 4 once past
+    PACED_FROM_STEP; detail_every set by the job is kept."""
     import math
 
     from tuneup.measure.hotpath import DETAIL_SPACING, MAX_DETAIL_EVERY
@@ -107,7 +107,7 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
     data = [(torch.randn(8, 64), torch.randn(8, 1)) for _ in range(8)]
     for chosen in (None, 4):
         with tuneup.attach(run_dir=run_dir / str(chosen), interval=60, detail_every=chosen) as agent:
-            for step in range(400):
+            for step in range(1100):
                 x, y = data[step % 8]
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()

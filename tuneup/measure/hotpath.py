@@ -62,6 +62,7 @@ TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
 DETAIL_SPACING = 0.004  # seconds of training, at least, between paced detail steps
 MAX_DETAIL_EVERY = 32
+PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
 
 
 # --- DataLoader: next(iterator) --------------------------------------------------------------
@@ -540,8 +541,10 @@ class StepTimeline:
         another (70,000 instructions: benchmarks/bench_instructions.py, TUNEUP_DETAIL_EVERY=1
         against 1000000), some 35 µs in place: one in 4 on a 0.4 ms step is 9 µs a step, one
         every 4 ms is under 1% of any step. At most one in MAX_DETAIL_EVERY, so the split and
-        the loss keep coming on the shortest steps (still hundreds a second there)."""
-        if self.paced and step_seconds > 0.0:
+        the loss keep coming on the shortest steps (still hundreds a second there). Not before
+        PACED_FROM_STEP: a short run's estimates (the input share that starts the stack
+        sampler, a rank's backward median) rest on few detail steps as it is."""
+        if self.paced and step_seconds > 0.0 and self.ring.count >= PACED_FROM_STEP:
             self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / step_seconds)))
 
     def detail_through(self, step: int) -> None:
