@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from .windows import PARTS, SPLIT, Totals, batch_size
+from .windows import PARTS, SPLIT, Totals, samples_per_batch
 
 MAX_INTERVALS = 1024
 MAX_SYSTEM_SAMPLES = 1024
@@ -79,7 +79,7 @@ def combine(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "stall_ratio": sums["data_wait_seconds"] / seconds if seconds > 0 else None,
         "steps_per_second": steps / seconds if seconds > 0 else None,
         "samples_per_second": sums["samples"] / seconds if seconds > 0 and sums["samples"] else None,
-        "batch_size": batch_size(sums, steps),
+        "batch_size": samples_per_batch(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": int(sums["optimizer_steps"]),
         "skipped_steps": int(sums["skipped_steps"]),

@@ -1,10 +1,10 @@
 """The hot path: everything tuneup runs on every training step, in one place.
 
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
-opt.step()` calls, in order (all of it together: 31,000-34,000 instructions per step on the
-~0.3 ms CPU step, 3.6-3.9% of it, by benchmarks/bench_instructions.py; about 400 Python
+opt.step()` calls, in order (all of it together: about 36,000 instructions per step on the
+~0.2 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py; about 400 Python
 operations and 11 calls of tuneup's own off detail steps, each operation costing 60-90 ns in
-place there, and a detail step 1,000 operations more, paced to one in 16 there):
+place there, and a detail step 1,000 operations more, paced to one in 20 there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
                         └ when an optimizer stepped since the last fetch: StepTimeline.close
@@ -23,8 +23,9 @@ place there, and a detail step 1,000 operations more, paced to one in 16 there):
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
 On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
-more on steps under a millisecond, StepTimeline.pace; and apply mode's guarded steps) the wrappers time the forward, backward, zero_grad and optimizer,
-the input before the first forward (input_ended), and keep the loss for reading at the close;
+more on steps under a millisecond, StepTimeline.pace; and apply mode's guarded steps) the
+wrappers time the forward, backward, zero_grad and optimizer, the input before the first
+forward (input_ended), and keep the loss for reading at the close;
 a root's training forward gets a pre-hook on its output's grad_fn (model.ForwardGraphs: is
 its graph used by a backward?), about 5 µs a forward, most of it torch's register_prehook.
 `hooked`, the wrappers' gate, is True on detail steps, while an evaluation phase is open, and

@@ -97,7 +97,7 @@ def _ratio(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def batch_size(sums: dict[str, Any], steps: int) -> float | None:
+def samples_per_batch(sums: dict[str, Any], steps: int) -> float | None:
     """Samples per DataLoader fetch; without fetches, per step (the forwards' batch)."""
     if sums.get("fetches"):
         return sums["samples"] / sums["fetches"]
@@ -162,7 +162,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
         "stall_ratio": _ratio(sums["data_wait_seconds"], total_time),
         "steps_per_second": _ratio(steps, total_time),
         "samples_per_second": _ratio(sums["samples"], total_time) if sums["samples"] else None,
-        "batch_size": batch_size(sums, steps),
+        "batch_size": samples_per_batch(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": sums["optimizer_steps"],
         "skipped_steps": sums["skipped_steps"],
