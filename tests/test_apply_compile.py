@@ -17,7 +17,8 @@ from tuneup.options import parse_actions
 
 
 def train(steps: int, options: dict | None = None, *, hook: bool = False, compiled: bool = False, after=None):
-    """A loop over in-memory batches; returns (losses, model, agent)."""
+    """A loop over in-memory batches; returns (losses, model, agent). `after(step, agent, model)`
+    runs after each step; the loop ends early when it returns True."""
     torch.manual_seed(0)
     model = Pointwise()
     if hook:
@@ -35,8 +36,8 @@ def train(steps: int, options: dict | None = None, *, hook: bool = False, compil
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-            if after is not None:
-                after(step, agent, model)
+            if after is not None and after(step, agent, model):
+                break
     finally:
         if agent is not None:
             agent.detach()
@@ -49,6 +50,12 @@ def apply_options(run_dir, **extra):
 
 def compile_records(agent):
     return [r for r in agent.actions() if r["action"] == "compile"]
+
+
+def decided(step, agent, model):
+    """Ends the loop once the compile action has a verdict: when it starts depends on the live
+    findings (evaluated every `interval` seconds) and its trial on the step time."""
+    return any(r["decision"] != "trying" for r in compile_records(agent))
 
 
 def test_compile_is_taken_only_by_name():
@@ -65,10 +72,10 @@ def test_a_failing_compile_rolls_back_and_the_job_runs_as_eager(run_dir, monkeyp
         raise RuntimeError("no C compiler on this machine")
 
     monkeypatch.setattr(CompileChange, "backend", staticmethod(broken))
-    plain, _, _ = train(300)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        losses, model, agent = train(300, apply_options(run_dir))
+        losses, model, agent = train(6000, apply_options(run_dir), after=decided)
+    plain, _, _ = train(len(losses))
     [record] = compile_records(agent)
     assert record["decision"] == "rolled back", record
     assert "torch.compile failed" in record["reason"] and "no C compiler" in record["reason"]
@@ -78,16 +85,19 @@ def test_a_failing_compile_rolls_back_and_the_job_runs_as_eager(run_dir, monkeyp
 
 def test_compile_is_judged_and_leaves_nothing_when_undone(run_dir):
     """Compiled for real (inductor): decided on the judge's terms, its compile steps out of the
-    trial; after detach the model runs eagerly again, as torch's own."""
+    trial; after detach the model runs eagerly again, as torch's own. The trial lasts about a
+    second of steps (up to 1,200 of this ~0.3 ms step on an idle machine, fewer on a busy one),
+    so the job trains until the record is decided."""
     state = {}
 
     def watch(step, agent, model):
         if getattr(model, "_compiled_call_impl", None) is not None:
             state.setdefault("compiled_at", step)
+        return decided(step, agent, model)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, model, agent = train(500, apply_options(run_dir), after=watch)
+        _, model, agent = train(6000, apply_options(run_dir), after=watch)
     [record] = compile_records(agent)
     assert "compiled_at" in state, record
     assert record["decision"] in ("kept", "reverted") and "trial" in record, {k: v for k, v in record.items() if k != "baseline"}
@@ -103,6 +113,6 @@ def test_compile_is_judged_and_leaves_nothing_when_undone(run_dir):
     ("compiled", "compiled already"),
 ])
 def test_compile_is_refused_where_it_is_not_safe(run_dir, case, reason):
-    _, _, agent = train(80, apply_options(run_dir), **{case: True})
+    _, _, agent = train(6000, apply_options(run_dir), after=decided, **{case: True})
     [record] = compile_records(agent)
     assert record["decision"] == "not applicable" and reason in record["reason"], record
