@@ -35,7 +35,7 @@ def main() -> None:
         for index, scenario in enumerate(SCENARIOS):
             began = time.perf_counter()
             document = run_scenario(scenario, Path(folder) / f"run{index}", cpu_bf16=cpu_bf16)
-            expected, either = expected_findings(scenario, cpu_bf16, document["loop_stall"])
+            expected, either = expected_findings(scenario, cpu_bf16, document["truth"])
             got = fired(document) - either
             results.append((expected, got))
             top = document["findings"][0]["observed"][:70] if document["findings"] else "-"

@@ -46,7 +46,7 @@ def test_the_right_rule_fires_and_no_other(scenario, cpu, tmp_path, heap_as_a_sc
     cpu_bf16 = CPU_BF16[cpu]
     document = run_scenario(scenario, tmp_path / "run", cpu_bf16=cpu_bf16)
     # What a machine's load can change is judged by the run's own clock (either: too close to tell).
-    expected, either = expected_findings(scenario, cpu_bf16, document["loop_stall"])
+    expected, either = expected_findings(scenario, cpu_bf16, document["truth"])
     got = fired(document) - either
     RESULTS.append((expected, got))
     assert got == set(expected), [(f["rule"], f["observed"]) for f in document["findings"]]
@@ -75,10 +75,10 @@ def test_findings_are_ranked_by_estimated_gain(tmp_path):
     document = run_scenario(scenario, tmp_path / "run")
     gains = [f["gain"] or 0 for f in document["findings"]]
     assert gains == sorted(gains, reverse=True)
-    if "data-stall" in fired(document):  # its premise is timing (Scenario.by_timing): load can undo it
+    if "data-stall" in fired(document):  # its premise is timing (advice_scenarios._premises): load can undo it
         assert document["findings"][0]["rule"] == "data-stall"  # the only one with a measured gain
     else:
-        assert document["loop_stall"] < 0.10 + 0.03, document["loop_stall"]
+        assert document["truth"].stall < 0.10 + 0.03, document["truth"]
 
 
 def test_a_silenced_rule_stays_out_and_unknown_ids_are_refused(tmp_path):

@@ -230,6 +230,31 @@ def unwind(exc: BaseException) -> None:
         exc.__traceback__ = traceback.tb_next
 
 
+def interrupted_at_exit() -> bool:
+    """At exit: whether the job's main code ended in an unhandled KeyboardInterrupt (Ctrl-C).
+    The top-level handler (PyErr_Print) leaves it in sys.last_value; an interactive session
+    leaves any exception there, so one never counts."""
+    return (type(getattr(sys, "last_value", None)) is KeyboardInterrupt
+            and not hasattr(sys, "ps1") and not sys.flags.interactive)
+
+
+def keep_the_interrupted_exit() -> None:
+    """After a Ctrl-C ended the job (interrupted_at_exit), make the process still exit by
+    SIGINT once tuneup's exit-time work ran, as it does without tuneup (status -2; 130 in a
+    shell) rather than with status 1.
+
+    CPython exits by SIGINT when a process-wide flag, set when the main code ended in an
+    unhandled KeyboardInterrupt, is still set after finalization, which runs the atexit
+    handlers (Modules/main.c Py_RunMain). But every exec() or eval() of source text clears it
+    first, and sets it again only if that code ends in KeyboardInterrupt itself
+    (Python/pythonrun.c run_eval_code_obj): a dataclass or namedtuple created at exit (a module
+    the detach imports for the first time) is such an exec. The same mechanism sets it back."""
+    try:
+        exec("raise KeyboardInterrupt")
+    except KeyboardInterrupt:
+        pass
+
+
 def _class_place(cls: type) -> tuple[str, int, dict[str, Any]]:
     """The file and `class` line that define `cls`, and its module's globals: those of the
     Python functions it defines (torch.Tensor says it is torch's; it is written in

@@ -15,7 +15,7 @@ import atexit
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from ._patching import PatchSet
+from ._patching import PatchSet, interrupted_at_exit, keep_the_interrupted_exit
 from .diagnose.live import LiveDiagnosis
 from .export.outputs import Outputs
 from .measure.objects import sort_objects
@@ -81,7 +81,7 @@ class Agent:
             self.diagnosis.guard_destroy(self._patches, self.ticker.final_exchange)
             self.outputs.start()
             self.ticker.start()
-            atexit.register(self.detach)
+            atexit.register(self._at_exit)
         except BaseException:
             self.ticker.stopping.set()
             self._quiet()
@@ -216,8 +216,16 @@ class Agent:
         self.recorder.quiet()
         self._patches.undo_all()
 
+    def _at_exit(self) -> None:
+        interrupted = interrupted_at_exit()
+        try:
+            self.detach()
+        finally:
+            if interrupted:
+                keep_the_interrupted_exit()
+
     def _detach(self) -> None:
-        atexit.unregister(self.detach)
+        atexit.unregister(self._at_exit)
         if os.getpid() != self._pid:
             return  # a forked child: the parent owns the log and the patches
         self.ticker.stop()

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
 import sys
 import threading
+from collections import deque
 from time import perf_counter
 from types import FrameType
 from typing import Any
@@ -54,6 +56,7 @@ from .syncs import EXPLICIT_SYNC_KINDS, MAX_SOURCES, SyncCounter, format_locatio
 EARLY_WATCHES = (3, 4, 5)  # steps 1-2 carry one-off start-up work
 WATCH_BUDGET = 0.001  # the watched steps' extra time, as a share of the training time
 MIN_GAP, MAX_GAP = 50, 5000  # steps between watched steps after the early ones
+COPY_STEPS = 64  # the latest watched steps whose copy time gives the typical step's
 RECENT_STEPS = 16  # unwatched steps whose mean is a step's usual time
 _TENSOR = torch.tensor
 _NONZERO = torch.nonzero
@@ -141,6 +144,10 @@ class CallWatch:
         self.numpy_copies = 0
         self.numpy_copies_in_loader = 0
         self.numpy_copy_seconds = 0.0
+        # Each watched step's copy time: its median is the typical step's (a mean over a few
+        # watched steps on a busy machine is one descheduled copy: 5x the loop's own measure).
+        self.step_copy_seconds: deque[float] = deque(maxlen=COPY_STEPS)
+        self._copy_seconds_at_start = 0.0
         self.numpy_sources: dict[str, int] = {}
         self.clip_calls = 0
         self.writes = 0  # file and figure writes on watched steps (outermost calls)
@@ -193,6 +200,7 @@ class CallWatch:
         self._writers.clear()
         self._writers.update(_write_codes())  # modules the job imported since the last watch
         self._writing = None
+        self._copy_seconds_at_start = self.numpy_copy_seconds
         self._started_at = perf_counter()
         self._thread = threading.get_ident()
         self.watching = True
@@ -205,6 +213,7 @@ class CallWatch:
             sys.setprofile(None)
         self._pop_mode()
         self.watched_steps += 1
+        self.step_copy_seconds.append(self.numpy_copy_seconds - self._copy_seconds_at_start)
         seconds = perf_counter() - self._started_at
         if step < EARLY_WATCHES[-1]:
             self.next_watch = step + 1
@@ -338,7 +347,7 @@ class CallWatch:
             "numpy_copies_per_step": per_step(self.numpy_copies),
             "numpy_copies_in_loader": self.numpy_copies_in_loader,
             "numpy_copy_seconds": self.numpy_copy_seconds,
-            "numpy_copy_seconds_per_step": per_step(self.numpy_copy_seconds),
+            "numpy_copy_seconds_per_step": statistics.median(self.step_copy_seconds) if self.step_copy_seconds else None,
             "numpy_copy_sources": [{"location": where, "calls": calls} for where, calls in sources],
             "clip_grad_calls": self.clip_calls,
             "clip_grad_calls_per_step": per_step(self.clip_calls),
