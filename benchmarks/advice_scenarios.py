@@ -13,6 +13,7 @@ Used by tests/test_advice.py (asserted per scenario) and benchmarks/bench_advice
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -103,6 +104,10 @@ class Truth:
     for the findings whose premise a machine's load can change (_premises)."""
     stall: float  # the wait for the next batch (end of one step's body to the start of the next) over the steps
     copy_share: float  # the torch.tensor(ndarray) copies' time over the steps'
+    step_seconds: float  # the steps' mean time
+    # bf16 autocast on the job's model, measured before and after the run (run_scenario:
+    # amp_gain): (the share of a step it saves, the share of interleaved pairs it was faster in)
+    amp: tuple[tuple[float, float], ...] = ()
 
 
 def run_job(job: Job) -> Truth:
@@ -170,7 +175,34 @@ def run_job(job: Job) -> Truth:
             if step >= job.steps:
                 break
         ended = time.perf_counter()  # a new epoch's workers start: not the steady state's wait
-    return Truth(stall=waited / total if total else 0.0, copy_share=copying / total if total else 0.0)
+    counted = max(1, job.steps - WARMUP)
+    return Truth(stall=waited / total if total else 0.0, copy_share=copying / total if total else 0.0,
+                 step_seconds=total / counted)
+
+
+def amp_gain(job: Job) -> tuple[float, float] | None:
+    """(the seconds of a step that bf16 autocast saves, the share of pairs in which it was
+    faster): its model's forward + backward at its batch, timed in fp32 and under CPU bf16
+    autocast, 16 interleaved pairs, medians (gradients by torch.autograd.grad, on a model of
+    its own). None for a job that already uses autocast."""
+    if job.autocast is not None:
+        return None
+    torch.manual_seed(0)
+    net = model(job.hidden, job.conv_bn)
+    x, y = torch.randn(job.batch_size, FEATURES) * job.scale, torch.randn(job.batch_size, 1)
+    loss_fn = nn.MSELoss()
+    parameters = list(net.parameters())
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(18):
+        for low in ((False, True) if rep % 2 else (True, False)):
+            began = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                loss = loss_fn(net(x).float(), y)
+            torch.autograd.grad(loss, parameters)
+            if rep >= 2:
+                times[low].append(time.perf_counter() - began)
+    saved = statistics.median(times[False]) - statistics.median(times[True])
+    return saved, sum(low < full for full, low in zip(times[False], times[True])) / len(times[True])
 
 
 @dataclass(frozen=True)
@@ -259,11 +291,23 @@ def _premises() -> dict[str, tuple[Callable[[Truth], float], float, float]]:
 def expected_findings(scenario: Scenario, cpu_bf16: bool, truth: Truth | None = None) -> tuple[frozenset[str], frozenset[str]]:
     """(the rules that must fire on `scenario`, those that may) when the CPU has (or is treated
     as having) bf16 units: the scenario's own, plus amp-off wherever the job trains in fp32 on
-    such a CPU. Given the run's own measure of itself (run_job's Truth), the timing rules
-    (_premises) must fire as it says, whatever the scenario meant, and may either way close to
-    their thresholds."""
+    such a CPU where bf16 autocast measurably saves time on it (amp_gain). Given the run's own
+    measure of itself (run_job's Truth), the timing rules (_premises) must fire as it says,
+    whatever the scenario meant, and may either way close to their thresholds."""
     expected = set(scenario.expected | ({"amp-off"} if cpu_bf16 and scenario.job.autocast is None else set()))
     either = set()
+    if "amp-off" in expected and truth is not None and truth.amp:
+        # Its premise is the job's measured gain: it must fire where bf16 is clearly faster
+        # before and after the run (2x its threshold, in 90% of the pairs), stay silent where it
+        # is clearly slower (in 90% of the pairs), and may either way otherwise: on this 2-core
+        # CPU the scenarios' MLP measured 0.75x in one run and 1.17x in the next, and flipped
+        # between the two within a run (tuneup's trial, timed in between, is right for its moment).
+        from tuneup.diagnose.rules.precision import AMP_MIN_GAIN
+
+        if not all(gain >= 2 * AMP_MIN_GAIN and faster >= 0.9 for gain, faster in truth.amp):
+            expected.discard("amp-off")
+            if not all(gain <= 0 and faster <= 0.1 for gain, faster in truth.amp):
+                either.add("amp-off")
     if truth is not None:
         for rule_id, (measure, silent_below, fires_from) in _premises().items():
             value = measure(truth)
@@ -283,8 +327,13 @@ def run_scenario(scenario: Scenario, run_dir: Path, cpu_bf16: bool | None = Fals
     expected_findings); None uses what this CPU reports."""
     restore = scenario.setup() if scenario.setup else None
     try:
+        before = amp_gain(scenario.job) if cpu_bf16 is not False else None  # with the job's threads
         with tuneup.attach(run_dir=run_dir, interval=0.1, port=0, cpu_bf16=cpu_bf16 if cpu_bf16 is not None else "auto"):
             truth = run_job(scenario.job)
+        if before is not None:  # and after detach
+            after = amp_gain(scenario.job)
+            truth = replace(truth, amp=tuple((saved / truth.step_seconds, faster)
+                                             for saved, faster in (before, after)))
     finally:
         if restore is not None:
             restore()

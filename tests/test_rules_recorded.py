@@ -94,17 +94,65 @@ def test_amp_off_on_tensor_core_gpus_with_a_gain_from_the_split(cpu_snapshot):
     found = fired(on_cuda(cpu_snapshot))["amp-off"]
     window = cpu_snapshot["window"]
     assert found.gain == pytest.approx(0.5 * (window["forward_ratio"] + window["backward_ratio"]))
+    assert "an estimate, not measured on this job" in found.gain_text  # no layers timed yet
     assert "bfloat16" in found.fix
     v100 = fired(on_cuda(cpu_snapshot, device=V100))["amp-off"]
     assert "GradScaler" in v100.fix and "float16" in v100.fix  # no bf16 before Ampere
     assert "amp-off" not in fired(on_cuda(cpu_snapshot, **{"config.autocast": {"cuda": "bfloat16"}}))
 
 
-def test_amp_off_on_a_cpu_with_bf16_only(cpu_snapshot):
+def amp_trial(fp32, reduced, dtype="bfloat16", device="cpu", faster=8):
+    """measure/precision.py's result: the model's forward + backward timed in fp32 and under autocast."""
+    return {"device": device, "dtype": dtype, "model": "Sequential", "pairs": 8, "faster_pairs": faster,
+            "fp32_seconds": fp32, "reduced_seconds": reduced, "speedup": fp32 / reduced}
+
+
+def test_amp_off_on_a_cpu_with_bf16_fires_on_a_measured_gain_only(cpu_snapshot):
+    """On a CPU the hardware alone says too little (small layers gain nothing in bf16): the
+    rule waits for the job's model to be timed and fires on what it would save."""
     s = copy.deepcopy(cpu_snapshot)
     s["config"]["hardware"]["cpu_bf16"] = True
-    assert "amp-off" in fired(s)
+    step = s["window"]["step_seconds"]["median"]
+    compute = s["window"]["forward_ratio"] + s["window"]["backward_ratio"]
+    evaluation = evaluate(s)
+    assert "amp-off" in evaluation.unmeasured and "amp-off" not in {f.rule for f in evaluation.findings}
+    s["habits"]["amp_trial"] = {"skipped": "the forward runs under autocast"}
+    assert "the forward runs under autocast" in evaluate(s).wanting["amp-off"]
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.2 * step)  # saves 20% of a step
+    found = fired(s)["amp-off"]
+    assert found.gain == pytest.approx(min(0.2, compute))
+    assert "measured 2.00x as fast on the model's forward + backward (Sequential" in found.observed
+    assert "faster in 8 of 8 interleaved pairs" in found.observed
+    assert "measured on the job's model" in found.gain_text and found.evidence["measured"] is True
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.2 * step, faster=5)  # faster in 5 of 8 pairs: noise
+    assert "amp-off" not in fired(s)
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.39 * step)  # 1% of a step: not worth it
+    assert "amp-off" not in fired(s)
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.5 * step)  # slower in bf16
+    assert "amp-off" not in fired(s)
     s["config"]["hardware"]["cpu_bf16"] = False
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.2 * step)
+    assert "amp-off" not in fired(s)
+
+
+def test_amp_off_on_a_compiled_gpu_model_estimates_and_says_apply_mode_cannot_make_it(cpu_snapshot):
+    from tuneup.measure.config import amp_refusal
+
+    s = on_cuda(cpu_snapshot)
+    s["config"]["models"][0]["compiled"] = True
+    s["habits"]["amp_trial"] = {"skipped": "the model is compiled (a hook on it would recompile it)"}
+    found = fired(s)["amp-off"]
+    assert found.can_apply is False and found.evidence["not_applicable"] == amp_refusal(s["config"])
+    assert "is compiled" in found.evidence["not_applicable"] and "an estimate" in found.gain_text
+
+
+def test_amp_off_on_a_gpu_states_the_measured_gain_once_the_model_was_timed(cpu_snapshot):
+    s = on_cuda(cpu_snapshot)
+    step = s["window"]["step_seconds"]["median"]
+    s["habits"]["amp_trial"] = amp_trial(0.3 * step, 0.1 * step, device="cuda")
+    found = fired(s)["amp-off"]
+    assert found.evidence["measured"] and "measured 3.00x as fast" in found.observed
+    s["habits"]["amp_trial"] = amp_trial(0.3 * step, 0.29 * step, device="cuda")
     assert "amp-off" not in fired(s)
 
 

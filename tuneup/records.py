@@ -258,7 +258,11 @@ LOCATED = Obj(location=TEXT)
 COMPILE = Obj(compiles=COUNT, seconds=SECONDS, graphs=COUNT, recompiles=COUNT, graph_breaks=COUNT,
               recompile_sites=ListOf(Obj(where=TEXT, count=COUNT, guard=TEXT)),
               graph_break_sites=ListOf(Obj(where=TEXT, count=COUNT, reason=TEXT)))
+# What autocast would save, timed once on the job's model (measure/precision.py)
+AMP_TRIAL = _maybe(skipped=TEXT, device=TEXT, dtype=TEXT, model=TEXT, pairs=COUNT, faster_pairs=COUNT, fp32_seconds=SECONDS,
+                   reduced_seconds=SECONDS, speedup=SECONDS)
 HABITS = _maybe(
+    amp_trial=AMP_TRIAL,
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,
                    inputs=Obj(dtype=Opt(TEXT), shape=Opt(ListOf(COUNT)), mean=NUM, std=SECONDS,

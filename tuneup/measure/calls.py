@@ -196,7 +196,7 @@ class CallWatch:
             self.busy_steps += 1  # the job's own profiler keeps its place
             self.next_watch = self._aligned(step + 1 + MIN_GAP)
             return
-        self._usual = self._recent_step_seconds()
+        self._usual = self.timeline.ring.recent_step_seconds(RECENT_STEPS)
         self._writers.clear()
         self._writers.update(_write_codes())  # modules the job imported since the last watch
         self._writing = None
@@ -234,15 +234,6 @@ class CallWatch:
             return MIN_GAP
         extra = max(0.0, seconds - self._usual)
         return min(MAX_GAP, max(MIN_GAP, math.ceil(extra / (WATCH_BUDGET * self._usual))))
-
-    def _recent_step_seconds(self) -> float:
-        ring = self.timeline.ring
-        count = min(RECENT_STEPS, ring.count - 1, ring.capacity - 1)
-        if count < 1:
-            return 0.0
-        newest = ring.records[(ring.count - 1) % ring.capacity]
-        oldest = ring.records[(ring.count - 1 - count) % ring.capacity]
-        return (newest[0] - oldest[0]) / count
 
     # --- the profile function (watched steps only) --------------------------------------
 

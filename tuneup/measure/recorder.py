@@ -32,9 +32,10 @@ from .gpu_time import CudaStepTimer
 from .habits import HabitsProbe
 from .loader import LoaderProbe
 from .memory import allocator_stats
-from .model import ModelProbe
+from .model import ModelProbe, is_compiled, tracing
 from .objects import Tracked
 from .optimizer import OptimizerProbe
+from .precision import PrecisionTrial
 from .scaler import ScalerProbe
 from .stacks import InputSampler
 from .hotpath import StepTimeline
@@ -72,6 +73,7 @@ class Recorder:
         self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
+        self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
         self.host: Any = None  # host.HostProbe, made at the first sample (psutil: not inside attach())
         self.gpus = open_gpus(options.nvml_module, options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
@@ -115,6 +117,8 @@ class Recorder:
         self.calls.close()
         self.compile.on = False
         self.compile.close()
+        self.precision.on = False
+        self.precision.remove_hooks()
         self.model.uninstall_discovery()
 
     def forked(self) -> None:
@@ -189,6 +193,8 @@ class Recorder:
                 self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:
             self.values.poll()
+        if self.precision.state == "capturing":  # hooked at the previous close: the step has run
+            self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
@@ -196,7 +202,8 @@ class Recorder:
         if experimenter is not None:
             experimenter.on_close(step)
         # Wake at the next close that needs us between detail steps.
-        if syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None:
+        if (syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None
+                or self.precision.state == "capturing"):
             wake = step + 1  # (model discovery ends at a close: the backward off detail steps is not seen)
         elif syncs.on and syncs.next_sample > step:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
@@ -215,6 +222,12 @@ class Recorder:
             if isinstance(self.gpus, NvmlGpus):  # NVML's devices named as torch numbers them
                 self.gpus.match_cuda(cuda_uuids())
         self.model.read_config_next_forward = True
+        if self.precision.due(step, self.config) and not tracing():
+            trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
+            if self.compile.compiles or any(is_compiled(model) for model in trained):
+                self.precision.skip("the model is compiled (a hook on it would recompile it)")
+            elif trained:
+                self.precision.capture(trained)
 
     def time_gpu(self, timer: CudaStepTimer) -> None:
         """GPU time per detail step from now on, by `timer`'s events."""
@@ -323,6 +336,7 @@ class Recorder:
 
     def habits_summary(self) -> dict[str, Any]:
         return dict(self.habits.summary(), **self.calls.summary(), **self.model.graphs.summary(),
+                    amp_trial=self.precision.result,
                     eval_forwards_with_grad=self.model.eval_with_grad,
                     step_boundary=self.step_boundary(),
                     input_lines=self.input_lines.summary() if self.input_lines is not None else None)

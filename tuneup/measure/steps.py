@@ -108,6 +108,16 @@ class StepRing:
             values[slot] = value
             owners[slot] = step
 
+    def recent_step_seconds(self, steps: int) -> float:
+        """The mean time of the last `steps` closed steps (fewer where fewer are held); 0.0
+        before two steps closed."""
+        count = min(steps, self.count - 1, self.capacity - 1)
+        if count < 1:
+            return 0.0
+        newest = self.records[(self.count - 1) % self.capacity]
+        oldest = self.records[(self.count - 1 - count) % self.capacity]
+        return (newest[0] - oldest[0]) / count
+
     def columns(self, first_step: int, last_step: int) -> dict[str, Any]:
         """Steps first_step..last_step (1-based, inclusive, clipped to what is held), column
         by column, as per-step values, for summaries off the training thread."""

@@ -3,14 +3,21 @@ GradScaler skipping steps, and layer sizes Tensor Cores cannot use fully."""
 
 from __future__ import annotations
 
-from ...format import percent
+from ...format import percent, seconds
 from ...measure.config import amp_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
-# Tensor-Core (or AMX) matmuls and convolutions run at least twice as fast in bf16/fp16 as in
-# fp32, so autocast can save up to about half of the forward and backward time.
+# Where the gain was not measured on the job (a GPU job before its model was timed, or one
+# it could not be: measure/precision.py): Tensor-Core matmuls and convolutions run at least
+# twice as fast in bf16/fp16 as in fp32, so autocast can save up to about half of the forward
+# and backward time. On a CPU the hardware says too little (a model of small layers gains
+# nothing in bf16, and the casts can cost more than the matmuls save): the rule waits for the
+# measured gain there.
 AMP_SPEEDUP_SHARE = 0.5
+AMP_MIN_GAIN = 0.05  # of a step, measured: less is not worth autocast's numerics (and is noise)
+AMP_CONSISTENT = 0.75  # of the trial's interleaved pairs, those where autocast was faster (9 of 12 by chance: 7%)
+AMP_MIN_PAIRS = 3
 # TF32 runs fp32 matmuls on Tensor Cores: conservatively a third of forward + backward.
 TF32_SPEEDUP_SHARE = 1 / 3
 # float64 runs at half float32's rate at best (CPU vector units, datacenter GPUs; 1/32-1/64 on
@@ -89,10 +96,15 @@ def _accelerated(facts: Facts) -> str | None:
     id="amp-off",
     title="Mixed precision (AMP) is off on hardware that accelerates it",
     severity="medium",
-    inputs="autocast state seen inside the forward, parameter dtypes, GPU compute capability or CPU bf16 support",
-    threshold="no autocast and fp32 parameters on Tensor-Core GPUs (sm_70+) or a CPU with AVX512-BF16/AMX",
-    why="On such hardware bf16/fp16 matmuls and convolutions run at least 2x faster than fp32 and "
-        "move half the bytes; without this hardware (e.g. AVX2-only CPUs) autocast can be slower.",
+    inputs="autocast state seen inside the forward, parameter dtypes, GPU compute capability or CPU bf16 "
+           "support, the model's forward + backward timed once in fp32 and under autocast",
+    threshold=f"no autocast and fp32 parameters on Tensor-Core GPUs (sm_70+) or a CPU with AVX512-BF16/AMX, "
+              f"and autocast measured to save >= {AMP_MIN_GAIN:.0%} of a step on the job's own model and batch, "
+              f"faster in >= {AMP_CONSISTENT:.0%} of >= {AMP_MIN_PAIRS} interleaved timings "
+              "(on a GPU where it could not be timed: estimated, and said so)",
+    why="On such hardware bf16/fp16 matmuls and convolutions can run 2x faster than fp32 and "
+        "move half the bytes, but whether a job gains depends on its model and machine: small "
+        "layers gain nothing and the casts cost time, so the gain is timed on the job's own model.",
     doc=AMP_DOC,
     can_apply=True,
 )
@@ -106,8 +118,33 @@ def amp_off(facts: Facts) -> Evidence | None:
     if device is None:
         return None
     share = _compute_share(facts)
+    trial = (facts.snapshot.get("habits") or {}).get("amp_trial")
+    measured = trial is not None and not trial.get("skipped") and trial.get("fp32_seconds")
+    if measured:
+        step = facts.window["step_seconds"]["median"]
+        saved = trial["fp32_seconds"] - trial["reduced_seconds"]
+        gain = saved / step if step > 0 else 0.0
+        if share is not None:
+            gain = min(gain, share)  # timed apart from the step: never more than its compute
+        pairs = trial.get("pairs") or 0
+        if gain < AMP_MIN_GAIN or pairs < AMP_MIN_PAIRS or (trial.get("faster_pairs") or 0) < AMP_CONSISTENT * pairs:
+            return None  # not measurably faster: too little, or not in most of the pairs
+        bf16 = trial["dtype"] == "bfloat16"
+        what = (f"{trial['dtype']} autocast measured {trial['speedup']:.2f}x as fast on the model's forward + "
+                f"backward ({trial.get('model') or 'the model'}, this job's batch): {seconds(trial['fp32_seconds'])} "
+                f"-> {seconds(trial['reduced_seconds'])} of a {seconds(step)} step, faster in "
+                f"{trial['faster_pairs']} of {pairs} interleaved pairs")
+        gain_text = f"about {gain:.0%} shorter steps (measured on the job's model)"
+    elif device == "cpu":
+        raise Missing("the model timed in fp32 and bf16" + (f" ({trial['skipped']})" if trial else ""))
+    else:
+        bf16 = all(d.get("bf16") for d in facts.config["hardware"]["cuda_devices"])
+        what = ("forward + backward take " + percent(share) + " of a step") if share is not None else None
+        gain = AMP_SPEEDUP_SHARE * share if share is not None else None
+        gain_text = (f"up to {gain:.0%} shorter steps (an estimate, not measured on this job: Tensor Cores run "
+                     "bf16/fp16 matmuls about 2x faster)" if gain is not None
+                     else "typically 1.5-3x faster matmuls and convolutions (not measured on this job)")
     refusal = amp_refusal(facts.config)
-    bf16 = device == "cpu" or all(d.get("bf16") for d in facts.config["hardware"]["cuda_devices"])
     if bf16:
         fix = (f"with torch.autocast(device_type=\"{device}\", dtype=torch.bfloat16):\n"
                "    loss = loss_fn(model(x), y)\nloss.backward()")
@@ -118,14 +155,14 @@ def amp_off(facts: Facts) -> Evidence | None:
                "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
     return Evidence(
         observed=f"autocast is off and the model is fp32 on {device.upper()} hardware with "
-                 f"{'bf16' if bf16 else 'fp16'} acceleration"
-                 + (f"; forward + backward take {percent(share)} of a step" if share is not None else ""),
+                 f"{'bf16' if bf16 else 'fp16'} acceleration" + (f"; {what}" if what else ""),
         numbers={"device": device, "dtype": "bfloat16" if bf16 else "float16", "compute_share": share,
+                 "measured": bool(measured), **({"trial": trial} if measured else {}),
                  **({"not_applicable": refusal} if refusal else {})},
         fix=fix,
         can_apply=refusal is None,  # the test apply mode's AMP action asks
-        gain=AMP_SPEEDUP_SHARE * share if share is not None else None,
-        gain_text=None if share is not None else "typically 1.5-3x faster matmuls and convolutions",
+        gain=gain,
+        gain_text=gain_text,
     )
 
 

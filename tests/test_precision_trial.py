@@ -1,0 +1,90 @@
+"""amp-off's measured gain (measure/precision.py): the job's own model timed once, forward +
+backward on its own batch, in fp32 and under bf16 autocast, between two steps, leaving the job
+exactly as it was.
+
+Ground truth, from the loop below: one model (a Sequential MLP with BatchNorm and Dropout)
+trained in train() mode with autograd on, a batch of 64 rows of 64 features a step. Dropout
+and a shuffling DataLoader draw from torch's random stream every step, and BatchNorm updates
+its running statistics every training forward, so a trial that drew from the stream, ran a
+forward the job could see, or reached its gradients would change the losses or the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import tuneup
+from tuneup.measure.precision import FROM_STEP
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 1024), nn.BatchNorm1d(1024), nn.ReLU(), nn.Dropout(0.1),
+                         nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 8), nn.Linear(8, 1))
+
+
+def train(steps: int, options: dict | None = None, *, autocast: bool = False, compiled: bool = False, hook=None):
+    """(losses, the model, the agent or None)."""
+    torch.manual_seed(0)
+    net = mlp()
+    if hook is not None:
+        net.register_forward_hook(lambda module, args, output: hook(output.shape))
+    trained = torch.compile(net, backend="eager") if compiled else net
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    data = TensorDataset(torch.randn(1024, 64), torch.randn(1024, 1))
+    loader = DataLoader(data, batch_size=64, shuffle=True, drop_last=True)
+    agent = tuneup.attach(**options) if options is not None else None
+    losses = []
+    try:
+        while len(losses) < steps:
+            for x, y in loader:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = nn.functional.mse_loss(trained(x).float(), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+                if len(losses) == steps:
+                    break
+    finally:
+        if agent is not None:
+            agent.detach()
+    return losses, net, agent
+
+
+def options(run_dir, **extra):
+    return dict(dict(run_dir=run_dir, port=0, interval=0.1, cpu_bf16=True), **extra)
+
+
+def trial_of(agent):
+    return (agent.snapshot().get("habits") or {}).get("amp_trial")
+
+
+STEPS = FROM_STEP + 2 * 64 + 10  # past the first lifecycle close at or after FROM_STEP, and the one after
+
+
+def test_the_model_is_timed_once_and_the_job_is_untouched(run_dir):
+    plain, plain_net, _ = train(STEPS)
+    seen = []
+    losses, net, agent = train(STEPS, options(run_dir), hook=seen.append)
+    assert losses == plain  # bit-identical: no draw from the job's random stream, no gradient of ours
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), plain_net.state_dict().values()))
+    assert len(seen) == STEPS  # the job's own forward hook saw its forwards and no other
+    trial = trial_of(agent)
+    assert trial is not None and "skipped" not in trial, trial
+    assert trial["device"] == "cpu" and trial["dtype"] == "bfloat16" and trial["model"] == "Sequential"
+    assert trial["fp32_seconds"] > 0 and trial["reduced_seconds"] > 0 and trial["pairs"] >= 1
+    assert trial["speedup"] == pytest.approx(trial["fp32_seconds"] / trial["reduced_seconds"])
+    assert list(net._forward_pre_hooks.values()) == []  # its capture hook is gone
+    assert agent.recorder.timeline.ring.count == STEPS  # and no step of its own was counted
+
+
+@pytest.mark.parametrize("case", ["autocast", "no bf16 units", "compiled"])
+def test_never_timed_where_amp_off_cannot_fire(run_dir, case):
+    """A job already under autocast, a CPU without bf16 units, a compiled model (a hook on it
+    would recompile it): the trial never runs (for the compiled one, it says why)."""
+    extra = {"cpu_bf16": False} if case == "no bf16 units" else {}
+    _, _, agent = train(STEPS, options(run_dir, **extra), autocast=case == "autocast", compiled=case == "compiled")
+    expected = {"skipped": "the model is compiled (a hook on it would recompile it)"} if case == "compiled" else None
+    assert trial_of(agent) == expected

@@ -1,0 +1,285 @@
+"""What bf16 (or fp16) autocast would save on this job, measured once on its own model.
+
+Whether reduced precision pays depends on the model and the machine, not only on the
+hardware's instruction set: on a 2-core CPU with bf16 units a 1024-wide MLP's step was 0.7-0.8x
+as fast under bf16 autocast with two threads and 1.0x with one (the casts cost what the matmuls
+save), and timing its layers one by one said 1.0-1.8x (caches warm, no casts between layers).
+So the amp-off rule states the gain of the model's own forward + backward, timed whole:
+
+    close of step N     a forward pre-hook on the trained model (the largest, if several)
+    step N+1            its training forward's inputs, cloned (one batch)
+    close of step N+1   the hook removed; the forward + backward timed on that input in fp32
+                        and under autocast, interleaved, medians (Recorder.on_close, on the
+                        training thread, between two steps, once a run, within a budget of a
+                        few steps' time)
+
+The job sees none of it:
+- torch.func.functional_call runs the model with its parameters detached (gradients by
+  torch.autograd.grad: nothing reaches the job's .grad) and its buffers cloned (BatchNorm's
+  running statistics stay the job's);
+- the random stream is forked (torch.random.fork_rng): dropout draws, and the job's stream
+  goes on as if nothing ran;
+- every module hook of the model is set aside during the timing (the job's and tuneup's: none
+  sees these forwards), and tuneup's model probe is off (its class-level forward wrapper passes
+  through); a job with global module hooks is not timed (they would see the forwards).
+Not timed: a compiled model (a hook would recompile it), a job under autocast, an FSDP model
+(sharded parameters), a model whose output holds no tensor a backward can start from. What the
+forward does to Python state of its own (a call counter, a cache) is not undone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from .hotpath import StepTimeline
+
+FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
+# Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
+# reduced one was faster (a machine's noise can exceed the difference: a 2-core CPU's MLP
+# measured 0.84x to 1.40x on four runs of four pairs).
+REPS, MIN_PAIRS = 12, 3
+# The timing's budget: BUDGET_STEPS of the job's recent steps, within [MIN_BUDGET, MAX_BUDGET]
+# seconds, once a run; fewer pairs where they take longer (at least MIN_PAIRS, after the warm-up).
+BUDGET_STEPS = 30
+MIN_BUDGET, MAX_BUDGET = 0.05, 3.0
+MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def premise(config: dict[str, Any] | None) -> bool:
+    """Whether the trial is worth running: no autocast seen in the forward, no half- or
+    double-precision model, hardware that accelerates reduced precision (amp-off's premise)."""
+    if not config or config.get("autocast") is None or any((config.get("autocast") or {}).values()):
+        return False
+    for model in config.get("models") or []:
+        if any(dtype in (model.get("dtypes") or {}) for dtype in ("float16", "bfloat16", "float64")):
+            return False
+    hardware = config.get("hardware") or {}
+    return bool(hardware.get("cpu_bf16") or any(d.get("tensor_cores") for d in hardware.get("cuda_devices") or []))
+
+
+def reduced_dtype(config: dict[str, Any] | None, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype the hardware accelerates on `device`, per the configuration (the
+    job's cpu_bf16 option included), or None."""
+    hardware = (config or {}).get("hardware") or {}
+    if device.type == "cpu":
+        return torch.bfloat16 if hardware.get("cpu_bf16") else None
+    if device.type == "cuda":
+        devices = hardware.get("cuda_devices") or []
+        if not devices or not all(d.get("tensor_cores") for d in devices):
+            return None
+        return torch.bfloat16 if all(d.get("bf16") for d in devices) else torch.float16
+    return None
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch 2.3: no device argument (CUDA's state); the CPU's has its own call
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _unwrapped(model: nn.Module) -> nn.Module | str:
+    """The module to time: DDP's and DataParallel's inner one (their forward would talk to
+    the other ranks or replicate), or why there is none."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        return model.module
+    if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
+            type(m).__name__.startswith("FullyShardedDataParallel") for m in model.modules()):
+        return "an FSDP model (sharded parameters)"
+    return model
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_clone(item) for item in value)
+    if type(value) is dict:
+        return {key: _clone(item) for key, item in value.items()}
+    return value
+
+
+def _bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_bytes(item) for item in value.values())
+    return 0
+
+
+def _scalar(output: Any) -> torch.Tensor | None:
+    """The sum of every floating-point tensor in the output that autograd can start from (a
+    tensor, tuples, lists, mappings: a ModelOutput is one), in fp32; None when there is none."""
+    found: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.grad_fn is not None:
+                found.append(value.float().sum())
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+
+    walk(output)
+    return torch.stack(found).sum() if found else None
+
+
+class PrecisionTrial:
+    name = "precision"
+
+    def __init__(self, timeline: StepTimeline, model_probe: Any) -> None:
+        self.on = True
+        self.timeline = timeline
+        self.models = model_probe  # off while the trial's forwards run
+        self.state = "waiting"  # capturing, then done
+        self.result: dict[str, Any] | None = None
+        self._handle: Any = None
+        self._model: nn.Module | None = None
+        self._input: tuple[tuple, dict] | None = None
+        self._skip: str | None = None  # why the captured step gives nothing to time
+        self._failure: Exception | None = None  # raised inside the hook, reported at finish
+
+    # --- the schedule (Recorder.on_close, on the training thread) -------------------------
+
+    def due(self, step: int, config: dict[str, Any] | None) -> bool:
+        return self.on and self.state == "waiting" and step >= FROM_STEP and premise(config)
+
+    def skip(self, reason: str) -> None:
+        """No trial for this job (a compiled model, say): the reason stands as its result."""
+        self.state, self.result = "done", {"skipped": reason}
+
+    def capture(self, models: list[nn.Module]) -> None:
+        """Hook the largest trained model for the next step."""
+        largest = max(models, key=lambda model: sum(p.numel() for p in model.parameters()))
+        target = _unwrapped(largest)
+        if isinstance(target, str):
+            self.skip(target)
+            return
+        if any(getattr(_module, name, None) for name in _GLOBAL_HOOKS):
+            self.skip("global module hooks the job registered would see the timing's forwards")
+            return
+        self.state = "capturing"
+        self._model = target
+        self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def finish(self, config: dict[str, Any] | None, step_seconds: float) -> None:
+        """Unhook; time the captured input. A failure (an out-of-memory input, say) ends the
+        trial with its reason, and the probe is off (`timeline.fail`: one warning)."""
+        self.remove_hooks()
+        self.state = "done"
+        model, captured, self._model, self._input = self._model, self._input, None, None
+        try:
+            if self._failure is not None:
+                raise self._failure
+            if self._skip is not None:
+                self.result = {"skipped": self._skip}
+            elif model is None or captured is None:
+                self.result = {"skipped": "no training forward of the model ran in the step"}
+            else:
+                budget = min(MAX_BUDGET, max(MIN_BUDGET, BUDGET_STEPS * step_seconds))
+                self.result = self._time(model, captured, config, budget)
+        except Exception as exc:
+            self.result = {"skipped": f"the timing failed: {type(exc).__name__}: {exc}"}
+            self.on = False
+            self.timeline.fail(self.name, exc)
+
+    def remove_hooks(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+
+    def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The forward pre-hook: the first training forward's input, cloned. It runs inside the
+        job's forward: it never raises (a failure is kept for finish)."""
+        try:
+            if self._input is not None or self._skip is not None or not (module.training and torch.is_grad_enabled()):
+                return
+            parameter = next(module.parameters(), None)
+            if parameter is None:
+                self._skip = "the model has no parameters"
+            elif _autocast_on(parameter.device.type):
+                self._skip = "the forward runs under autocast"
+            elif _bytes((args, kwargs)) > MAX_INPUT_BYTES:
+                self._skip = "the batch is too large to copy"
+            else:
+                self._input = (_clone(args), _clone(kwargs))
+        except Exception as exc:
+            self._failure = exc
+        return None
+
+    # --- timing --------------------------------------------------------------------------
+
+    def _time(self, model: nn.Module, captured: tuple[tuple, dict], config: dict[str, Any] | None,
+              budget: float) -> dict[str, Any]:
+        parameter = next(model.parameters())
+        device = parameter.device
+        reduced = reduced_dtype(config, device)
+        if reduced is None:
+            return {"skipped": f"no reduced precision is accelerated on {device.type}"}
+        params = {name: p.detach().requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        leaves = [p for p in params.values() if p.requires_grad]
+        if not leaves:
+            return {"skipped": "the model has no trainable parameters"}
+        args, kwargs = captured
+        cuda = device.type == "cuda"
+
+        def once(low: bool) -> float:
+            if cuda:
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            with torch.autocast(device.type, dtype=reduced, enabled=low):
+                output = torch.func.functional_call(model, (params, buffers), args, kwargs)
+            total = _scalar(output)
+            if total is None:
+                raise _NoBackward
+            torch.autograd.grad(total, leaves, allow_unused=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - began
+
+        times: dict[bool, list[float]] = {False: [], True: []}
+        hooks = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOK_DICTS if hasattr(m, name)]
+        probe_on, self.models.on = self.models.on, False
+        try:
+            for m, name, _ in hooks:
+                setattr(m, name, type(getattr(m, name))())
+            with torch.random.fork_rng(devices=[device] if cuda else []), torch.enable_grad():
+                began = time.perf_counter()
+                once(False), once(True)  # a pair to warm up (first calls, caches, kernel choices)
+                for rep in range(REPS):
+                    if rep >= MIN_PAIRS and time.perf_counter() - began + times[False][-1] + times[True][-1] > budget:
+                        break
+                    for low in ((False, True) if rep % 2 else (True, False)):
+                        times[low].append(once(low))
+        except _NoBackward:
+            return {"skipped": "the model's output holds no tensor a backward can start from"}
+        finally:
+            for m, name, original in hooks:
+                setattr(m, name, original)
+            self.models.on = probe_on
+        fp32, low = statistics.median(times[False]), statistics.median(times[True])
+        return {"device": device.type, "dtype": str(reduced).replace("torch.", ""), "model": type(model).__name__,
+                "pairs": len(times[False]), "faster_pairs": sum(b < a for a, b in zip(times[False], times[True])),
+                "fp32_seconds": fp32, "reduced_seconds": low, "speedup": fp32 / low if low > 0 else None}
+
+
+class _NoBackward(Exception):
+    """The output has nothing to differentiate."""
