@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
 
@@ -102,42 +103,20 @@ def _unwrapped(model: nn.Module) -> nn.Module | str:
 
 
 def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_clone(item) for item in value)
-    if type(value) is dict:
-        return {key: _clone(item) for key, item in value.items()}
-    return value
+    """The forward's arguments with every tensor in them copied (torch's pytree: tuples,
+    lists, dicts, namedtuples and the containers libraries register, such as ModelOutput)."""
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), value)
 
 
 def _bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_bytes(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_bytes(item) for item in value.values())
-    return 0
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
 
 
 def _scalar(output: Any) -> torch.Tensor | None:
-    """The sum of every floating-point tensor in the output that autograd can start from (a
-    tensor, tuples, lists, mappings: a ModelOutput is one), in fp32; None when there is none."""
-    found: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.grad_fn is not None:
-                found.append(value.float().sum())
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-
-    walk(output)
+    """The sum of every floating-point tensor in the output that autograd can start from, in
+    fp32; None when there is none."""
+    found = [leaf.float().sum() for leaf in tree_leaves(output)
+             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.grad_fn is not None]
     return torch.stack(found).sum() if found else None
 
 
