@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tuneup
-from tuneup.measure.ddp import FIRST_ITERATION, AllReduceWait
+from tuneup.measure.ddp import EARLY_ITERATIONS, FIRST_ITERATION, STEADY_SAMPLES, AllReduceWait
 
 FORWARD_SLEEP = 0.004  # seconds each forward sleeps: DDP's forward time must read at least this
 
@@ -66,6 +66,36 @@ def test_the_timers_of_sampled_iterations_in_seconds_from_the_third(group):
     assert FORWARD_SLEEP <= summary["forward_seconds"] < 1.0
     assert 0 <= summary["allreduce_wait_seconds"] <= summary["allreduce_seconds"] < 1.0
     assert wait.sample([nn.Linear(2, 2)]) is None  # no DDP model: no figures at all
+
+
+class Timed:
+    """A stand-in DDP model's logging data: only `_get_ddp_logging_data` is read (as the real one's)."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+
+    def _get_ddp_logging_data(self) -> dict:
+        return self.data
+
+
+def test_the_median_leaves_the_first_ten_iterations_once_the_steady_state_has_samples(monkeypatch):
+    # Ground truth: iterations 3-10 wait 20 ms (start-up), every 100th after 2 ms.
+    model = Timed()
+    monkeypatch.setattr("tuneup.measure.ddp.is_ddp", lambda m: m is model)
+    wait = AllReduceWait()
+
+    def sampled(iteration, wait_ms):
+        model.data = {"iteration": iteration, "backward_comm_time": int((wait_ms + 1) * 1e6),
+                      "backward_compute_comm_overlap_time": int(1e6)}
+        return wait.sample([model])
+
+    for iteration in range(FIRST_ITERATION, EARLY_ITERATIONS + 1):
+        summary = sampled(iteration, 20)
+    assert summary["allreduce_wait_seconds"] == pytest.approx(0.020)
+    for k in range(1, STEADY_SAMPLES + 1):
+        summary = sampled(100 * k, 2)
+        # Until STEADY_SAMPLES are in, the start-up's eight samples still hold the median.
+        assert summary["allreduce_wait_seconds"] == pytest.approx(0.002 if k == STEADY_SAMPLES else 0.020)
 
 
 def test_an_attached_ddp_job_reports_its_wait_in_the_system_sample(group, run_dir):

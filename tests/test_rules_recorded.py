@@ -299,6 +299,25 @@ def test_rank_straggler_is_named(cpu_snapshot):
     assert "rank-straggler" not in fired(even[0], ranks=even[1:])
 
 
+def test_rank_straggler_is_named_where_the_other_ranks_wait_their_whole_step(cpu_snapshot):
+    # Recorded from a CI run (4 ranks on a loaded 2-core machine, rank 3 sleeping 10 ms a step):
+    # ranks 0-2 read an all-reduce wait at or above their step (own time 0), rank 3 9.9 ms of its own.
+    ranks = []
+    for rank, (step, wait) in enumerate([(0.0156, 0.0173), (0.0158, 0.0161), (0.0157, 0.0164), (0.0155, 0.0056)]):
+        s = copy.deepcopy(cpu_snapshot)
+        s["run"]["rank"] = rank
+        s["window"] = dict(s["window"], step_seconds=dict(s["window"]["step_seconds"], median=step))
+        s["system"] = dict(s.get("system") or {}, ddp={"iterations_sampled": 8, "allreduce_wait_seconds": wait})
+        ranks.append(s)
+    found = fired(ranks[0], ranks=ranks[1:])["rank-straggler"]
+    assert found.evidence["rank"] == 3 and found.evidence["median_seconds"] == 0
+    assert "the median rank spends none" in found.observed
+    for s in ranks[:3]:  # every rank at nil own time: no one stands out
+        s["system"]["ddp"]["allreduce_wait_seconds"] = 0.02
+    ranks[3]["system"]["ddp"]["allreduce_wait_seconds"] = 0.0152  # 0.3 ms of its own: below the floor
+    assert "rank-straggler" not in fired(ranks[0], ranks=ranks[1:])
+
+
 def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
     s = on_cuda(cpu_snapshot)
     s["syncs"].update(per_step=3.0, by_kind={"item": 3.0})

@@ -27,7 +27,10 @@ job's place or be refused; nor per-parameter gradient hooks on the training thre
 Each tick reads every DDP model once; a new sampled iteration adds one entry to the model's
 short window, and the summary is the window's median (summed over the DDP models a step runs,
 as a GAN's two). The first iterations (bucket rebuild, the ranks meeting for the first time)
-are left out.
+are left out, and once the window holds STEADY_SAMPLES iterations past DDP's first ten the
+median is over those alone: iterations 3-10 still hold start-up (ranks arriving at their first
+steps at different times), and on a loaded machine their waits outweighed the steady state's
+seven samples of an 800-step run, reading a wait longer than the step itself.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any, Iterable
 
 FIRST_ITERATION = 3  # DDP's iterations 1-2 hold the bucket rebuild and the ranks' first meeting
 WINDOW = 16  # sampled iterations the median is over (the last ~1,000 steps past the first ten)
+EARLY_ITERATIONS = 10  # DDP samples iterations 1-10, then every 100th (kDDPRuntimeLoggingSampleRate)
+STEADY_SAMPLES = 3  # sampled iterations past the first ten that make the median theirs alone
 NANOSECONDS = 1e-9
 
 
@@ -83,7 +88,7 @@ class AllReduceWait:
         })
 
     def summary(self) -> dict[str, Any]:
-        windows = [list(window) for window in self._samples.values() if window]
+        windows = [_steady(list(window)) for window in self._samples.values() if window]
         if not windows:
             return {"iterations_sampled": 0}
         out: dict[str, Any] = {"iterations_sampled": max(len(w) for w in windows),
@@ -92,3 +97,9 @@ class AllReduceWait:
                           ("backward_compute", "backward_compute_seconds"), ("forward", "forward_seconds")):
             out[name] = sum(median(s[key] for s in w) for w in windows)
         return out
+
+
+def _steady(window: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The window's iterations past DDP's first ten, where it has STEADY_SAMPLES of them."""
+    steady = [s for s in window if s["iteration"] > EARLY_ITERATIONS]
+    return steady if len(steady) >= STEADY_SAMPLES else window

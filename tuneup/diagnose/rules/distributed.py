@@ -117,8 +117,10 @@ def _rank_times(facts: Facts) -> tuple[dict[int, float], dict[int, dict], bool]:
 
 
 def _too_slow(value: float, middle: float) -> bool:
-    """The straggler criterion: over STRAGGLER_FACTOR x the median, and STRAGGLER_MIN_SECONDS more."""
-    return bool(middle) and value > STRAGGLER_FACTOR * middle and value - middle >= STRAGGLER_MIN_SECONDS
+    """The straggler criterion: over STRAGGLER_FACTOR x the median, and STRAGGLER_MIN_SECONDS more.
+    A median of 0 (the other ranks' own time is within their measured wait) counts as any other:
+    a rank with a millisecond of its own while the rest have none is the one they wait for."""
+    return value > STRAGGLER_FACTOR * middle and value - middle >= STRAGGLER_MIN_SECONDS
 
 
 def _where(summary: dict) -> str:
@@ -163,7 +165,8 @@ def rank_straggler(facts: Facts) -> Evidence | None:
                  f"{seconds(others_wait)} (median): they wait for it" if waits else "")
     return Evidence(
         observed=f"rank {slowest}{_where(slow)} spends {seconds(times[slowest])} per step outside the all-reduce, "
-                 f"{percent(excess / middle)} more than the median rank ({seconds(middle)})"
+                 + (f"{percent(excess / middle)} more than the median rank ({seconds(middle)})" if middle > 0
+                    else "while the median rank spends none: its wait in the all-reduce takes its whole step")
                  + (f"; {len(slow_ranks)} ranks are that slow" if len(slow_ranks) > 1 else "") + wait_text,
         numbers={"rank": slowest, "node": node, "rank_seconds": times[slowest], "median_seconds": middle,
                  "basis": "allreduce_wait" if by_wait else "backward",
