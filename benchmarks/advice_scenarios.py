@@ -145,7 +145,7 @@ def run_job(job: Job) -> Truth:
             if job.overflow_every and step % job.overflow_every == 0:
                 x = x * 1e30  # an unnormalized record: the loss overflows to inf
             if job.spike_every and step % job.spike_every == 0:
-                y = y * 8  # a bad batch: a finite loss spike
+                y = y * 30  # a corrupt batch: a gradient spike (the momentum carries it some steps)
             if job.autocast is not None:
                 with torch.autocast("cpu", dtype=job.autocast):
                     loss = loss_fn(net(x).float(), y)
@@ -244,8 +244,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("anomaly detection", replace(CLEAN, steps=120), frozenset({"debug-tools-on"}), "set_detect_anomaly(True)",
              setup=_anomaly),
     Scenario("no LR schedule", replace(CLEAN, schedule=False), frozenset({"no-lr-schedule"})),
-    Scenario("loss spikes", replace(CLEAN, spike_every=25, lr=0.002), frozenset({"no-grad-clipping"}),
-             "a bad batch every 25 steps, no clipping"),
+    Scenario("corrupt batches", replace(CLEAN, spike_every=25, lr=0.002), frozenset({"no-grad-clipping"}),
+             "a batch with targets 30x too large every 25 steps, no clipping"),
     # One intra-op thread: with two, a busy machine stretched the step 5x (a thread spinning for
     # its descheduled peer) and not the copy, whose share fell from 4% to 1-2%.
     Scenario("numpy copies", replace(CLEAN, numpy_copies=True), frozenset({"numpy-copies"}),

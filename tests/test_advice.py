@@ -35,7 +35,7 @@ EVIDENCE = {
     "numpy copies": ("numpy-copies", lambda e: abs(e["copies_per_step"] - 1.0) < 0.05),
     "raw inputs": ("input-not-normalized", lambda e: e["std"] > 50),
     "conv bias before BN": ("conv-bias-before-bn", lambda e: e["layers"] == ["1"]),
-    "loss spikes": ("no-grad-clipping", lambda e: e["spikes"] >= 1),
+    "corrupt batches": ("no-grad-clipping", lambda e: e["spikes"] >= 1 and e["largest_ratio"] > 10),
     "misaligned bf16": ("tensor-core-alignment", lambda e: e["dtype"] == "bfloat16" and e["count"] >= 2),
 }
 

@@ -7,7 +7,7 @@ hand (the arithmetic is in the comments) and asserts exact results.
   brute-force enumeration), window_numbers, and judge()'s decisions (FASTER, NOT_SLOWER,
   MIN_SPEEDUP, the loss checks).
 - measure/windows.py: summarize (step time distribution, time-weighted ratios,
-  detail-step-only phases, loss statistics, spikes, trend) and Totals.
+  detail-step-only phases, loss statistics, trend) and Totals.
 - measure/history.py: weighted_median, combine, RunHistory (coarsening, window, totals,
   snapshot).
 - measure/steps.py: StepRing (put, holds, columns) driven directly and through
@@ -29,7 +29,7 @@ from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
 from tuneup.measure.hotpath import (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
                                    optimizer_hooks)
-from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, spikes, summarize
+from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, summarize
 
 NAN, INF = math.nan, math.inf
 
@@ -463,7 +463,7 @@ def test_summarize_sums():
 def test_summarize_loss_statistics():
     # Known losses 2, 1, inf: finite 2 and 1.
     assert summarize(SIX)["loss"] == {
-        "last": INF, "median": 1.5, "max": 2.0, "spikes": 0, "read_steps": 3, "nonfinite_steps": 1, "trend": None,
+        "last": INF, "median": 1.5, "max": 2.0, "read_steps": 3, "nonfinite_steps": 1, "trend": None,
     }
     assert summarize(make_columns([1.0, 1.0]))["loss"] is None  # no loss read
 
@@ -499,38 +499,6 @@ def test_summarize_without_samples_or_time():
 
 def test_summarize_of_no_steps_is_none():
     assert summarize(make_columns([])) is None
-
-
-def test_summarize_counts_loss_spikes():
-    # Step 5: 20 > 10 x median(1,1,1,1). Step 10: 10.5 > 10 x median of the 8 before it
-    # (1,1,1,20,1,1,1,1 -> 1). Step 11: 10 is not over 10 x median(1,1,20,1,1,1,1,10.5) = 1.
-    losses = [1, 1, 1, 1, 20, 1, 1, 1, 1, 10.5, 10]
-    assert summarize(make_columns([1.0] * 11, losses=losses))["loss"]["spikes"] == 2
-
-
-def test_spikes_rules():
-    assert spikes([1, 1, 1, 1, 11]) == 1
-    assert spikes([1, 1, 1, 1, 10]) == 0  # exactly 10x is not over
-    assert spikes([0.1, 5, 5, 5]) == 0  # the first four are never judged (at least 4 before)
-    assert spikes([100, 100, 100, 100, 1]) == 0  # a falling loss never counts
-    assert spikes([0, 0, 0, 0, 5]) == 0  # a zero median: no spike
-    # Only the last 8 count: a spike 9 losses later compares against the 8 before it.
-    assert spikes([100] * 4 + [1] * 8 + [11]) == 1
-    # 100 x 4 still within the last 8: median(100,100,100,100,1,1,1,1) = 50.5, 11 is no spike.
-    assert spikes([100] * 4 + [1] * 4 + [11]) == 0
-
-
-def test_spikes_context_is_compared_against_but_not_counted():
-    assert spikes([20], context=[1, 1, 1, 1]) == 1
-    assert spikes([20], context=[1, 1, 1]) == 0  # still fewer than 4 before it
-    assert spikes([1], context=[1, 1, 1, 1, 50]) == 0  # the context's own spike
-
-
-def test_spikes_count_the_same_wherever_the_intervals_are_cut():
-    losses = [1, 1, 1, 1, 1, 1, 20, 1, 1, 1, 30, 1, 1]
-    assert spikes(losses) == 2
-    for cut in range(len(losses) + 1):
-        assert spikes(losses[:cut]) + spikes(losses[cut:], context=losses[:cut]) == 2, cut
 
 
 def test_summarize_loss_trend():
@@ -877,7 +845,7 @@ class HookProbe:
 
     def __init__(self, tl):
         self.timeline, self.now, self.measured, self.total_steps = tl, 0.0, set(), 0
-        self.guard_before = self.guard_after = None
+        self.guard_before = self.guard_after = self.gradients = None
 
     def clock(self):
         return self.now

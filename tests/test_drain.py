@@ -58,24 +58,6 @@ def test_steps_lost_to_a_full_ring_are_counted(run_dir, monkeypatch):
     assert totals["steps"] == 63  # the ring's capacity, less the record the first one needs
 
 
-def test_a_loss_spike_counts_wherever_the_intervals_are_cut(run_dir):
-    """A spike is judged against the losses read before it, also when those fell into the
-    previous reporting interval: drain after every step, and the spike still counts once."""
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the model stays put: one spike, not a new level
-    loader = loader_for(SlowDataset(size=4096), batch_size=8)
-    with tuneup.attach(run_dir=run_dir, interval=60, detail_every=1) as agent:
-        for step in range(1, 40):
-            x, y = next(iter(loader))
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y) * (1000.0 if step == 30 else 1.0)
-            loss.backward()
-            optimizer.step()
-            agent.ticker.tick()  # an interval of (about) one step each
-    spikes = sum((interval.get("loss") or {}).get("spikes", 0) for interval in agent.state.history.intervals)
-    assert spikes == 1
-
-
 def test_steps_a_snapshot_drains_reach_the_history_and_the_run_log(run_dir):
     """snapshot() drains the closed steps; they must reach the history and the run log like
     the background thread's drains (they used to count in the totals only)."""

@@ -17,7 +17,6 @@ from torch import nn
 
 import tuneup
 from tests.conftest import PROGRAMS, child_env
-from tuneup.measure.windows import spike_floor, spikes
 
 # Rules judged from the machine's load rather than from the loop (the host's other processes,
 # its cores): on a shared CI machine they may fire on any script; issue 15 is making them judge
@@ -43,9 +42,11 @@ CORPUS = {
     "regression_manual.py": (
         lambda out: int(re.search(r"after (\d+) batches", out).group(1)),
         {"READ": 1.0, "READ-TARGET": 1.0}, "parameters updated by hand",
-        # Heavy-tailed batches (x**4 of normal samples): the loss leaps from ~0.2 back to 2-6,
-        # half its starting size, on a few late batches: the spikes clipping bounds.
-        {"host-syncs", "no-grad-clipping"}, set()),
+        # Heavy-tailed batches (x**4 of normal samples): the loss leaps from ~0.2 back to 2-6
+        # on a few late batches, but smooth_l1_loss bounds the gradient: its norm (computed
+        # after every backward of this script) never leaps 10x the 8 steps before it, on every
+        # step or every 4th-32nd at any phase. No exploding gradient: nothing for clipping.
+        {"host-syncs"}, set()),
     "lbfgs_sequence.py": (
         lambda out: out.count("STEP: "),
         # 5 closure passes per step (max_iter=5), each with its loss.item(); LBFGS's own
@@ -240,19 +241,6 @@ def test_lbfgs_optimizer_time_excludes_its_closure_passes(run_dir):
     # The parts are disjoint: together no more than the detail steps' time.
     assert sum(split.values()) <= window["step_seconds"]["max"]
     assert window["backward_passes_per_step"] == pytest.approx(passes / 8, rel=0.5)
-
-
-def test_spikes_are_judged_by_size_and_against_the_starting_loss():
-    settled = [0.2, 0.18, 0.21, 0.19, 0.2, 0.22, 0.19, 0.2]
-    assert spikes(settled + [3.0]) == 1  # 15x its recent size
-    # A loss near zero that changes sign: 10x a tiny median, but no larger than it usually is.
-    policy = [0.05, -0.04, 0.002, -0.06, 0.001, 0.03, -0.05, 0.004]
-    assert spikes(policy + [0.04]) == 0
-    # Converged a thousandfold: a 10x leap of noise stays far under the starting loss.
-    converged = [0.001, 0.0012, 0.0009, 0.0011, 0.001, 0.001, 0.0008, 0.001]
-    floor = spike_floor([5.0, 4.8, 4.6, 4.5, 4.4, 4.2, 4.0, 3.9])
-    assert spikes(converged + [0.02], floor=floor) == 0
-    assert spikes(converged + [2.0], floor=floor) == 1
 
 
 # --- evaluation phases ----------------------------------------------------------------------------

@@ -237,7 +237,7 @@ SUMS = Obj(
 )
 
 LOSS_SUMMARY = Obj(last=LOSS, median=Opt(LOSS), max=Opt(LOSS), read_steps=COUNT, nonfinite_steps=COUNT,
-                   spikes=Opt(COUNT), trend=Opt(LOSS))
+                   spikes=Opt(COUNT), trend=Opt(LOSS))  # spikes: older logs (loss spikes, no longer judged)
 
 SOURCE = Obj(location=TEXT, function=TEXT, kind=TEXT, per_step=Opt(SECONDS), steps=Opt(COUNT), out_of=Opt(COUNT))
 PHASE_SOURCE = Obj(location=TEXT, function=TEXT, kind=TEXT, per_phase=SECONDS)
@@ -261,8 +261,15 @@ COMPILE = Obj(compiles=COUNT, seconds=SECONDS, graphs=COUNT, recompiles=COUNT, g
 # What autocast would save, timed once on the job's model (measure/precision.py)
 AMP_TRIAL = _maybe(skipped=TEXT, device=TEXT, dtype=TEXT, model=TEXT, pairs=COUNT, faster_pairs=COUNT, fp32_seconds=SECONDS,
                    reduced_seconds=SECONDS, speedup=SECONDS)
+# The gradient norms the updates used, on sampled steps (measure/gradients.py)
+GRAD_NORMS = _maybe(skipped=TEXT, samples=COUNT, spikes=COUNT, nonfinite=COUNT, series=COUNT, median=LOSS,
+                    p90=LOSS, seconds=SECONDS, largest_ratio=LOSS, largest_norm=LOSS, median_before=LOSS,
+                    largest_step=COUNT)
+# What shipping a batch from a worker costs (measure/transfer.py), and the main process's fetches
+BATCH_TRANSFER = _maybe(main_seconds=SECONDS, worker_seconds=SECONDS, bytes=COUNT, tensors=COUNT, reps=COUNT)
+MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS)
 HABITS = _maybe(
-    amp_trial=AMP_TRIAL,
+    amp_trial=AMP_TRIAL, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,
                    inputs=Obj(dtype=Opt(TEXT), shape=Opt(ListOf(COUNT)), mean=NUM, std=SECONDS,

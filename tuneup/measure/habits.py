@@ -17,6 +17,7 @@ import torch
 
 from .device_values import raw_item
 from .hotpath import StepTimeline
+from .transfer import layout
 
 MAX_SHAPES = 64
 SAMPLE_ROWS = 8  # rows of a batch read for its statistics
@@ -61,6 +62,7 @@ class HabitsProbe:
         self.shape_changes = 0
         self._last_shape: tuple | None = None
         self.inputs: dict[str, Any] | None = None  # the newest float-input statistics
+        self.layout: list | None = None  # the first inspected batch's CPU tensors (transfer.py)
 
     def inspect(self, batch: Any) -> None:
         """Called by the loader probe on scheduled fetches (off the common path)."""
@@ -72,6 +74,8 @@ class HabitsProbe:
             if not tensors:
                 return
             self.inspected += 1
+            if self.layout is None:
+                self.layout = layout(batch)
             shape = tuple(tuple(t.shape) for t in tensors)
             if self._last_shape is not None and shape != self._last_shape:
                 self.shape_changes += 1

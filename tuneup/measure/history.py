@@ -142,7 +142,6 @@ def _loss(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "max": max((entry.get("max") for entry in known if entry.get("max") is not None), default=None),
         "read_steps": sum(entry["read_steps"] for entry in known),
         "nonfinite_steps": sum(entry["nonfinite_steps"] for entry in known),
-        "spikes": sum(entry.get("spikes") or 0 for entry in known),
         "trend": trend,
     }
 

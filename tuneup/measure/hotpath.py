@@ -25,7 +25,9 @@ place there, and a detail step 1,000 operations more, paced to one in 20 there):
 On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
 more on steps under a millisecond, StepTimeline.pace; and apply mode's guarded steps) the
 wrappers time the forward, backward, zero_grad and optimizer, the input before the first
-forward (input_ended), and keep the loss for reading at the close;
+forward (input_ended), and keep the loss for reading at the close; on those where its
+series is due (gradients.py: at most 0.5% of the training time), the optimizer pre-hook (or,
+in a loop without one, the backward's end) takes the gradient norm, out of the update's time;
 a root's training forward gets a pre-hook on its output's grad_fn (model.ForwardGraphs: is
 its graph used by a backward?), about 5 µs a forward, most of it torch's register_prehook.
 `hooked`, the wrappers' gate, is True on detail steps, while an evaluation phase is open, and
@@ -152,6 +154,10 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     # Less the forwards and backwards inside it (a closure: LBFGS).
                     tl.optimizer_start = now - tl.forward - tl.backward
                 tl.in_optimizer = True
+                if tl.detail:  # the gradient norm the update will use, on sampled detail steps
+                    gradients = probe.gradients
+                    if gradients is not None and gradients.due.get(key, 0) <= tl.ring.count:
+                        tl.optimizer_start += gradients.of_optimizer(optimizer)  # its time is not the update's
             except Exception as exc:
                 probe.fail(exc)
         if probe.guard_before is not None:  # apply mode's guards, while a change has some
@@ -297,6 +303,9 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
         if tl.by_hand:  # no optimizer: the gradients as this backward left them
             tl.backward_end = now
             probe.mark_gradients()
+            gradients = probe.gradients
+            if tl.detail and gradients is not None and gradients.due.get("by hand", 0) <= tl.ring.count:
+                gradients.of_models(probe.root_models())
 
     return before, after
 

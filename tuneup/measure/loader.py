@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Mapping
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any
 
 import torch
@@ -80,6 +80,11 @@ class LoaderProbe:
         # The hot path's one test for both: the fetch count (before the fetch) at which one
         # of them wants to see a fetch.
         self.next_look = 0
+        # Fetches of single-process iterators among those looked at: their wall and this
+        # thread's CPU (how much of making a batch is CPU, and how much waiting on I/O).
+        self._looked: tuple[float, float] | None = None
+        self.fetch_wall = self.fetch_thread_cpu = 0.0
+        self.fetches_timed = 0
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included
@@ -136,16 +141,32 @@ class LoaderProbe:
     def look_before(self, iterator: Any) -> torch.Tensor | None:
         """Ahead of a fetch the RNG check or the habits probe wants to see: the global RNG
         state, where this fetch is an RNG check."""
+        if not getattr(iterator, "_num_workers", 1):
+            self._looked = (perf_counter(), thread_time())
         return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
 
     def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
         """After that fetch was counted: the RNG compared, the batch inspected where due."""
+        if self._looked is not None:
+            wall, cpu = self._looked
+            self._looked = None
+            self.fetch_thread_cpu += thread_time() - cpu
+            self.fetch_wall += perf_counter() - wall
+            self.fetches_timed += 1
         if rng is not None:
             self.rng_after(rng)
         habits = self.habits
         if self.timeline.fetches >= habits.next_inspect:
             habits.inspect(batch)
         self.next_look = min(self.rng_check_at, habits.next_inspect - 1)
+
+    def fetch_cpu(self) -> dict[str, Any] | None:
+        """The single-process fetches looked at: how many, and the share of their time this
+        thread spent on the CPU (the rest: waiting on files, the network, a sleep)."""
+        if not self.fetches_timed or self.fetch_wall <= 0.0:
+            return None
+        return {"timed": self.fetches_timed, "seconds": self.fetch_wall,
+                "cpu_share": min(1.0, self.fetch_thread_cpu / self.fetch_wall)}
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:
         """On a checked fetch: the global RNG state, when this fetch runs the dataset in the

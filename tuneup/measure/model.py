@@ -89,6 +89,7 @@ class ModelProbe:
         # Roots by id, held weakly: a model class may define __eq__ (and so be unhashable),
         # and the job owns its models.
         self.roots: dict[int, weakref.ref] = {}
+        self.gradients: Any = None  # gradients.GradientNorms: a hand-written update's, after the backward
         # Ids of the roots being trained: named ones (explicit mode), and those discovery saw in
         # a training forward (train() mode, autograd on). Another root (a teacher, an EMA copy,
         # a target network) is part of the step, never an evaluation.

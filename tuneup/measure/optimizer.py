@@ -80,6 +80,7 @@ class OptimizerProbe:
         self._patches: PatchSet | None = None
         self._hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
         self.compiled_steps: set[int] = set()  # ids of optimizers whose own step was looked at (wrapped if compiled)
+        self.gradients: Any = None  # gradients.GradientNorms: the norm each update uses, on sampled steps
 
     def install(self, patches: PatchSet) -> None:
         self._patches = patches

@@ -14,7 +14,6 @@ apply mode's step-close turn) is handed in.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
@@ -29,6 +28,8 @@ from .device_values import DeviceValues, raw_item
 from .ddp import AllReduceWait
 from .gpu import NvmlGpus, cuda_uuids, open_gpus
 from .gpu_time import CudaStepTimer
+from . import transfer
+from .gradients import GradientNorms
 from .habits import HabitsProbe
 from .loader import LoaderProbe
 from .memory import allocator_stats
@@ -40,7 +41,7 @@ from .scaler import ScalerProbe
 from .stacks import InputSampler
 from .hotpath import StepTimeline
 from .syncs import SyncCounter
-from .windows import SPIKE_HISTORY, Totals, spike_floor, summarize
+from .windows import Totals, summarize
 
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
 CONFIG_EVERY_TICKS = 10
@@ -74,13 +75,16 @@ class Recorder:
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
+        # The gradient norm each update uses, on sampled steps (exploding gradients).
+        self.gradients = self.optimizer.gradients = self.model.gradients = GradientNorms(self.timeline, self.values)
         self.host: Any = None  # host.HostProbe, made at the first sample (psutil: not inside attach())
         self.gpus = open_gpus(options.nvml_module, options.gpu)
         self.gpu_timer: CudaStepTimer | None = None
         self.hot_probes = (self.loader, self.model, self.optimizer, self.scaler, self.syncs, self.habits, self.calls)
         self.allreduce = AllReduceWait()  # DDP's own timers, read each tick
         self.slow_probes_on = {"host": True, "gpu": self.gpus.available, "memory": True, "config": True,
-                               "ddp": True}
+                               "ddp": True, "transfer": True}
+        self.batch_transfer: dict[str, Any] | None = None  # what shipping a batch from a worker costs
         # Apply mode's turn at step closes: an object with on_close(step) and wake_at.
         self.experimenter: Any = None
         self.totals = Totals()
@@ -89,8 +93,6 @@ class Recorder:
         self.config: dict[str, Any] | None = None
         self.framework: dict[str, Any] | None = None
         self._drained = 0
-        self._recent_losses: list[float] = []  # the last losses drained: spikes across intervals
-        self._first_losses: list[float] = []  # the run's first losses: the size spikes are judged by
         self._config_seen: tuple = ()
         self._next_lifecycle = 1
 
@@ -222,6 +224,7 @@ class Recorder:
             if isinstance(self.gpus, NvmlGpus):  # NVML's devices named as torch numbers them
                 self.gpus.match_cuda(cuda_uuids())
         self.model.read_config_next_forward = True
+        self._measure_transfer()
         if self.precision.due(step, self.config) and not tracing():
             trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
             if self.compile.compiles or any(is_compiled(model) for model in trained):
@@ -293,24 +296,18 @@ class Recorder:
             first = oldest_held
         columns = ring.columns(first, last)
         self._drained = last
-        finite = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read and math.isfinite(value)]
-        if len(self._first_losses) < SPIKE_HISTORY:
-            self._first_losses = (self._first_losses + finite)[:SPIKE_HISTORY]
-        interval = summarize(columns, forward_measured=self.model.timed, loss_context=self._recent_losses,
-                             spike_floor=spike_floor(self._first_losses))
+        interval = summarize(columns, forward_measured=self.model.timed)
         if interval is not None:
             self.timeline.pace(interval["step_seconds"]["median"])
             # The wall-clock end of the last step: its perf_counter close, moved to time.time().
             ended = ring.records[(last - 1) % ring.capacity][0]
             self.totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))
-            self._recent_losses = (self._recent_losses + finite)[-SPIKE_HISTORY:]
         return interval
 
     def window(self, steps: int) -> dict[str, Any] | None:
         """The last `steps` closed steps, summarized exactly (from the ring)."""
         ring = self.timeline.ring
-        return summarize(ring.columns(ring.count - steps + 1, ring.count), forward_measured=self.model.timed,
-                         spike_floor=spike_floor(self._first_losses))
+        return summarize(ring.columns(ring.count - steps + 1, ring.count), forward_measured=self.model.timed)
 
     def _steps_event(self, interval: dict[str, Any]) -> dict[str, Any]:
         event = {"event": "steps", "time": time.time(), **interval}
@@ -336,7 +333,8 @@ class Recorder:
 
     def habits_summary(self) -> dict[str, Any]:
         return dict(self.habits.summary(), **self.calls.summary(), **self.model.graphs.summary(),
-                    amp_trial=self.precision.result,
+                    amp_trial=self.precision.result, grad_norms=self.gradients.summary(),
+                    batch_transfer=self.batch_transfer, main_process_fetches=self.loader.fetch_cpu(),
                     eval_forwards_with_grad=self.model.eval_with_grad,
                     step_boundary=self.step_boundary(),
                     input_lines=self.input_lines.summary() if self.input_lines is not None else None)
@@ -414,6 +412,20 @@ class Recorder:
         elif name == "step_close":
             # No sampled step may stay open without the listener that ends it.
             self.syncs.turn_off(f"stopped: the {name} listener failed")
+
+    def _measure_transfer(self) -> None:
+        """Once a DataLoader batch was sampled: what shipping one like it from a worker costs
+        (transfer.py), once. On the training thread, between two steps: on another thread the
+        resource sharer's replies would wait for the GIL the training thread holds (5 ms
+        switches: measured 7.7 ms a batch on the agent thread, 0.4 ms here), where in a real
+        worker they come from another process."""
+        layout = self.habits.layout
+        if layout is None or self.batch_transfer is not None or not self.slow_probes_on["transfer"]:
+            return
+        try:
+            self.batch_transfer = transfer.measure(layout)
+        except Exception as exc:
+            self.slow_probe_failed("transfer", exc)
 
     def slow_probe_failed(self, name: str, exc: BaseException) -> None:
         self.slow_probes_on[name] = False

@@ -17,15 +17,6 @@ from typing import Any, Mapping, Sequence
 SPLIT = ("input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]
-# A spike is a loss over 10x the median of the 8 read before it. 3x is what minibatch noise
-# reaches once a loss has converged near zero; a bad batch or an exploding gradient moves
-# the loss by an order of magnitude or more.
-SPIKE_FACTOR = 10.0
-SPIKE_HISTORY = 8  # losses a loss is compared against
-# A spike is also at least this share of the loss's starting size (the median size of the
-# first SPIKE_HISTORY losses the run read): a loss that has converged a hundredfold is noise
-# around zero, where a 10x ratio of two tiny values is no exploding gradient.
-SPIKE_FLOOR = 0.1
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -48,30 +39,7 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def spikes(losses: Sequence[float], history: int = SPIKE_HISTORY, context: Sequence[float] = (),
-           floor: float = 0.0) -> int:
-    """Losses over SPIKE_FACTOR times the median size of the ones before them (at least 4) and
-    at least `floor`: the pattern gradient clipping guards against (a bad batch, an exploding
-    gradient). Sizes, not signed values: a loss that changes sign (a policy gradient's) is
-    compared with how large it usually is. A loss that falls, however fast, never counts.
-    `context`: the losses read just before these (the previous interval's last ones),
-    compared against but not counted, so a spike counts the same wherever the intervals
-    happen to be cut. `floor`: see SPIKE_FLOOR."""
-    losses = list(context[-history:]) + list(losses)
-    count = 0
-    for index in range(max(4, min(len(context), history)), len(losses)):
-        before = median([abs(value) for value in losses[max(0, index - history) : index]])
-        if before > 0 and losses[index] > SPIKE_FACTOR * before and losses[index] >= floor:
-            count += 1
-    return count
-
-
-def spike_floor(first_losses: Sequence[float]) -> float:
-    """SPIKE_FLOOR of the run's starting loss size (0 until a loss was read)."""
-    return SPIKE_FLOOR * median([abs(value) for value in first_losses]) if first_losses else 0.0
-
-
-def loss_summary(columns: Columns, context: Sequence[float] = (), floor: float = 0.0) -> dict[str, Any] | None:
+def loss_summary(columns: Columns) -> dict[str, Any] | None:
     known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
     if not known:
         return None
@@ -86,7 +54,6 @@ def loss_summary(columns: Columns, context: Sequence[float] = (), floor: float =
         "last": known[-1],
         "median": median(finite) if finite else None,
         "max": max(finite) if finite else None,
-        "spikes": spikes(finite, context=context, floor=floor),
         "read_steps": len(known),
         "nonfinite_steps": len(known) - len(finite),
         "trend": trend,
@@ -104,12 +71,9 @@ def samples_per_batch(sums: dict[str, Any], steps: int) -> float | None:
     return sums["samples"] / steps if sums["samples"] and steps else None
 
 
-def summarize(columns: Columns, forward_measured: bool = True, loss_context: Sequence[float] = (),
-              spike_floor: float = 0.0) -> dict[str, Any] | None:
+def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
-    "other", so both are reported as unknown rather than as a misleading zero.
-    `loss_context`: the finite losses read before these steps, `spike_floor` the smallest
-    spike (see `spikes`)."""
+    "other", so both are reported as unknown rather than as a misleading zero."""
     steps = len(columns["step_seconds"])
     if not steps:
         return None
@@ -173,7 +137,7 @@ def summarize(columns: Columns, forward_measured: bool = True, loss_context: Seq
             sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
-        "loss": loss_summary(columns, loss_context, spike_floor),
+        "loss": loss_summary(columns),
         "evaluation": evaluation_summary(sums["evaluations"], sums["evaluation_seconds"], total_time),
         "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }

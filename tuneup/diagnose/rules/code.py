@@ -4,8 +4,10 @@ single-tensor optimizers, no LR schedule, no gradient clipping."""
 
 from __future__ import annotations
 
+import math
+
 from ...format import percent
-from ...measure.windows import SPIKE_FACTOR, SPIKE_HISTORY
+from ...measure.gradients import SPIKE_FACTOR, SPIKE_HISTORY
 from ..rule import Evidence, Facts, Missing, rule
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
@@ -200,17 +202,31 @@ def no_lr_schedule(facts: Facts) -> Evidence | None:
     )
 
 
+MIN_NORMS = 8  # gradient norms read before the rule judges them
+
+
+def _round_up(value: float) -> float:
+    """The first one-significant-digit number at or above `value` (2.37 -> 3, 0.046 -> 0.05)."""
+    scale = 10.0 ** math.floor(math.log10(value))
+    return math.ceil(value / scale - 1e-9) * scale
+
+
 @rule(
     id="no-grad-clipping",
-    title="Loss spikes without gradient clipping",
+    title="Exploding gradients without gradient clipping",
     severity="low",
-    inputs="losses read on detail steps (spikes, non-finite values), gradient-clipping calls on watched steps, GradScaler",
-    threshold=f"no clip_grad_norm_/clip_grad_value_ call and a loss > {SPIKE_FACTOR:g}x the median of the "
-              f"{SPIKE_HISTORY} read before it, or a non-finite loss without a GradScaler",
-    why="A spike or a non-finite loss often comes from an exploding gradient; clipping bounds the "
-        "update. Under GradScaler non-finite values are expected and handled (steps skipped). An "
-        "order of magnitude: once a loss has converged near zero, minibatch noise alone reaches 3x "
-        "its recent median; a bad batch or an exploding gradient moves it 10x or more.",
+    inputs="the gradient norm each update uses (clip_grad_norm_'s figure), read on sampled steps before "
+           "optimizer.step() (after the backward where parameters are updated by hand); gradient-clipping calls "
+           "on watched steps; GradScaler",
+    threshold=f"no clip_grad_norm_/clip_grad_value_ call and a gradient norm > {SPIKE_FACTOR:g}x the median "
+              f"of the {SPIKE_HISTORY} read before it, or a non-finite norm without a GradScaler; "
+              f"at least {MIN_NORMS} norms read",
+    why="An exploding gradient (a bad batch, an unstable layer) shows in the gradient's norm, and "
+        "clipping bounds the update it would make; within an order of magnitude the norm moves with "
+        "minibatch noise alone. Judged on gradients, not losses: a loss near zero that changes sign "
+        "(a policy gradient's) leaps tenfold with nothing wrong. Under GradScaler non-finite "
+        "gradients are expected and handled (steps skipped). Norms are read on sampled steps: a "
+        "spike on one step in a thousand may go unseen.",
     doc="https://docs.pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html",
 )
 def no_grad_clipping(facts: Facts) -> Evidence | None:
@@ -219,17 +235,34 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
         return None
     if not habits.get("watched_steps"):
         raise Missing("a watched step (gradient clipping is seen on those)")
-    loss = facts.need(facts.window.get("loss"), "losses")
-    spikes = loss.get("spikes") or 0
-    nonfinite = loss.get("nonfinite_steps") or 0 if not facts.scaler.get("enabled") else 0
+    norms = habits.get("grad_norms") or {}
+    if norms.get("skipped"):
+        raise Missing(f"gradient norms ({norms['skipped']})")
+    read = norms.get("samples") or 0
+    if read < MIN_NORMS:
+        raise Missing(f"{MIN_NORMS} gradient norms (read on sampled steps; {read} so far)")
+    spikes = norms.get("spikes") or 0
+    nonfinite = norms.get("nonfinite") or 0 if not facts.scaler.get("enabled") else 0
     if not spikes and not nonfinite:
         return None
+    parts = []
+    if spikes:
+        parts.append(f"the gradient norm reached {norms['largest_norm']:.3g}, {norms['largest_ratio']:.0f}x the median of "
+                     f"the norms read before it ({norms['median_before']:.3g}), at step {norms['largest_step']}; "
+                     f"{spikes} such spike{'s' if spikes > 1 else ''} (> {SPIKE_FACTOR:g}x)")
+    if nonfinite:
+        parts.append(f"{nonfinite} non-finite norm{'s' if nonfinite > 1 else ''}")
+    typical = norms.get("median")  # clip a little above the usual norm: the spikes, not the steps
+    max_norm = _round_up(2 * typical) if typical and math.isfinite(typical) and typical > 0 else 1.0
     return Evidence(
-        observed=f"{spikes} loss spikes (> {SPIKE_FACTOR:g}x the losses before them) and {nonfinite} non-finite losses among "
-                 f"{loss['read_steps']} losses read, and no gradient clipping",
-        numbers={"spikes": spikes, "nonfinite_losses": nonfinite, "losses_read": loss["read_steps"],
-                 "max_loss": loss.get("max"), "median_loss": loss.get("median")},
-        fix="loss.backward()\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\noptimizer.step()",
+        observed="; ".join(parts) + f" among {read} norms read, and no gradient clipping",
+        numbers={"spikes": spikes, "nonfinite_norms": nonfinite, "norms_read": read,
+                 "largest_norm": norms.get("largest_norm"), "largest_ratio": norms.get("largest_ratio"),
+                 "median_before": norms.get("median_before"), "largest_step": norms.get("largest_step"),
+                 "median_norm": norms.get("median"), "p90_norm": typical, "max_norm": max_norm},
+        fix="loss.backward()\n"
+            f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={max_norm:g})  # twice its usual norm\n"
+            "optimizer.step()",
         gain_text="steadier training (bounded updates)",
     )
 

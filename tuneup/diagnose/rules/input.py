@@ -5,23 +5,28 @@ from __future__ import annotations
 
 import math
 
-from ..rule import Evidence, Facts, Missing, rule
+from ..rule import MIN_GAIN, Evidence, Facts, Missing, rule
 from ...format import percent, read_rate, seconds
 from ...measure.copies import BLOCKING_COPY_KIND
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 STALL_THRESHOLD = 0.10
 CPU_BOUND_WORKER = 0.7  # a worker busy this share of the time or more is CPU-bound
+SHIPPING_BOUND = 1.5  # a wait per batch within this many times the measured shipping cost is that cost
 
 
 @rule(
     id="data-stall",
     title="The training loop waits for the DataLoader",
     severity="medium",
-    inputs="data wait and step time on every step; the loader's configuration",
+    inputs="data wait and step time on every step; the loader's configuration; what shipping one of the job's "
+           "batches from a worker costs this process, measured once (measure/transfer.py); the workers' and the "
+           "machine's measured CPU and usable cores",
     threshold=f"data wait >= {percent(STALL_THRESHOLD)} of step time over the window",
-    why="Below 10% the gain is within run-to-run noise and other fixes come first; above it, "
-        "loading in parallel worker processes usually hides most of the wait.",
+    why="Below 10% the gain is within run-to-run noise and other fixes come first. Above it, worker "
+        "processes hide the wait only where making a batch costs more than shipping it from a worker "
+        "(a connection and a shared-memory mapping per tensor, in the training process) and there are "
+        "cores to run them: the gain stated is predicted from those measured costs.",
     doc=f"{GUIDE}#enable-async-data-loading-and-augmentation",
     can_apply=True,
 )
@@ -42,29 +47,118 @@ def data_stall(facts: Facts) -> Evidence | None:
     free = cores - sum(_job_cpu(host)) if cores and host else None
     if cpu_bound and free is not None:
         suggested = min(suggested, workers + int(free))
+    step, wait = window["step_seconds"]["median"], window["data_wait_seconds"]["median"]
+    setting = ", ".join(f"{name}={loader.get(name)}" for name in ("num_workers", "pin_memory", "persistent_workers",
+                                                                   "prefetch_factor") if name in loader)
+    observed = f"the loop waited {seconds(wait)} per step for its next batch: {percent(stall)} of a {seconds(step)} step"
+    if setting:
+        observed += f" ({setting})"
+    numbers = {"stall_ratio": stall, "data_wait_seconds": wait, "step_seconds": step, "num_workers": workers,
+               "usable_cores": cores, "workers_cpu_bound": cpu_bound}
+    plan = _worker_plan(facts, host, workers, suggested, free)
+    if plan is not None:
+        numbers.update(plan)
+    if plan is not None and plan["suggested_workers"] == 0:
+        observed += (f"; its workers use {seconds(plan['make_seconds'] + plan['ship_worker_seconds'])} of CPU per "
+                     f"batch, and shipping each batch to this process costs it {seconds(plan['ship_seconds'])}: "
+                     f"made here, a batch would take {seconds(plan['make_seconds'])}")
+        # Apply mode's workers action only adds workers (act/actions): this one is the job's to make.
+        return Evidence(observed=observed, numbers=numbers, fix=loader_fix(facts, ["num_workers=0"]),
+                        gain=plan["gain"], gain_text=_predicted(plan["gain"]),
+                        severity="high" if plan["gain"] >= 0.3 else None, can_apply=False)
+    if plan is not None and plan["gain"] < MIN_GAIN:
+        make, ship = plan["make_seconds"], plan["ship_seconds"]
+        if workers:
+            observed += (f"; shipping each batch from a worker costs this process {seconds(ship)} ({plan['tensors']} "
+                         f"tensors), most of that wait: more workers would not recover it")
+        else:
+            why = (f"shipping one from a worker would cost this process {seconds(ship)} ({plan['tensors']} tensors)"
+                   if ship >= 0.5 * make else
+                   f"with {plan['runnable_cores']:g} free core(s), workers would make them no faster than this process")
+            observed += f"; making a batch takes {seconds(make)}, and {why}: workers would not recover the wait"
+        return Evidence(
+            observed=observed, numbers=numbers,
+            fix="# make each batch cheaper to build: one indexing per batch rather than per sample\n"
+                "# (a Dataset with __getitems__, or the data as tensors sliced by a BatchSampler),\n"
+                "# or fewer, larger batches",
+            gain_text=f"up to the {percent(stall)} wait, not through loader workers",
+            severity="high" if stall >= 0.3 else None, can_apply=False)
     options = (["persistent_workers=True", "prefetch_factor=4"] if suggested <= (workers or 0)
                else [f"num_workers={suggested}", "persistent_workers=True", "prefetch_factor=4"])
     if facts.on_cuda and not loader.get("pin_memory"):
         options.append("pin_memory=True")
-    setting = ", ".join(f"{name}={loader.get(name)}" for name in ("num_workers", "pin_memory", "persistent_workers",
-                                                                   "prefetch_factor") if name in loader)
-    observed = (f"the loop waited {seconds(window['data_wait_seconds']['median'])} per step for its next batch: "
-                f"{percent(stall)} of a {seconds(window['step_seconds']['median'])} step")
-    if setting:
-        observed += f" ({setting})"
     if cpu_bound and suggested <= workers:
         observed += (f"; its {workers} workers are CPU-bound ({host['workers_cpu_ratio']:.1f} cores busy) and "
                      f"the {cores} usable cores have no room for more: make each sample cheaper to load "
                      "(pre-processed data, lighter decoding and augmentation, or augment on the GPU)")
+    if plan is not None and suggested > (workers or 0) and plan["gain"] >= MIN_GAIN:
+        return Evidence(observed=observed, numbers=numbers, fix=loader_fix(facts, options), gain=plan["gain"],
+                        gain_text=_predicted(plan["gain"]), severity="high" if plan["gain"] >= 0.3 else None)
     return Evidence(
         observed=observed,
-        numbers={"stall_ratio": stall, "data_wait_seconds": window["data_wait_seconds"]["median"],
-                 "step_seconds": window["step_seconds"]["median"], "num_workers": workers,
-                 "usable_cores": cores, "workers_cpu_bound": cpu_bound},
+        numbers=numbers,
         fix=loader_fix(facts, options),
         gain=stall,
+        gain_text=f"up to {percent(stall)} shorter steps (the whole wait): an estimate, not predicted from "
+                  "measured costs",
         severity="high" if stall >= 0.3 else None,
     )
+
+
+def _predicted(gain: float) -> str:
+    return (f"{percent(gain)} shorter steps, predicted from this job's measured costs (making a batch, shipping "
+            "one between processes, the free cores)")
+
+
+def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
+                 free: float | None) -> dict | None:
+    """The wait per step that `suggested` workers would leave (or none, where fewer are better),
+    from measured costs, per batch: making one (the wait itself without workers, else the
+    workers' CPU less their shipping), shipping one (this process's part and the worker's:
+    measure/transfer.py), and the rest of the step (compute that a prefetching worker overlaps).
+    W workers make a batch every max((make_cpu + ship_worker) / min(W, free cores), (make +
+    ship_worker) / W) (the CPU part needs a core each; the rest, waiting on I/O, does not), and
+    the wait left per batch is ship + max(0, that - compute). None: the shipping cost is not
+    measured (no batch sampled yet)."""
+    transfer = facts.habits.get("batch_transfer") or {}
+    ship, ship_worker = transfer.get("main_seconds"), transfer.get("worker_seconds")
+    window = facts.window
+    fetches = window.get("fetches_per_step") or 0
+    if ship is None or ship_worker is None or fetches <= 0:
+        return None
+    wait, stall = window["data_wait_seconds"]["median"], window["stall_ratio"]
+    # Per batch: the median wait, and the rest of the step in the window's proportion (medians
+    # of waits and steps need not add up: a loaded machine's long steps move the mean only).
+    wait_batch = wait / fetches
+    compute_batch = wait_batch * (1.0 - stall) / stall
+    if workers:
+        workers_cpu = host.get("workers_cpu_ratio")
+        if workers_cpu is None:
+            return None
+        # cores x seconds per step, per batch, less their shipping
+        make = max(0.0, workers_cpu * window["step_seconds"]["mean"] / fetches - ship_worker)
+        plan = {"make_seconds": make, "ship_seconds": ship, "ship_worker_seconds": ship_worker,
+                "tensors": transfer.get("tensors"), "fetches_per_step": fetches}
+        # Their CPU is what a batch costs only if they want a core all the time (the CPU they
+        # used plus what they waited for); else some of their time went to I/O, unmeasured.
+        demand = workers_cpu + (host.get("workers_wait_cores") or 0.0)
+        if demand >= CPU_BOUND_WORKER * (host.get("workers") or workers) and make < wait_batch:
+            # made here, a batch would cost less than the wait for a worker's
+            return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch))
+        if wait_batch <= SHIPPING_BOUND * ship:
+            return dict(plan, suggested_workers=workers, gain=0.0)  # the wait is the shipping
+        return None
+    else:
+        make = wait_batch  # made in this process, during the wait
+        fetched = facts.habits.get("main_process_fetches") or {}
+        cpu_share = fetched.get("cpu_share", 1.0) if (fetched.get("timed") or 0) >= 3 else 1.0
+    plan = {"make_seconds": make, "make_cpu_share": cpu_share, "ship_seconds": ship, "ship_worker_seconds": ship_worker,
+            "tensors": transfer.get("tensors"), "fetches_per_step": fetches}
+    runnable = max(1.0, free if free is not None else float(suggested))  # cores for workers
+    interval = max((make * cpu_share + ship_worker) / min(suggested, runnable), (make + ship_worker) / suggested)
+    after = ship + max(0.0, interval - compute_batch)
+    return dict(plan, suggested_workers=suggested, runnable_cores=runnable, predicted_wait_seconds=after * fetches,
+                gain=max(0.0, stall * (1.0 - after / wait_batch)))
 
 
 @rule(

@@ -1,0 +1,78 @@
+"""What shipping a batch from a DataLoader worker costs (measure/transfer.py) and how much of a
+single-process fetch is CPU (measure/loader.py): the inputs of data-stall's predicted gain.
+
+Ground truth, from the loop below: a map-style Dataset whose __getitem__ sleeps 0.5 ms (a file
+read) and returns two tensors, 16 float32 features and a float32 target; the default collate
+makes a batch of 32 of them: two tensors, 32 x 16 and 32 x 1 floats (2,176 bytes); num_workers=0,
+so every batch is made in the training process, most of it asleep."""
+
+from __future__ import annotations
+
+import multiprocessing.resource_sharer
+import os
+import threading
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import tuneup
+from tuneup.measure import transfer
+
+
+class Files(Dataset):
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, index: int):
+        time.sleep(0.0005)
+        generator = torch.Generator().manual_seed(index)
+        return torch.randn(16, generator=generator), torch.randn(1, generator=generator)
+
+
+def test_the_shipping_of_the_jobs_batch_is_measured_once_and_the_fetches_are_mostly_asleep(run_dir):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Files(), batch_size=32, shuffle=True)
+    own_cpu = own_wall = 0.0
+    with tuneup.attach(run_dir=run_dir, port=0, interval=0.1) as agent:
+        for _ in range(3):
+            iterator = iter(loader)
+            while True:
+                wall, cpu = time.perf_counter(), time.thread_time()
+                try:
+                    x, y = next(iterator)
+                except StopIteration:
+                    break
+                own_cpu, own_wall = own_cpu + time.thread_time() - cpu, own_wall + time.perf_counter() - wall
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        habits = agent.snapshot()["habits"]
+    shipped = habits["batch_transfer"]
+    assert (shipped["tensors"], shipped["bytes"]) == (2, 32 * 16 * 4 + 32 * 4)
+    assert shipped["main_seconds"] > 0 and shipped["worker_seconds"] > 0 and shipped["reps"] == transfer.REPS
+    fetched = habits["main_process_fetches"]
+    assert fetched["timed"] >= 3
+    # The loop's own measure of all its fetches: asleep most of the time, whatever the load.
+    assert own_cpu / own_wall < 0.5 and fetched["cpu_share"] < 0.5
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_measuring_leaves_the_process_as_it_was():
+    sharer = multiprocessing.resource_sharer._resource_sharer  # the one a job's own sharing uses
+    listening, threads, fds = sharer._listener, threading.active_count(), open_fds()
+    layout = transfer.layout({"ids": torch.zeros(8, 128, dtype=torch.long), "mask": torch.ones(8, 128),
+                              "label": torch.zeros(8), "name": ["a"] * 8, "empty": torch.zeros(0)})
+    assert layout == [((8, 128), torch.long), ((8, 128), torch.float32), ((8,), torch.float32),
+                      ((0,), torch.float32)]
+    shipped = transfer.measure(layout)
+    assert shipped["tensors"] == 4 and shipped["bytes"] == 8 * 128 * 8 + 8 * 128 * 4 + 8 * 4
+    assert sharer._listener is listening and threading.active_count() == threads and open_fds() == fds
+    assert transfer.layout(["no", "tensors"]) is None
