@@ -91,6 +91,7 @@ class Job:
     eval_every: int = 0
     spike_every: int = 0
     numpy_copies: bool = False
+    numpy_shared: bool = False  # numpy_copies' fix: the record through torch.from_numpy (no copy)
     anomaly: bool = False
     data_parallel: bool = False
 
@@ -138,7 +139,7 @@ def run_job(job: Job) -> Truth:
             step += 1
             if job.numpy_copies:
                 copied = time.perf_counter()
-                record = torch.tensor(table)  # a copy of an array every step
+                record = torch.from_numpy(table) if job.numpy_shared else torch.tensor(table)  # a copy every step
                 if step > WARMUP:
                     copying += time.perf_counter() - copied
                 x = x + record[:, :FEATURES]

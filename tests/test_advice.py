@@ -56,6 +56,8 @@ def test_the_right_rule_fires_and_no_other(scenario, cpu, tmp_path, heap_as_a_sc
     if "amp-off" in expected:
         checks.append(("amp-off", lambda e: e["device"] == "cpu" and e["dtype"] == "bfloat16"
                        and 0 < e["compute_share"] <= 1))
+    # A finding left to the machine (either: its premise too close to tell) is checked where it fired.
+    checks = [(rule_id, check) for rule_id, check in checks if rule_id in expected or rule_id in fired(document)]
     for rule_id, check in checks:
         finding = next(f for f in document["findings"] if f["rule"] == rule_id)
         assert check(finding["evidence"]), finding["evidence"]

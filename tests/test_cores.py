@@ -497,6 +497,20 @@ def test_summarize_without_samples_or_time():
     assert s["stall_ratio"] is None and s["steps_per_second"] is None  # no time: no ratio
 
 
+def test_a_loop_without_a_dataloader_has_its_batch_from_the_intervals_that_saw_one():
+    # No fetches: 16 rows a forward, seen on a detail step of the first interval; the second
+    # interval (one step, no detail step) saw none: its samples are unknown, not zero.
+    seen = summarize(make_columns([0.01] * 4, samples=[0] * 4, fetches=[0] * 4, detailed=[True] + [False] * 3,
+                                  input_samples=[16.0, -1.0, -1.0, -1.0]))
+    unseen = summarize(make_columns([0.01], first=5, samples=[0], fetches=[0]))
+    assert seen["batch_size"] == 16 and unseen["batch_size"] is None and unseen["samples_per_second"] is None
+    totals = Totals()
+    totals.add(seen)
+    totals.add(unseen)
+    assert totals.summary()["samples_per_second"] == pytest.approx(16 / 0.01)
+    assert combine([seen, unseen])["batch_size"] == 16
+
+
 def test_summarize_of_no_steps_is_none():
     assert summarize(make_columns([])) is None
 

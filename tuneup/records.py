@@ -231,9 +231,11 @@ SUMS = Obj(
     skipped_steps=COUNT, sync_sampled_steps=COUNT, syncs=SECONDS, detailed_steps=COUNT, detailed_seconds=SECONDS,
     last_loss=Nullable(LOSS),
     # Absent in logs from before each was added (readers default them to 0).
-    **{name: Omissible(COUNT) for name in ("fetches", "losses_read", "nonfinite_losses", "evaluations")},
+    **{name: Omissible(COUNT) for name in ("fetches", "losses_read", "nonfinite_losses", "evaluations",
+                                           "unsampled_steps")},
     **{name: Omissible(SECONDS) for name in ("detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
-                                       "input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")},
+                                       "input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds",
+                                       "unsampled_seconds")},
 )
 
 LOSS_SUMMARY = Obj(last=LOSS, median=Opt(LOSS), max=Opt(LOSS), read_steps=COUNT, nonfinite_steps=COUNT,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from .windows import PARTS, SPLIT, Totals, samples_per_batch
+from .windows import PARTS, SPLIT, Totals, samples_per_batch, samples_rate
 
 MAX_INTERVALS = 1024
 MAX_SYSTEM_SAMPLES = 1024
@@ -78,7 +78,7 @@ def combine(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "step_seconds": step_dist,
         "stall_ratio": sums["data_wait_seconds"] / seconds if seconds > 0 else None,
         "steps_per_second": steps / seconds if seconds > 0 else None,
-        "samples_per_second": sums["samples"] / seconds if seconds > 0 and sums["samples"] else None,
+        "samples_per_second": samples_rate(sums),
         "batch_size": samples_per_batch(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": int(sums["optimizer_steps"]),
