@@ -66,11 +66,13 @@ def habits(agent):
 
 
 def spikes_in(sampled: list[tuple[int, float]]) -> list[tuple[float, int]]:
-    """(ratio, step) of each norm over SPIKE_FACTOR x the median of the 8 before it (4 at least)."""
+    """(ratio, step) of each norm over SPIKE_FACTOR x the median of the 8 before it (4 at least)
+    and at least a tenth of the largest before it."""
     out = []
     for i in range(4, len(sampled)):
         before = statistics.median(value for _, value in sampled[max(0, i - 8):i])
-        if sampled[i][1] > SPIKE_FACTOR * before:
+        floor = 0.1 * max(value for _, value in sampled[:i])
+        if sampled[i][1] > SPIKE_FACTOR * before and sampled[i][1] >= floor:
             out.append((sampled[i][1] / before, sampled[i][0]))
     return out
 
@@ -201,6 +203,9 @@ def test_a_spike_is_over_ten_times_the_median_of_the_norms_before_it():
     # Still within the last 8: median(100 x 4, 1 x 4) = 50.5, so 11 is no spike; 8 later it is.
     assert series_of([100] * 4 + [1] * 4 + [11]).spikes == 0
     assert series_of([100] * 4 + [1] * 8 + [11]).spikes == 1
+    # Converged a thousandfold from its largest norm: a tenfold leap of noise there is no spike.
+    assert series_of([5.0] * 8 + [0.001] * 8 + [0.02]).spikes == 0
+    assert series_of([5.0] * 8 + [0.001] * 8 + [2.0]).spikes == 1
     # A non-finite norm is counted as such, and left out of the medians.
     series = series_of([1, 1, float("inf"), 1, 1, float("nan"), 20])
     assert (series.nonfinite, series.spikes, series.largest[3]) == (2, 1, 7)

@@ -236,7 +236,7 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
             probe.hand_boundary(module)
         if module.training:
             if tl.evaluating and probe.grad_enabled():  # a training forward
-                tl.evaluation_ends()
+                tl.evaluation_ends(clock())
         elif not tracing():
             if probe.grad_enabled():
                 probe.eval_with_grad += 1
@@ -360,6 +360,7 @@ class StepTimeline:
         self.evaluation_id = 0  # phases opened so far
         self.evaluation_start = self.evaluation_last = 0.0
         self.evaluation_wait = self.evaluation_last_wait = 0.0  # data_wait at both ends
+        self.evaluation_last_count = 0  # ring.count at the phase's last forward's end
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
@@ -468,14 +469,22 @@ class StepTimeline:
     def evaluation_forward_ended(self, now: float) -> None:
         self.evaluation_last = now
         self.evaluation_last_wait = self.data_wait
+        self.evaluation_last_count = self.ring.count
 
-    def evaluation_ends(self) -> None:
+    def evaluation_ends(self, now: float | None = None) -> None:
         """Training goes on: an evaluation phase's time, from its first forward's start to its last
-        one's end, less the data waits inside it (they stay data wait), is left out of the step."""
+        one's end, less the data waits inside it (they stay data wait), is left out of the step.
+        `now`: the training forward that ends it; where no step closed since the evaluation's
+        last forward, the phase runs to it: what came after the forwards (metrics from their
+        outputs: argmax, accuracies, their reads) is the evaluation's, not input for the next
+        step (a full-batch GCN evaluating every epoch read as input-in-loop). A step that closed
+        in between (a fetch) ends the phase at its last forward, as before."""
         self.evaluating = False
         self.hooked = self.detail or self.by_hand
-        self.evaluation += max(0.0, (self.evaluation_last - self.evaluation_start)
-                               - (self.evaluation_last_wait - self.evaluation_wait))
+        end, end_wait = self.evaluation_last, self.evaluation_last_wait
+        if now is not None and self.ring.count == self.evaluation_last_count:
+            end, end_wait = now, self.data_wait
+        self.evaluation += max(0.0, (end - self.evaluation_start) - (end_wait - self.evaluation_wait))
         self.evaluations += 1
 
     def hand_update(self, now: float) -> None:

@@ -284,7 +284,7 @@ class ModelProbe:
             else:
                 if torch.is_grad_enabled():  # a training forward
                     if timeline.evaluating:
-                        timeline.evaluation_ends()
+                        timeline.evaluation_ends(perf_counter())
                     self.trained.add(id(module))
                 timeline.forward_begin(perf_counter())
             if id(module) not in self._candidates and id(module) not in self.roots:
@@ -319,7 +319,7 @@ class ModelProbe:
             if module.training:
                 if grad:  # a training forward
                     if timeline.evaluating:
-                        timeline.evaluation_ends()
+                        timeline.evaluation_ends(perf_counter())
                     self.trained.add(id(module))
             else:
                 if grad:

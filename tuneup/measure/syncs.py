@@ -126,9 +126,21 @@ def _inherent_kind(frame: FrameType | None) -> str | None:
     return None
 
 
+# Reads torch.distributions makes to validate arguments and samples (on by default:
+# Distribution.__init__ and _validate_sample end in `if not torch._is_all_true(valid): raise`,
+# torch/distributions/distribution.py): their own kind, with their own fix (validate_args=False).
+DISTRIBUTION_CHECK_KIND = "distribution check"
+
+
 def _source(frame: FrameType | None, kind: str) -> tuple[str, int, str, str] | None:
     """A read's source line: (file, line, function, kind) of its user frame, if it has one."""
+    inner = frame
     frame = user_frame(frame)
+    while inner is not None and inner is not frame:
+        if inner.f_globals.get("__name__", "").startswith("torch.distributions"):
+            kind = DISTRIBUTION_CHECK_KIND
+            break
+        inner = inner.f_back
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, kind)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ...format import percent
-from ...measure.gradients import SPIKE_FACTOR, SPIKE_HISTORY
+from ...measure.gradients import SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
 from ..rule import Evidence, Facts, Missing, rule
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
@@ -219,11 +219,13 @@ def _round_up(value: float) -> float:
            "optimizer.step() (after the backward where parameters are updated by hand); gradient-clipping calls "
            "on watched steps; GradScaler",
     threshold=f"no clip_grad_norm_/clip_grad_value_ call and a gradient norm > {SPIKE_FACTOR:g}x the median "
-              f"of the {SPIKE_HISTORY} read before it, or a non-finite norm without a GradScaler; "
+              f"of the {SPIKE_HISTORY} read before it (and >= {percent(SPIKE_FLOOR)} of the largest before it), "
+              "or a non-finite norm without a GradScaler; "
               f"at least {MIN_NORMS} norms read",
     why="An exploding gradient (a bad batch, an unstable layer) shows in the gradient's norm, and "
         "clipping bounds the update it would make; within an order of magnitude the norm moves with "
-        "minibatch noise alone. Judged on gradients, not losses: a loss near zero that changes sign "
+        "minibatch noise alone, and a model that has fit its data has norms near zero, where a tenfold "
+        "leap is noise too. Judged on gradients, not losses: a loss near zero that changes sign "
         "(a policy gradient's) leaps tenfold with nothing wrong. Under GradScaler non-finite "
         "gradients are expected and handled (steps skipped). Norms are read on sampled steps: a "
         "spike on one step in a thousand may go unseen.",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...measure.copies import BLOCKING_COPY_KIND
-from ...measure.syncs import GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
+from ...measure.syncs import DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ...format import read_rate
 from ..rule import Evidence, Facts, rule
 
@@ -56,6 +56,10 @@ def host_syncs(facts: Facts) -> Evidence | None:
            "if step % 100 == 0:\n"
            "    print(running_loss.item() / 100)     # one sync every 100 steps\n"
            "    running_loss.zero_()")
+    if any(s["kind"] == DISTRIBUTION_CHECK_KIND for s in sources[:3]):
+        fix = ("torch.distributions.Distribution.set_default_validate_args(False)  # once, at the start: no check\n"
+               "# of every distribution's arguments and samples (each a read); or per distribution:\n"
+               "# Categorical(probs, validate_args=False)\n" + fix)
     if any(FRAMEWORK_SYNC in s["location"] for s in sources[:1]):
         # The Hugging Face Trainer's own check of every step's loss for NaN/inf.
         fix = ("TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every "
