@@ -228,7 +228,9 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
             slow_under_autocast=0):
     """Train `Timed` under apply mode with the CPU's bf16 capability claimed (the documented
     cpu_bf16 option): amp-off fires on the gain measured on the model and apply mode tries
-    AMP, whatever CPU the suite runs on. A model slow under autocast is made so only once
+    AMP, whatever CPU the suite runs on. Until every record is decided and 150 steps more, at
+    most `steps` (20,000 in the tests: a decision waits for findings evaluated every `interval`
+    seconds, so it comes after a time rather than a number of steps, which load changes). A model slow under autocast is made so only once
     that gain was measured (a model whose inputs grow, say).
 
     On one intra-op thread, so that a step's time is its work: with two threads and two other
@@ -268,7 +270,7 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
 
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):
     forward = vars(Timed)["forward"]
-    agent, model, _, times = amp_run(run_dir, 4000, slow_under_autocast=60)
+    agent, model, _, times = amp_run(run_dir, 20000, slow_under_autocast=60)
     [record] = records(agent, "amp")
     assert record["decision"] == "reverted" and record["speedup"] < 0.8, record
     assert record["after"]["autocast"] == "cpu bfloat16" and record["before"]["autocast"] is None
@@ -303,7 +305,7 @@ def test_a_nonfinite_loss_right_after_amp_rolls_back_within_one_step_with_no_upd
             state["momentum_after"] = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
         return loss
 
-    agent, model, optimizer, _ = amp_run(run_dir, 2500, on_step=inject)
+    agent, model, optimizer, _ = amp_run(run_dir, 20000, on_step=inject)
     [record] = records(agent, "amp")
     assert record["decision"] == "rolled back", record
     assert record["decided_step"] == state["step"] and "non-finite" in record["reason"]
@@ -329,7 +331,7 @@ def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exa
             seen.setdefault("enabled", scaler.is_enabled())
         return loss
 
-    agent, model, _, _ = amp_run(run_dir, 3000, on_step=watch, scaler=scaler)
+    agent, model, _, _ = amp_run(run_dir, 20000, on_step=watch, scaler=scaler)
     [record] = records(agent, "amp")
     assert record["change"].endswith("GradScaler enabled") and record["after"]["autocast"] == "cpu float16"
     assert seen == {"enabled": True, "scaled": 65536.0}
@@ -358,7 +360,7 @@ def test_a_burst_of_skipped_steps_rolls_amp_back(run_dir, monkeypatch):
         time.sleep(0.004)
         return loss
 
-    agent, model, _, _ = amp_run(run_dir, 3000, on_step=io_wait, after_backward=overflow, scaler=scaler)
+    agent, model, _, _ = amp_run(run_dir, 20000, on_step=io_wait, after_backward=overflow, scaler=scaler)
     [record] = records(agent, "amp")
     assert record["decision"] == "rolled back" and "burst" in record["reason"], record
     assert state["first"] + 29 <= record["decided_step"] <= state["first"] + 32
@@ -628,7 +630,7 @@ def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, monk
 
     monkeypatch.setattr(amp_action.AmpChange, "_finite", staticmethod(broken))
     with pytest.warns(tuneup.TuneupWarning, match="apply mode turned off.*cannot check these gradients"):
-        agent, model, _, _ = amp_run(run_dir, 1500)
+        agent, model, _, _ = amp_run(run_dir, 20000)
     [record] = records(agent, "amp")
     assert record["decision"] == "reverted" and "stopped after an internal error" in record["reason"]
     assert not any(model.autocast[record["applied_step"] + 3:])
@@ -636,7 +638,7 @@ def test_a_failing_guard_turns_apply_mode_off_and_the_step_goes_on(run_dir, monk
 
 def test_numerics_are_left_alone_in_a_distributed_job(run_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    agent, model, _, _ = amp_run(run_dir, 600)
+    agent, model, _, _ = amp_run(run_dir, 20000)
     [record] = records(agent, "amp")
     assert record["decision"] == "not applicable" and "distributed" in record["reason"]
     assert not any(model.autocast)
@@ -657,7 +659,7 @@ def test_revert_all_from_another_thread_lands_between_steps(run_dir, monkeypatch
             time.sleep(0.05)  # the other thread asks while this step is between scale() and step()
         return loss
 
-    agent, model, _, _ = amp_run(run_dir, 3000, on_step=revert_elsewhere, scaler=scaler)
+    agent, model, _, _ = amp_run(run_dir, 20000, on_step=revert_elsewhere, scaler=scaler)
     state["thread"].join()
     assert state["undone"] == 1
     [record] = records(agent, "amp")

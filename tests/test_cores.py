@@ -507,7 +507,7 @@ def test_a_loop_without_a_dataloader_has_its_batch_from_the_intervals_that_saw_o
     totals = Totals()
     totals.add(seen)
     totals.add(unseen)
-    assert totals.summary()["samples_per_second"] == pytest.approx(16 / 0.01)
+    assert totals.summary()["samples_per_second"] == pytest.approx(16 / 0.01)  # the batch seen, every step
     assert combine([seen, unseen])["batch_size"] == 16
 
 

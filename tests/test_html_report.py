@@ -323,4 +323,6 @@ def test_headless_chromium_draws_the_plots(document, tmp_path):
     # The stacked areas are opaque, so drawn areas are exact pixels of their colour; the table's
     # and legend's swatches add only ~250 pixels per colour. The loop mostly waits for data:
     assert counts["data_wait"] > 20_000, counts
-    assert sum(counts.values()) - counts["data_wait"] > 2_500, counts  # thin bands above it
+    # Thin bands above it: more of their colours than the swatches alone (how thin depends on
+    # the machine: a loaded one stretched the wait to ~95% of the steps, 1,674 pixels in all).
+    assert sum(counts.values()) - counts["data_wait"] > 250 * (len(PARTS) - 1), counts

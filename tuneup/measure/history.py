@@ -78,7 +78,7 @@ def combine(intervals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         "step_seconds": step_dist,
         "stall_ratio": sums["data_wait_seconds"] / seconds if seconds > 0 else None,
         "steps_per_second": steps / seconds if seconds > 0 else None,
-        "samples_per_second": samples_rate(sums),
+        "samples_per_second": samples_rate(sums, steps),
         "batch_size": samples_per_batch(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": int(sums["optimizer_steps"]),

@@ -73,10 +73,16 @@ def samples_per_batch(sums: dict[str, Any], steps: int) -> float | None:
     return sums["samples"] / seen if sums["samples"] and seen > 0 else None
 
 
-def samples_rate(sums: dict[str, Any]) -> float | None:
-    """Samples per second, over the time of the steps whose samples are known."""
-    seconds = sums["seconds"] - sums.get("unsampled_seconds", 0.0)
-    return sums["samples"] / seconds if sums["samples"] and seconds > 0 else None
+def samples_rate(sums: dict[str, Any], steps: int) -> float | None:
+    """Samples per second: counted ones, or without fetches the batch seen (samples_per_batch)
+    times every step, the unsampled ones' too."""
+    seconds = sums["seconds"]
+    if not sums["samples"] or seconds <= 0:
+        return None
+    if sums.get("fetches") or not sums.get("unsampled_steps"):
+        return sums["samples"] / seconds
+    batch = samples_per_batch(sums, steps)
+    return batch * steps / seconds if batch is not None else None
 
 
 def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any] | None:
@@ -121,7 +127,7 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
     # Neither: an interval without a detail step (a short one); its samples are unknown, not
     # none (they would pull the run's batch size down: 15.84 for 16 on a busy machine).
     unsampled = not sums["samples"] and not sums["fetches"] and not fed and forward_measured
-    sums["unsampled_steps"], sums["unsampled_seconds"] = (steps, sums["seconds"]) if unsampled else (0, 0.0)
+    sums["unsampled_steps"] = steps if unsampled else 0
     for part in SPLIT:
         sums[part] = sum(columns[part][i] for i in detailed)
     sums["detailed_data_wait_seconds"] = sum(data_wait[i] for i in detailed)
@@ -137,7 +143,7 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
         "step_seconds": distribution(step_seconds),
         "stall_ratio": _ratio(sums["data_wait_seconds"], total_time),
         "steps_per_second": _ratio(steps, total_time),
-        "samples_per_second": samples_rate(sums),
+        "samples_per_second": samples_rate(sums, steps),
         "batch_size": samples_per_batch(sums, steps),
         "fetches_per_step": sums["fetches"] / steps,
         "optimizer_steps": sums["optimizer_steps"],
@@ -196,7 +202,7 @@ class Totals:
     ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
              "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
              "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
-             "evaluations", "compile_seconds", "warmup_steps", "unsampled_steps", "unsampled_seconds") + SPLIT
+             "evaluations", "compile_seconds", "warmup_steps", "unsampled_steps") + SPLIT
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
@@ -229,7 +235,7 @@ class Totals:
             "data_wait_seconds": sums["data_wait_seconds"],
             "stall_ratio": _ratio(sums["data_wait_seconds"], seconds),
             "steps_per_second": _ratio(sums["steps"], seconds),
-            "samples_per_second": samples_rate(sums),
+            "samples_per_second": samples_rate(sums, int(sums["steps"])),
             "syncs_per_step": sums["syncs"] / sums["sync_sampled_steps"] if sums["sync_sampled_steps"] else None,
             "detailed_steps": int(sums["detailed_steps"]),
             "losses_read": int(sums["losses_read"]),
