@@ -62,6 +62,11 @@ CASES = [
     Case("cheap batches: workers advised against",
          Scenario("cheap batches", replace(CLEAN, batch_size=16, hidden=32), frozenset({"data-stall"})),
          "data-stall", lambda job, evidence: replace(job, workers=2)),
+    # The case: the same cheap batches from 5 workers on this 2-core machine.
+    Case("cheap batches, 5 workers: fewer",
+         Scenario("cheap batches, 5 workers", replace(CLEAN, batch_size=16, hidden=32, workers=5),
+                  frozenset({"data-stall"})),
+         "data-stall", lambda job, evidence: replace(job, workers=int(evidence.get("suggested_workers", 0)))),
     Case("host reads: removed", scenario("host reads"), "host-syncs", lambda job, _: replace(job, host_reads=0)),
     Case("numpy copies: as_tensor", scenario("numpy copies"), "numpy-copies",
          lambda job, _: replace(job, numpy_shared=True)),

@@ -431,7 +431,7 @@ def test_cpu_oversubscribed_is_silent_for_a_job_already_at_one_thread_or_on_a_qu
         assert "cpu-oversubscribed" not in fired(s)
 
 
-def stalled(snapshot, stall=0.4, wait=0.004, transfer=None, fetched=None, **host):
+def stalled(snapshot, stall=0.4, wait=0.004, transfer=None, fetched=None, ready=None, **host):
     """A 1-batch-a-step loop waiting `wait` of each step, a `stall` share of it; `transfer`: what
     shipping a batch costs (measure/transfer.py; None: not measured), `fetched`: the CPU share
     of the main process's fetches."""
@@ -441,7 +441,7 @@ def stalled(snapshot, stall=0.4, wait=0.004, transfer=None, fetched=None, **host
                        fetches_per_step=1.0,
                        step_seconds=dict(s["window"]["step_seconds"], median=step, mean=step))
     s["config"]["loaders"][0]["num_workers"] = len(host.get("workers", ()))
-    s["habits"] = dict(s["habits"], batch_transfer=transfer, main_process_fetches=fetched)
+    s["habits"] = dict(s["habits"], batch_transfer=transfer, main_process_fetches=fetched, worker_fetches=ready)
     return s
 
 
@@ -485,6 +485,12 @@ def test_data_stall_asks_for_fewer_workers_where_a_batch_costs_less_to_make_than
     idle = stall_finding(stalled(cpu_snapshot, stall=0.5, wait=0.002, own=1.0, workers=(0.06,) * 5,
                                  transfer=shipping(0.4)))
     assert "num_workers=0" not in idle.fix and "an estimate" in idle.gain_text
+    # The issue's case: 5 idle workers on 2 cores, a batch already waiting at every fetch looked
+    # at, the loop still waiting 1 ms a batch (receiving under contention): fewer, not more.
+    ready = stall_finding(stalled(cpu_snapshot, stall=0.7, wait=0.001, own=0.5, workers=(0.05,) * 5,
+                                  transfer=shipping(0.2), ready={"checked": 8, "ready_share": 1.0}))
+    assert ready.fix.endswith("num_workers=0)") and "an estimate" in ready.gain_text
+    assert "already waiting in the queue at 100%" in ready.observed
     # A wait within 1.5x the shipping: that is the wait; more workers would not recover it.
     shipped = stall_finding(stalled(cpu_snapshot, stall=0.5, wait=0.0005, own=1.0, workers=(0.06,) * 5,
                                     transfer=shipping(0.4)))

@@ -269,8 +269,10 @@ GRAD_NORMS = _maybe(skipped=TEXT, samples=COUNT, spikes=COUNT, nonfinite=COUNT, 
 # What shipping a batch from a worker costs (measure/transfer.py), and the main process's fetches
 BATCH_TRANSFER = _maybe(main_seconds=SECONDS, worker_seconds=SECONDS, bytes=COUNT, tensors=COUNT, reps=COUNT)
 MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS)
+WORKER_FETCHES = _maybe(checked=COUNT, ready_share=SECONDS)
 HABITS = _maybe(
     amp_trial=AMP_TRIAL, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
+    worker_fetches=WORKER_FETCHES,
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,
                    inputs=Obj(dtype=Opt(TEXT), shape=Opt(ListOf(COUNT)), mean=NUM, std=SECONDS,

@@ -85,6 +85,9 @@ class LoaderProbe:
         self._looked: tuple[float, float] | None = None
         self.fetch_wall = self.fetch_thread_cpu = 0.0
         self.fetches_timed = 0
+        # Fetches of worker iterators past their start looked at: how many found a batch already
+        # waiting in the data queue (made ahead: the wait, if any, is receiving it).
+        self.ready_checked = self.ready_found = 0
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included
@@ -141,8 +144,17 @@ class LoaderProbe:
     def look_before(self, iterator: Any) -> torch.Tensor | None:
         """Ahead of a fetch the RNG check or the habits probe wants to see: the global RNG
         state, where this fetch is an RNG check."""
-        if not getattr(iterator, "_num_workers", 1):
+        workers = getattr(iterator, "_num_workers", 1)
+        if not workers:
             self._looked = (perf_counter(), thread_time())
+        elif getattr(iterator, "_num_yielded", 0) >= workers:
+            try:  # multiprocessing.Queue.qsize: its semaphore's count (Linux); queue.Queue's too
+                ready = iterator._data_queue.qsize() > 0
+            except Exception:  # NotImplementedError on macOS
+                ready = None
+            if ready is not None:
+                self.ready_checked += 1
+                self.ready_found += ready
         return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
 
     def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
@@ -167,6 +179,12 @@ class LoaderProbe:
             return None
         return {"timed": self.fetches_timed, "seconds": self.fetch_wall,
                 "cpu_share": min(1.0, self.fetch_thread_cpu / self.fetch_wall)}
+
+    def ready_batches(self) -> dict[str, Any] | None:
+        """The worker iterators' fetches looked at, and the share that found a batch waiting."""
+        if not self.ready_checked:
+            return None
+        return {"checked": self.ready_checked, "ready_share": self.ready_found / self.ready_checked}
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:
         """On a checked fetch: the global RNG state, when this fetch runs the dataset in the

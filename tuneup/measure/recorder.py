@@ -335,6 +335,7 @@ class Recorder:
         return dict(self.habits.summary(), **self.calls.summary(), **self.model.graphs.summary(),
                     amp_trial=self.precision.result, grad_norms=self.gradients.summary(),
                     batch_transfer=self.batch_transfer, main_process_fetches=self.loader.fetch_cpu(),
+                    worker_fetches=self.loader.ready_batches(),
                     eval_forwards_with_grad=self.model.eval_with_grad,
                     step_boundary=self.step_boundary(),
                     input_lines=self.input_lines.summary() if self.input_lines is not None else None)

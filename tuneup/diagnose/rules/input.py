@@ -13,6 +13,8 @@ GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 STALL_THRESHOLD = 0.10
 CPU_BOUND_WORKER = 0.7  # a worker busy this share of the time or more is CPU-bound
 SHIPPING_BOUND = 1.5  # a wait per batch within this many times the measured shipping cost is that cost
+READY_SHARE = 0.5  # of the worker fetches looked at that found a batch waiting: the workers keep up
+MIN_READY_CHECKS = 3
 
 
 @rule(
@@ -62,13 +64,21 @@ def data_stall(facts: Facts) -> Evidence | None:
         observed += (f"; its workers use {seconds(plan['make_seconds'] + plan['ship_worker_seconds'])} of CPU per "
                      f"batch, and shipping each batch to this process costs it {seconds(plan['ship_seconds'])}: "
                      f"made here, a batch would take {seconds(plan['make_seconds'])}")
+        if plan.get("estimate"):
+            observed += (f"; a batch was already waiting in the queue at {percent(numbers['ready_share'])} of the "
+                         "fetches looked at: the wait is receiving them, and more workers would not shorten it")
         # Apply mode's workers action only adds workers (act/actions): this one is the job's to make.
+        gain_text = (f"up to {percent(plan['gain'])} shorter steps: an estimate (if making a batch is all CPU work, "
+                     "as its workers' CPU says)" if plan.get("estimate") else _predicted(plan["gain"]))
         return Evidence(observed=observed, numbers=numbers, fix=loader_fix(facts, ["num_workers=0"]),
-                        gain=plan["gain"], gain_text=_predicted(plan["gain"]),
+                        gain=plan["gain"], gain_text=gain_text,
                         severity="high" if plan["gain"] >= 0.3 else None, can_apply=False)
     if plan is not None and plan["gain"] < MIN_GAIN:
         make, ship = plan["make_seconds"], plan["ship_seconds"]
-        if workers:
+        if workers and "ready_share" in plan:
+            observed += (f"; a batch was already waiting in the queue at {percent(plan['ready_share'])} of the fetches "
+                         "looked at: the wait is receiving them, and more workers would not recover it")
+        elif workers:
             observed += (f"; shipping each batch from a worker costs this process {seconds(ship)} ({plan['tensors']} "
                          f"tensors), most of that wait: more workers would not recover it")
         else:
@@ -147,6 +157,15 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
             return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch))
         if wait_batch <= SHIPPING_BOUND * ship:
             return dict(plan, suggested_workers=workers, gain=0.0)  # the wait is the shipping
+        fetched = facts.habits.get("worker_fetches") or {}
+        if (fetched.get("checked") or 0) >= MIN_READY_CHECKS and fetched["ready_share"] >= READY_SHARE:
+            # Batches were waiting in the queue when the loop asked: the wait is receiving them
+            # (under contention, more than `ship` measured alone), and more workers cannot help.
+            # Fewer may: made here, a batch would cost its CPU (if its making is all CPU: unmeasured).
+            plan["ready_share"] = fetched["ready_share"]
+            if make < wait_batch:
+                return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch), estimate=True)
+            return dict(plan, suggested_workers=workers, gain=0.0)
         return None
     else:
         make = wait_batch  # made in this process, during the wait
