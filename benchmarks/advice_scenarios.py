@@ -103,7 +103,8 @@ WARMUP = 20  # the steps the rules' window leaves out (measure.history.WARMUP_ST
 class Truth:
     """What the loop measured of itself past the warm-up, by its own clock: the ground truth
     for the findings whose premise a machine's load can change (_premises)."""
-    stall: float  # the wait for the next batch (end of one step's body to the start of the next) over the steps
+    stall: float  # the wait for the next batch (end of one step's body to the start of the next) over the
+    # steps, one-off waits left out (run_job)
     copy_share: float  # the torch.tensor(ndarray) copies' time over the steps'
     step_seconds: float  # the steps' mean time
     # bf16 autocast on the job's model, measured before and after the run (run_scenario:
@@ -131,7 +132,8 @@ def run_job(job: Job) -> Truth:
         # pipeline hands it over), copied whole every step: a copy worth advice (numpy-copies'
         # gain is its share of the step, and a finding needs 1% of it: rule.MIN_GAIN).
         table = numpy.random.default_rng(0).standard_normal((job.batch_size, 128 * FEATURES)).astype("float32")
-    step, waited, copying, total = 0, 0.0, 0.0, 0.0
+    step, copying = 0, 0.0
+    waits: list[tuple[float, float]] = []  # (the wait before a step, its time with the wait), past the warm-up
     ended = time.perf_counter()
     while step < job.steps:
         for x, y in loader:
@@ -170,15 +172,21 @@ def run_job(job: Job) -> Truth:
                 net.train()
             now = time.perf_counter()
             if step > WARMUP:
-                waited += began - ended
-                total += now - ended
+                waits.append((began - ended, now - ended))
             ended = now
             if step >= job.steps:
                 break
         ended = time.perf_counter()  # a new epoch's workers start: not the steady state's wait
     counted = max(1, job.steps - WARMUP)
-    return Truth(stall=waited / total if total else 0.0, copy_share=copying / total if total else 0.0,
-                 step_seconds=total / counted)
+    total = sum(seconds for _, seconds in waits)
+    # The stall leaves out one-off waits (over 10x the median wait and a millisecond): a wait
+    # between two steps that the loader did not cause, tuneup's precision trial timing the
+    # model there (once a run, up to 30 steps' time) or a collector pause.
+    typical = max(10 * statistics.median(wait for wait, _ in waits), 1e-3) if waits else 0.0
+    steady = [(wait, seconds) for wait, seconds in waits if wait <= typical]
+    steady_total = sum(seconds for _, seconds in steady)
+    return Truth(stall=sum(wait for wait, _ in steady) / steady_total if steady_total else 0.0,
+                 copy_share=copying / total if total else 0.0, step_seconds=total / counted)
 
 
 def amp_gain(job: Job) -> tuple[float, float] | None:

@@ -101,3 +101,31 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
             assert every == max(4, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / median))), (median, every)
         else:
             assert every == 4
+
+
+def test_tuneup_s_own_work_at_a_close_is_neither_the_loops_wait_nor_its_step(run_dir):
+    """Ground truth: a loop of cheap steps fetching from a DataLoader of in-memory tensors (no
+    wait above a few milliseconds, checked by its own timer around next()), and a listener of
+    tuneup's taking 50 ms at one close (as a precision trial does between two steps): the
+    loop's timer sees it in one fetch; tuneup's data wait and step times must not."""
+    import time
+
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=4096, latency=0.0), batch_size=8)
+    waits = []
+    with tuneup.attach(run_dir=run_dir, interval=60, detail_every=1) as agent:
+        agent.recorder.timeline.add_listener("slow", lambda step: time.sleep(0.05) if step == 30 else None)
+        iterator = iter(loader)
+        for _ in range(60):
+            began = time.perf_counter()
+            x, y = next(iterator)
+            waits.append(time.perf_counter() - began)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        snapshot = agent.snapshot()
+    assert max(waits) >= 0.05 and sorted(waits)[-2] < 0.01  # the premise: one fetch held 50 ms
+    window = snapshot["window"]
+    assert window["step_seconds"]["max"] < 0.05 - sorted(waits)[-2]
+    assert window["data_wait_seconds"]["mean"] * window["steps"] < 0.05

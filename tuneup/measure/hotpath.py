@@ -66,6 +66,7 @@ TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
 DETAIL_SPACING = 0.004  # seconds of training, at least, between paced detail steps
 MAX_DETAIL_EVERY = 32
+OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
 PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
 
 
@@ -95,11 +96,12 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             unwind(exc)
             raise
         tl.in_loader = False
+        own = 0.0  # tuneup's own time at the close (its listeners): not the loop's wait
         try:
             # A batch fetched after an optimizer stepped closes the step (StepTimeline.moved_on,
             # called only when it has something to do: a step to close or none begun yet).
             if tl.group or tl.step_start is None:
-                tl.moved_on(began)
+                own = tl.moved_on(began)
             tl.in_optimizer = False
             tl.fetches += 1
             if look:
@@ -115,8 +117,9 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             else:
                 tl.samples += batch_size(batch)
             # Timed after the bookkeeping: data wait is what a timer around the loop's
-            # next() shows (the few µs of closing the step count as waiting for it).
-            tl.data_wait += clock() - began
+            # next() shows (the few µs of closing the step count as waiting for it), less
+            # tuneup's listeners at the close (a precision trial's second: no stall of the job's).
+            tl.data_wait += clock() - began - own
         except Exception as exc:
             probe.fail(exc)
         return batch
@@ -149,8 +152,10 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 if tl.group or tl.detail:
                     now = clock()
                     # An optimizer that already stepped in the open step closes it (a new
-                    # iteration began without a DataLoader fetch).
-                    tl.moved_on(now, key)
+                    # iteration began without a DataLoader fetch); after tuneup's listeners
+                    # at that close, the update starts anew.
+                    if tl.moved_on(now, key):
+                        now = clock()
                     tl.in_input = False  # a close here opened no input: the optimizer steps
                     # Less the forwards and backwards inside it (a closure: LBFGS).
                     tl.optimizer_start = now - tl.forward - tl.backward
@@ -435,23 +440,25 @@ class StepTimeline:
             if self.forward_depth == 0:
                 self.forward += now - self.forward_start
 
-    def moved_on(self, now: float, optimizer: int | None = None) -> None:
+    def moved_on(self, now: float, optimizer: int | None = None) -> float:
         """The step boundary, the one rule (see the module docstring): the loop visibly moved
         on at `now`: a batch fetched, iter(loader), a step function beginning (optimizer
         None), or the optimizer with this id about to step. The open step closes if an
         optimizer stepped in it (for an optimizer: if that same one did; two optimizers
-        stepped in one iteration are one step). Otherwise `now` may open the first step."""
+        stepped in one iteration are one step). Otherwise `now` may open the first step.
+        Returns the seconds tuneup's listeners took at the close (0.0: none ran)."""
         group = self.group
         if group and (optimizer is None or optimizer in group):
-            self.close(now)
-        elif self.step_start is None:
+            return self.close(now)
+        if self.step_start is None:
             self.step_start = now
+        return 0.0
 
     def waited(self, began: float, ended: float) -> None:
         """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
         next() that raised (StopIteration at the end of an epoch, the user's exception)."""
-        self.moved_on(began)
-        self.data_wait += ended - began
+        own = self.moved_on(began)
+        self.data_wait += max(0.0, ended - began - own)
 
     def evaluation_forward(self, now: float) -> None:
         """A trained model's forward in eval() mode: it opens an evaluation phase or belongs to
@@ -522,7 +529,9 @@ class StepTimeline:
 
     # --- closing ------------------------------------------------------------------------
 
-    def close(self, now: float) -> None:
+    def close(self, now: float) -> float:
+        """Close the open step at `now`; returns the seconds its listeners took (tuneup's own
+        time, kept out of the next step's: steps.py own_seconds)."""
         ring = self.ring
         step = ring.count + 1
         if step == 1:
@@ -533,8 +542,7 @@ class StepTimeline:
             self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
             self.evaluations, self.detail,
         )
-        if self.detail or step >= self.wake_at:  # (a step's loss to read sets wake_at to 0)
-            self._notify(step)
+        own = self._notify(step) if self.detail or step >= self.wake_at else 0.0  # (a loss to read: wake_at 0)
         self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
         if step + 1 >= self.next_detail:
@@ -545,6 +553,9 @@ class StepTimeline:
             self.detail = self.in_input = False
             self.hooked = self.by_hand or self.evaluating
         ring.count = step  # publish last: readers only see complete records
+        if own:
+            ring.put("own_seconds", step + 1, own, add=True)  # the open step's time holds it
+        return own
 
     def _detail_after(self, step: int) -> int:
         """The first detail step after `step`: the first five, the guarded ones, else one drawn
@@ -573,8 +584,12 @@ class StepTimeline:
         self.detail_until = max(self.detail_until, step)
         self.next_detail = min(self.next_detail, self.ring.count + 2)
 
-    def _notify(self, step: int) -> None:
+    def _notify(self, step: int) -> float:
+        """Run the close listeners; returns the seconds they took where that is OWN_MIN or more
+        (a precision trial, a batch shipped: tuneup's work, left out of the job's step), else
+        0.0 (reading a loss: a few microseconds, the close's own bookkeeping as before)."""
         self.in_tuneup = True
+        began = perf_counter()
         try:
             for name, listener in self.on_close:
                 try:
@@ -584,6 +599,8 @@ class StepTimeline:
                     self.fail(name, exc)
         finally:
             self.in_tuneup = False  # also after a KeyboardInterrupt inside a listener
+        spent = perf_counter() - began
+        return spent if spent >= OWN_MIN else 0.0
 
     def flush(self) -> None:
         """Close the open step at detach, ending it at its last optimizer step (by hand: at

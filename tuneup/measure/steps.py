@@ -77,6 +77,7 @@ LATE = (
     ("late_skips", 0.0),  # GradScaler skips reported by the device after the step closed
     ("compile_seconds", 0.0),  # torch.compile's compilations during the step (compiled.py)
     ("input_samples", -1.0),  # no DataLoader: the batch dimension of a detail step's training forwards; -1: not seen
+    ("own_seconds", 0.0),  # tuneup's listeners at the close that opened the step (a precision trial): not the job's
 )
 
 
@@ -150,6 +151,9 @@ class StepRing:
             values, owners = window(getattr(self, name)), window(getattr(self, name + "_step"))
             out[name] = [v if o == s else missing for s, v, o in zip(steps, values, owners)]
         out["loss_known"] = [o == s for s, o in zip(steps, window(self.loss_step))]
+        own = out.pop("own_seconds")
+        if any(own):
+            out["step_seconds"] = [max(0.0, seconds - spent) for seconds, spent in zip(out["step_seconds"], own)]
         late_skips = out.pop("late_skips")
         out["skipped_steps"] = [a + b for a, b in zip(out["skipped_steps"], late_skips)]
         compiling = out["compile_seconds"]
