@@ -28,9 +28,10 @@ Each tick reads every DDP model once; a new sampled iteration adds one entry to 
 short window, and the summary is the window's median (summed over the DDP models a step runs,
 as a GAN's two). The first iterations (bucket rebuild, the ranks meeting for the first time)
 are left out, and once the window holds STEADY_SAMPLES iterations past DDP's first ten the
-median is over those alone: iterations 3-10 still hold start-up (ranks arriving at their first
-steps at different times), and on a loaded machine their waits outweighed the steady state's
-seven samples of an 800-step run, reading a wait longer than the step itself.
+median is over those alone (`steady`): iterations 3-10 still hold start-up (ranks arriving at
+their first steps at different times), and on a loaded machine their waits outweighed the
+steady state's seven samples of an 800-step run, reading a wait longer than the step itself,
+and in a 300-step run of two ranks at the same pace named one a straggler.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Iterable
 FIRST_ITERATION = 3  # DDP's iterations 1-2 hold the bucket rebuild and the ranks' first meeting
 WINDOW = 16  # sampled iterations the median is over (the last ~1,000 steps past the first ten)
 EARLY_ITERATIONS = 10  # DDP samples iterations 1-10, then every 100th (kDDPRuntimeLoggingSampleRate)
-STEADY_SAMPLES = 3  # sampled iterations past the first ten that make the median theirs alone
+STEADY_SAMPLES = 2  # sampled iterations past the first ten that make the median theirs alone
 NANOSECONDS = 1e-9
 
 
@@ -92,7 +93,9 @@ class AllReduceWait:
         if not windows:
             return {"iterations_sampled": 0}
         out: dict[str, Any] = {"iterations_sampled": max(len(w) for w in windows),
-                               "last_iteration": max(w[-1]["iteration"] for w in windows)}
+                               "last_iteration": max(w[-1]["iteration"] for w in windows),
+                               # past the start-up (iteration 100 and on, STEADY_SAMPLES of them)
+                               "steady": all(w[0]["iteration"] > EARLY_ITERATIONS for w in windows)}
         for key, name in (("wait", "allreduce_wait_seconds"), ("comm", "allreduce_seconds"),
                           ("backward_compute", "backward_compute_seconds"), ("forward", "forward_seconds")):
             out[name] = sum(median(s[key] for s in w) for w in windows)

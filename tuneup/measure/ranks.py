@@ -102,7 +102,8 @@ def compact(snapshot: dict[str, Any], findings: list[dict[str, Any]], final: boo
     return {
         "run": {key: run.get(key) for key in ("rank", "local_rank", "run_id", "host", "pid", "world_size")},
         "window": {key: window.get(key) for key in keep},
-        "ddp": {"allreduce_wait_seconds": ddp.get("allreduce_wait_seconds")},
+        # Past DDP's start-up only (ddp.py `steady`): before it, the ranks' first meetings.
+        "ddp": {"allreduce_wait_seconds": ddp.get("allreduce_wait_seconds") if ddp.get("steady", True) else None},
         "findings": [{"rule": f["rule"], "severity": f["severity"], "gain": f.get("gain")} for f in findings],
         "time": time.time(),
         "final": final,

@@ -71,9 +71,10 @@ STRAGGLER_MIN_SECONDS = 0.001  # below a millisecond per step, ranks differ by s
 
 def allreduce_wait(snapshot: dict) -> float | None:
     """A rank's wait in DDP's all-reduce per step (measure/ddp.py): where it reports it, from
-    DDP's own timers (a rank summary's `ddp`, a full snapshot's system sample)."""
+    DDP's own timers (a rank summary's `ddp`, a full snapshot's system sample), past the
+    start-up (`steady`; logs without the flag are taken as they are)."""
     ddp = snapshot.get("ddp") or (snapshot.get("system") or {}).get("ddp") or {}
-    return ddp.get("allreduce_wait_seconds")
+    return ddp.get("allreduce_wait_seconds") if ddp.get("steady", True) else None
 
 
 def own_time(snapshot: dict, by_wait: bool = False) -> float | None:
