@@ -547,7 +547,8 @@ class StepTimeline:
         self.group.clear()
         if step + 1 >= self.next_detail:
             self.detail = self.hooked = self.in_input = True
-            self.input_mark = (now, self.data_wait, self.optimizer + self.evaluation)
+            # The loop's input starts after tuneup's listeners: their time is neither its wait nor its input.
+            self.input_mark = (now + own, self.data_wait, self.optimizer + self.evaluation)
             self.next_detail = self._detail_after(step + 1)
         elif self.detail:  # (after a step that was not one, these are as they should be)
             self.detail = self.in_input = False
