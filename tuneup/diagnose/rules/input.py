@@ -321,11 +321,11 @@ def numpy_copies(facts: Facts) -> Evidence | None:
                  "watched_steps": habits.get("watched_steps"), "sources": habits.get("numpy_copy_sources")},
         fix="x = torch.from_numpy(array)      # shares memory; or torch.as_tensor(array, dtype=...)",
         gain=share,
-        # The copies' own time is what is measured; sharing saves more (freeing each copy's memory
-        # after it, the cache it evicted): 5.3% measured against 3.1% of copying in one run
-        # (benchmarks/bench_gain_calibration.py). So the figure is a floor, and said to be.
-        gain_text=(f"at least {percent(share)} shorter steps (the copies' own time; freeing their memory "
-                   "costs more): an estimate from below") if share is not None else None,
+        # The copies' own time is what is measured; sharing saved more in some runs (freeing each
+        # copy's memory after it: 5.3% and 7.9% against 3.1-4.1% of copying) and less in another
+        # (1.9%, with pairs from -5% to 9%), benchmarks/bench_gain_calibration.py: an estimate.
+        gain_text=(f"about {percent(share)} shorter steps: the copies' own time, an estimate (freeing the "
+                   "memory they fill can add to it)") if share is not None else None,
     )
 
 
