@@ -92,13 +92,13 @@ class Slow(Dataset):
         return torch.full((4,), float(index))
 
 
-def ready_share(run_dir, sample_seconds: float, step_seconds: float, workers: int) -> dict:
+def ready_share(run_dir, sample_seconds: float, step_seconds: float, workers: int, epochs: int) -> dict:
     """Batches of 2; the loop's step is a sleep of `step_seconds`."""
     loader = DataLoader(Slow(sample_seconds), batch_size=2, num_workers=workers, persistent_workers=True)
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with tuneup.attach(run_dir=run_dir, port=0, interval=0.1) as agent:
-        for _ in range(4):
+        for _ in range(epochs):
             for x in loader:
                 model(x).sum().backward()
                 optimizer.step()
@@ -108,11 +108,12 @@ def ready_share(run_dir, sample_seconds: float, step_seconds: float, workers: in
 
 
 def test_worker_fetches_tell_batches_made_ahead_from_batches_waited_for(run_dir):
-    # Ground truth: cheap samples and a 20 ms step: two workers (4 batches in flight) are always
-    # ahead, a batch waits in the queue at every fetch. 50 ms samples (100 ms a batch) from one
-    # worker and a bare step: the loop always asks before the next is made (two workers would
-    # hand over their batches in pairs, the second of each waiting).
-    ahead = ready_share(run_dir / "ahead", 0.0, 0.02, workers=2)
-    behind = ready_share(run_dir / "behind", 0.05, 0.0, workers=1)
+    # Ground truth: cheap samples and a 40 ms step: two workers (4 batches in flight, a
+    # millisecond of work each) are always ahead, a batch waits in the queue at every fetch past
+    # an epoch's first. 50 ms samples (100 ms a batch) from one worker and a bare step: the loop
+    # always asks before the next is made (two workers would hand over their batches in pairs,
+    # the second of each waiting). Load only slows the workers: "behind" stays behind.
+    ahead = ready_share(run_dir / "ahead", 0.0, 0.04, workers=2, epochs=2)
+    behind = ready_share(run_dir / "behind", 0.05, 0.0, workers=1, epochs=1)
     assert ahead["checked"] >= 3 and ahead["ready_share"] == 1.0
     assert behind["checked"] >= 3 and behind["ready_share"] == 0.0
