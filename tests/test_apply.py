@@ -603,7 +603,7 @@ def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir):
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
     state = {}
     with tuneup.attach(**apply_options(run_dir, actions=["amp"], cpu_bf16=True)) as agent:
-        for step in range(1, 2000):
+        for step in range(1, 20000):  # until a few steps after AMP's first (a decision comes after a time)
             first.zero_grad()
             second.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
@@ -618,6 +618,7 @@ def test_a_nonfinite_update_is_skipped_for_every_optimizer_of_the_step(run_dir):
                 state["after"] = [p.detach().clone() for p in model.parameters()]
             if "step" in state and step > state["step"] + 5:
                 break
+    assert len(records(agent, "amp")) == 1, (decisions(agent), agent.recorder.precision.result, agent.findings())
     [record] = records(agent, "amp")
     assert record["decision"] == "rolled back" and "update was skipped" in record["reason"]
     assert all(torch.equal(a, b) for a, b in zip(state["params"], state["after"]))
