@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from statistics import median
 from time import perf_counter
 from typing import Any, Callable, Iterable
@@ -61,7 +62,6 @@ class Series:
     """One optimizer's (or a hand-written update's) norms, as they arrive."""
 
     def __init__(self) -> None:
-        self.before: deque[float] = deque(maxlen=SPIKE_HISTORY)
         self.highest = 0.0  # the largest finite norm so far: the floor's scale
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.samples = self.spikes = self.nonfinite = 0
@@ -72,8 +72,9 @@ class Series:
         if not math.isfinite(value):
             self.nonfinite += 1
             return
-        if len(self.before) >= MIN_BEFORE:
-            middle = median(self.before)
+        before = list(islice(reversed(self.recent), SPIKE_HISTORY))  # the last SPIKE_HISTORY finite norms
+        if len(before) >= MIN_BEFORE:
+            middle = median(before)
             if middle > 0 and value >= SPIKE_FLOOR * self.highest:
                 ratio = value / middle
                 if ratio > SPIKE_FACTOR:
@@ -81,7 +82,6 @@ class Series:
                 if self.largest is None or ratio > self.largest[0]:
                     self.largest = (ratio, value, middle, step)
         self.highest = max(self.highest, value)
-        self.before.append(value)
         self.recent.append(value)
 
 
