@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.advice_scenarios import SCENARIOS, expected_findings, fired, precision_recall, run_scenario  # noqa: E402
+from benchmarks.advice_scenarios import SCENARIOS, expected_findings, fired, norms_read, precision_recall, run_scenario  # noqa: E402
 from tuneup.measure.config import cpu_bf16_detected  # noqa: E402
 from tuneup.options import resolve  # noqa: E402
 
@@ -35,7 +35,7 @@ def main() -> None:
         for index, scenario in enumerate(SCENARIOS):
             began = time.perf_counter()
             document = run_scenario(scenario, Path(folder) / f"run{index}", cpu_bf16=cpu_bf16)
-            expected, either = expected_findings(scenario, cpu_bf16, document["truth"])
+            expected, either = expected_findings(scenario, cpu_bf16, document["truth"], norms_read(document))
             got = fired(document) - either
             results.append((expected, got))
             top = document["findings"][0]["observed"][:70] if document["findings"] else "-"

@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print(f"CPU bf16 units: {'yes' if cpu_bf16_detected() else 'no'}; {torch.get_num_threads()} threads; "
+    print(f"CPU bf16 units: {'yes' if cpu_bf16_detected() else 'no'}; jobs on {CLEAN.threads} intra-op thread(s) "
+          f"(of {torch.get_num_threads()}) unless a case sets more; "
           f"{args.repeats} interleaved runs per variant")
     print(f"{'case':<40} {'rule':<14} {'stated':>7} {'as is':>9} {'fixed':>9} {'measured':>8} {'pairs: low, high':>16} "
           f"{'ratio':>6}  verdict")

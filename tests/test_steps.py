@@ -25,7 +25,9 @@ def assert_stall_matches(agent, truth):
     assert totals["data_wait_seconds"] <= truth.data_wait_seconds + 1e-6, said
     assert totals["data_wait_seconds"] >= truth.data_wait_seconds * (1 - UNDER), said
     assert totals["stall_ratio"] == pytest.approx(totals["data_wait_seconds"] / totals["seconds"])
-    assert totals["seconds"] == pytest.approx(truth.seconds, abs=POINTS * truth.seconds)
+    # tuneup's own work between steps (a batch shipped once, a precision trial) is kept out of
+    # its step times and counted apart; the loop's clock holds both.
+    assert totals["seconds"] + totals["tuneup_seconds"] == pytest.approx(truth.seconds, abs=POINTS * truth.seconds)
     return totals
 
 

@@ -234,7 +234,8 @@ SUMS = Obj(
     **{name: Omissible(COUNT) for name in ("fetches", "losses_read", "nonfinite_losses", "evaluations",
                                            "unsampled_steps")},
     **{name: Omissible(SECONDS) for name in ("detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
-                                       "input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")},
+                                             "own_seconds", "input_seconds", "forward_seconds", "backward_seconds",
+                                             "optimizer_seconds")},
 )
 
 LOSS_SUMMARY = Obj(last=LOSS, median=Opt(LOSS), max=Opt(LOSS), read_steps=COUNT, nonfinite_steps=COUNT,

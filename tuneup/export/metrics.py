@@ -178,6 +178,8 @@ class AgentCollector(Collector):
                        sums["optimizer_steps"])
         yield f.single("counter", "tuneup_detail_steps", "Steps whose time was split into phases",
                        sums["detailed_steps"])
+        yield f.single("counter", "tuneup_own_seconds", "Time tuneup's own work took on the training thread "
+                       "between steps (one-off trials; kept out of tuneup_step_seconds)", sums["own_seconds"])
         phases = f.counter("tuneup_step_phase_seconds", "Time of the detail steps, by phase", ["phase"])
         for phase, key in PHASES:
             if phase == "forward" and not self.state.recorder.model.timed:

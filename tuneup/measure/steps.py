@@ -151,7 +151,7 @@ class StepRing:
             values, owners = window(getattr(self, name)), window(getattr(self, name + "_step"))
             out[name] = [v if o == s else missing for s, v, o in zip(steps, values, owners)]
         out["loss_known"] = [o == s for s, o in zip(steps, window(self.loss_step))]
-        own = out.pop("own_seconds")
+        own = out["own_seconds"]
         if any(own):
             out["step_seconds"] = [max(0.0, seconds - spent) for seconds, spent in zip(out["step_seconds"], own)]
         late_skips = out.pop("late_skips")

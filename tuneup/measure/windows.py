@@ -118,6 +118,9 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
         # Compilations (kept out of the step times above) and the warm-up steps they ran in.
         "compile_seconds": sum(columns.get("compile_seconds", ())),
         "warmup_steps": sum(1 for spent in columns.get("compile_seconds", ()) if spent),
+        # tuneup's own work on the training thread at step closes (a precision trial, a batch
+        # shipped once), kept out of the step times above: the loop's clock holds it.
+        "own_seconds": sum(columns.get("own_seconds", ())),
     }
     fed = [value for value in columns.get("input_samples", ()) if value >= 0]
     if not sums["samples"] and fed:
@@ -202,7 +205,7 @@ class Totals:
     ADDED = ("steps", "seconds", "data_wait_seconds", "samples", "optimizer_steps", "skipped_steps",
              "sync_sampled_steps", "syncs", "detailed_steps", "detailed_seconds", "losses_read",
              "nonfinite_losses", "detailed_data_wait_seconds", "detailed_other_seconds", "evaluation_seconds",
-             "evaluations", "compile_seconds", "warmup_steps", "unsampled_steps") + SPLIT
+             "evaluations", "compile_seconds", "warmup_steps", "unsampled_steps", "own_seconds") + SPLIT
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = dict.fromkeys(self.ADDED, 0)
@@ -246,6 +249,9 @@ class Totals:
             # torch.compile's compilations, kept out of `seconds`, and the steps they ran in
             "compile_seconds": sums["compile_seconds"],
             "warmup_steps": int(sums["warmup_steps"]),
+            # tuneup's own time on the training thread, kept out of `seconds` (the loop's clock
+            # reads seconds + tuneup_seconds)
+            "tuneup_seconds": sums["own_seconds"],
         }
         for part in SPLIT:
             out[part.replace("_seconds", "_ratio")] = _ratio(sums[part], sums["detailed_seconds"])

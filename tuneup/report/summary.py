@@ -258,8 +258,11 @@ def render(snapshot: dict[str, Any]) -> Group:
     totals = snapshot["totals"]
     window = snapshot["window"]
     parts: list[Any] = []
-    head = (f"tuneup measured {totals['steps']} steps in {seconds(totals['seconds'])} "
-            f"(run {snapshot['run']['run_id']})")
+    head = f"tuneup measured {totals['steps']} steps in {seconds(totals['seconds'])}"
+    own = totals.get("tuneup_seconds")
+    if isinstance(own, (int, float)) and own > 0:  # its one-off trials, on the training thread
+        head += f" (plus {seconds(own)} of tuneup's own, kept out)"
+    head += f" (run {snapshot['run']['run_id']})"
     parts.append(Text(head, style="bold"))
     if window is None:
         parts.append(Text("No training step was seen: no optimizer.step(), no backward followed by a forward, no "
