@@ -126,6 +126,7 @@ class Truth:
     for the findings whose premise a machine's load can change (_premises)."""
     stall: float  # the wait for the next batch (end of one step's body to the start of the next) over the
     # steps, one-off waits left out (run_job)
+    stall_all: float  # the same with every wait: what the loop's clock says (tuneup's own work at a close too)
     copy_share: float  # the torch.tensor(ndarray) copies' time over the steps'
     step_seconds: float  # the steps' mean time
     # bf16 autocast on the job's model, measured before and after the run (run_scenario:
@@ -215,14 +216,15 @@ def _train(job: Job) -> Truth:
         ended = time.perf_counter()  # a new epoch's workers start: not the steady state's wait
     counted = max(1, job.steps - WARMUP)
     total = sum(seconds for _, seconds in waits)
-    # The stall leaves out one-off waits (over 10x the median wait and a millisecond): a wait
-    # between two steps that the loader did not cause, tuneup's precision trial timing the
-    # model there (once a run, up to 30 steps' time) or a collector pause.
+    # Two stalls bound the truth: with every wait, and without one-off waits (over 10x the median
+    # wait and a millisecond), which may be the loader's (a fetch descheduled on a busy machine)
+    # or not (tuneup's own work at a close, which it leaves out; a collector pause).
     typical = max(10 * statistics.median(wait for wait, _ in waits), 1e-3) if waits else 0.0
     steady = [(wait, seconds) for wait, seconds in waits if wait <= typical]
     steady_total = sum(seconds for _, seconds in steady)
     spikes = _spikes([norm.item() for norm in norms])
     return Truth(stall=sum(wait for wait, _ in steady) / steady_total if steady_total else 0.0,
+                 stall_all=sum(wait for wait, _ in waits) / total if total else 0.0,
                  copy_share=copying / total if total else 0.0, step_seconds=total / counted,
                  spike_steps=spikes, judged_steps=max(0, len(norms) - SPIKE_HISTORY))
 
@@ -324,19 +326,21 @@ SCENARIOS: list[Scenario] = [
 STALL_MARGIN = 0.03  # tuneup's data wait is the loop's less its own bookkeeping (test_steps)
 
 
-def _premises() -> dict[str, tuple[Callable[[Truth], float], float, float]]:
+def _premises() -> dict[str, tuple[Callable[[Truth], tuple[float, float]], float, float]]:
     """The rules whose premise a machine's load can change, in any scenario: (the loop's own
-    measure of it, below which the rule must stay silent, from which it must fire); in between,
-    either is right. A busy machine slows the training thread and the loader (or the copy)
-    differently, and which more, the load decides."""
+    measure of it, as bounds (low, high), below which the rule must stay silent, from which it
+    must fire): it must fire where the low bound reaches fires_from, stay silent where the high
+    one is under silent_below, and either is right in between. A busy machine slows the
+    training thread and the loader (or the copy) differently, and which more, the load decides."""
     from tuneup.diagnose.rule import MIN_GAIN
     from tuneup.diagnose.rules.input import STALL_THRESHOLD
 
     return {
-        "data-stall": (lambda truth: truth.stall, STALL_THRESHOLD - STALL_MARGIN, STALL_THRESHOLD + STALL_MARGIN),
+        "data-stall": (lambda truth: (truth.stall, truth.stall_all), STALL_THRESHOLD - STALL_MARGIN,
+                       STALL_THRESHOLD + STALL_MARGIN),
         # tuneup times the copies on its watched steps (5 of a 240-step run), the loop on every
         # step: on a busy machine a descheduled copy makes the two differ by up to 2x.
-        "numpy-copies": (lambda truth: truth.copy_share, MIN_GAIN / 2, MIN_GAIN * 2),
+        "numpy-copies": (lambda truth: (truth.copy_share, truth.copy_share), MIN_GAIN / 2, MIN_GAIN * 2),
     }
 
 
@@ -379,12 +383,12 @@ def expected_findings(scenario: Scenario, cpu_bf16: bool, truth: Truth | None = 
             either.add("no-grad-clipping")
     if truth is not None:
         for rule_id, (measure, silent_below, fires_from) in _premises().items():
-            value = measure(truth)
-            if value >= fires_from:
+            low, high = measure(truth)
+            if low >= fires_from:
                 expected.add(rule_id)
             else:
                 expected.discard(rule_id)
-                if value >= silent_below:
+                if high >= silent_below:
                     either.add(rule_id)
     return frozenset(expected), frozenset(either)
 

@@ -62,6 +62,7 @@ def make_columns(step_seconds, first=1, losses=None, **given):
         "syncs": [-1.0] * n,
         "gpu_seconds": [-1.0] * n,
         "compile_seconds": [0.0] * n,
+        "own_seconds": [0.0] * n,
         "input_samples": [-1.0] * n,
         "loss_known": [False] * n,
     }

@@ -104,10 +104,11 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
 
 
 def test_tuneup_s_own_work_at_a_close_is_neither_the_loops_wait_nor_its_step(run_dir):
-    """Ground truth: a loop of cheap steps fetching from a DataLoader of in-memory tensors (no
-    wait above a few milliseconds, checked by its own timer around next()), and a listener of
-    tuneup's taking 50 ms at one close (as a precision trial does between two steps): the
-    loop's timer sees it in one fetch; tuneup's data wait and step times must not."""
+    """Ground truth: a loop of cheap steps fetching from a DataLoader of in-memory tensors, its
+    own timer around next() and around the whole loop, and a listener of tuneup's taking 50 ms
+    at one close (as a precision trial does between two steps): the loop's timers see it in one
+    fetch; tuneup's data wait and step times leave it out, and count it as its own. (Bounds, not
+    a fetch's size: on a busy machine any fetch may take tens of ms.)"""
     import time
 
     model = mlp(hidden=16)
@@ -117,6 +118,7 @@ def test_tuneup_s_own_work_at_a_close_is_neither_the_loops_wait_nor_its_step(run
     with tuneup.attach(run_dir=run_dir, interval=60, detail_every=1) as agent:
         agent.recorder.timeline.add_listener("slow", lambda step: time.sleep(0.05) if step == 30 else None)
         iterator = iter(loader)
+        started = time.perf_counter()
         for _ in range(60):
             began = time.perf_counter()
             x, y = next(iterator)
@@ -124,8 +126,12 @@ def test_tuneup_s_own_work_at_a_close_is_neither_the_loops_wait_nor_its_step(run
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
-        snapshot = agent.snapshot()
-    assert max(waits) >= 0.05 and sorted(waits)[-2] < 0.01  # the premise: one fetch held 50 ms
-    window = snapshot["window"]
-    assert window["step_seconds"]["max"] < 0.05 - sorted(waits)[-2]
-    assert window["data_wait_seconds"]["mean"] * window["steps"] < 0.05
+        elapsed = time.perf_counter() - started
+    snapshot = agent.snapshot()  # after detach: the last step closed at its optimizer step
+    assert max(waits) >= 0.05  # the premise: the loop's timer saw the 50 ms in a fetch
+    totals = snapshot["totals"]
+    assert totals["steps"] == 60
+    assert totals["tuneup_seconds"] >= 0.05
+    # tuneup's waits are inside the loop's timed fetches, less its own 50 ms; its steps inside the loop's time.
+    assert totals["data_wait_seconds"] <= sum(waits) - 0.05 + 1e-6
+    assert totals["seconds"] <= elapsed - 0.05 + 1e-6
