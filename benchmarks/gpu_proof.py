@@ -5,7 +5,8 @@
 On a CUDA machine this runs, each in its own process with its share of the time budget:
   1. `python -m pytest -m gpu`: the real CUDA and NVML paths (sync counting, GPU time per step,
      blocking copies, explicit synchronize calls, NVML device identity, the allocator, apply
-     mode's AMP / cudnn.benchmark / pin_memory on a conv net and a transformer);
+     mode's AMP / cudnn.benchmark / pin_memory on a conv net and a transformer; MFU of a bf16
+     transformer block by tuneup and by hand, printed);
   2. benchmarks/bench_cuda_sync_tracing.py: the cost of the sync-tracing mechanisms;
   3. benchmarks/bench_overhead.py --device cuda: tuneup's overhead on a real CUDA loop;
   4. benchmarks/bench_apply_cuda.py: apply mode's decisions and speed-ups.
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (title, command, share of the budget)
 PARTS = (
-    ("gpu-marked tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"], 0.45),
+    ("gpu-marked tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs",
+                          "-s"], 0.45),
     ("sync tracing mechanisms", [sys.executable, "benchmarks/bench_cuda_sync_tracing.py"], 0.10),
     ("overhead on a CUDA loop", [sys.executable, "benchmarks/bench_overhead.py", "--device", "cuda", "--rounds", "7",
                                  "--startup-rounds", "0"], 0.20),

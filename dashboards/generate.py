@@ -323,6 +323,14 @@ def overview() -> dict[str, Any]:
                    overrides=[on_right_axis("B", "short")]),
 
         row("GPU"),
+        timeseries("Model FLOPs utilization", "Achieved FLOP/s (the step's FLOPs, counted on the model's "
+                   "shapes, over the measured step time, data waits included) over the device's dense peak "
+                   "for the step's precision (left axis), and the achieved FLOP/s (right axis). NVML's "
+                   "utilization above says a kernel ran; this says how much of the chip the work used. "
+                   "No MFU where tuneup has no peak for the device (CPU included).",
+                   targets((sel("tuneup_model_flops_utilization"), "MFU {{precision}} " + LEGEND),
+                           (sel("tuneup_achieved_flops_per_second"), "FLOP/s " + LEGEND)),
+                   "percentunit", maximum=1, overrides=[on_right_axis("B", "flops")]),
         timeseries("GPU utilization", "Share of the sample period a kernel ran, on the GPUs each process "
                    "holds memory on (all its visible GPUs where NVML cannot tell).",
                    targets((on_used_gpus("tuneup_gpu_utilization_ratio"), GPU_LEGEND)),

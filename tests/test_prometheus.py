@@ -3,8 +3,8 @@ through the node daemon; then every expression of every dashboard panel and vari
 every alert rule, is evaluated through Prometheus' HTTP API and must return data.
 
 The jobs are made to show what each panel and alert is for: rank 0 and rank 1 of one job
-(rank 1 straggles and stalls on its loader; rank 0 skips GradScaler steps, has an idle GPU and
-runs apply mode), and a second job that stops stepping (hung). NVML is the fake one (no GPU
+(rank 1 straggles and stalls on its loader; rank 0 skips GradScaler steps, has an idle GPU, runs
+apply mode and has its FLOPs counted as a bf16 step on an H100's peak), and a second job that stops stepping (hung). NVML is the fake one (no GPU
 here); the CUDA allocator figures come from the same function the agent reads, answering as
 a CUDA job's would.
 """
@@ -76,7 +76,8 @@ def prometheus(tmp_path_factory):
     jobs = {
         "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_PORT": str(rank0), "TUNEUP_MODE": "apply",
                    "TUNEUP_ACTIONS": "dataloader", "FAKE_NVML_UTILIZATION": "3"},
-                  ["--delay", "0.0005", "--skip-every", "4", "--fake-allocator", "--ddp"]),
+                  ["--delay", "0.0005", "--skip-every", "4", "--fake-allocator", "--ddp",
+                   "--fake-device", "NVIDIA H100 80GB HBM3"]),
         # Stalls by sleeping: 30 ms a sample, 16 a batch, 2 workers: a batch every 240 ms against
         # a step of 20 ms (sleep) plus a small convolution, and rank 0's step (they meet in each
         # allreduce): over TuneupDataStallHigh's 20%, and the slow rank, unless rank 0's step

@@ -23,6 +23,17 @@ def size(value: float | None) -> str:
     return "–"
 
 
+def flops(value: float | None, unit: str = "FLOP") -> str:
+    """A FLOP count (or, with unit "FLOP/s", a rate) with an SI prefix: 192.5 kFLOP, 38.1 TFLOP/s."""
+    if value is None:
+        return "–"
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(value) < 1000 or prefix == "P":
+            return f"{value:.0f} {unit}" if not prefix else f"{value:.1f} {prefix}{unit}"
+        value /= 1000
+    return "–"
+
+
 def percent(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 

@@ -271,8 +271,13 @@ GRAD_NORMS = _maybe(skipped=TEXT, samples=COUNT, spikes=COUNT, nonfinite=COUNT, 
 BATCH_TRANSFER = _maybe(main_seconds=SECONDS, worker_seconds=SECONDS, bytes=COUNT, tensors=COUNT, reps=COUNT)
 MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS)
 WORKER_FETCHES = _maybe(checked=COUNT, ready_share=SECONDS)
+# A training step's FLOPs, counted on the model's shapes (measure/flops.py)
+FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=SECONDS, backward_flops=SECONDS, flops=SECONDS,
+               batch=COUNT, dtype=TEXT, device=TEXT, device_name=TEXT, counts=COUNT, seconds=SECONDS,
+               top_modules=ListOf(Obj(module=TEXT, flops=SECONDS, share=SECONDS, count=Opt(COUNT), **{"class": Opt(TEXT)}),
+                                  max_items=100))
 HABITS = _maybe(
-    amp_trial=AMP_TRIAL, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
+    amp_trial=AMP_TRIAL, flops=FLOPS, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
     worker_fetches=WORKER_FETCHES,
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,

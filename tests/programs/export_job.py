@@ -11,6 +11,9 @@ Prints one JSON line when the agent is serving ({"url", "pid", "run_id"}), then 
     --skip-every K    every Kth step's loss is infinite: GradScaler skips that step
     --fake-allocator  report CUDA caching-allocator figures (for machines without CUDA; the
                       same function the agent reads, returning what a CUDA job would)
+    --fake-device NAME  count the step's FLOPs as a bf16 step on the CUDA device NAME (for
+                      machines without CUDA: the count runs as it does, its device is NAME, so
+                      MFU is stated against that device's peak)
     --ddp             wrap the model in DistributedDataParallel over a process group of its own
                       (one process, gloo): DDP's timers run as in any DDP job
 """
@@ -36,7 +39,18 @@ parser.add_argument("--skip-every", type=int, default=0)
 parser.add_argument("--hang", action="store_true")
 parser.add_argument("--fake-allocator", action="store_true")
 parser.add_argument("--ddp", action="store_true")
+parser.add_argument("--fake-device")
 args = parser.parse_args()
+
+if args.fake_device:
+    import tuneup.measure.flops as flops
+
+    counted = flops.FlopCount._count
+
+    def on_the_device(self, *positional, **named):
+        return dict(counted(self, *positional, **named), device="cuda", device_name=args.fake_device, dtype="bfloat16")
+
+    flops.FlopCount._count = on_the_device
 
 if args.fake_allocator:
     import tuneup.measure.memory as memory

@@ -28,7 +28,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ..measure.gpu import THROTTLE_REASONS
+from ..measure.utilization import utilization
 from ..measure.windows import STEP_BUCKETS
+
+COMPUTE_WINDOW = 256  # steps the achieved FLOP/s and MFU gauges are over
 
 # Every agent series: its rank, and the training job its ranks share (measure/state.py
 # training_job): Prometheus' recording rules aggregate a job's ranks by it.
@@ -94,6 +97,12 @@ def gpu_families(prefix: str, samples: list[dict[str, Any]], families: Families)
             if sample.get(field) is not None:
                 families.add(family, sample[field], str(sample["gpu"]))
         yield family
+    energy = families.counter(f"{prefix}_energy_joules", "Energy the GPU used since its driver loaded (NVML's "
+                              "counter; absent on GPUs without one)", ["gpu"])
+    for sample in samples:
+        if sample.get("energy_joules") is not None:
+            families.add(energy, sample["energy_joules"], str(sample["gpu"]))
+    yield energy
     throttled = families.gauge(f"{prefix}_throttled", "1 while the GPU's clocks are held down for this reason",
                                ["gpu", "reason"])
     for sample in samples:
@@ -126,7 +135,7 @@ class AgentCollector(Collector):
         self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank),
                                                str(state.run_info["training_job"])])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
-            self.run, self.steps, self.compiled, self.syncs, self.scaler, self.loss, self.gpu, self.allocator,
+            self.run, self.steps, self.compute, self.compiled, self.syncs, self.scaler, self.loss, self.gpu, self.allocator,
             self.host, self.ddp, self.findings, self.health)
 
     def collect(self) -> Iterator[Metric]:
@@ -186,6 +195,25 @@ class AgentCollector(Collector):
                 continue  # no model timed: the forward is part of "other"
             f.add(phases, sums[key], phase)
         yield phases
+
+    def compute(self) -> Iterator[Metric]:
+        """A step's FLOPs (counted on the model's shapes, measure/flops.py) and what they reach
+        over the last COMPUTE_WINDOW steps (measure/utilization.py); nothing before a count."""
+        f = self.families
+        recorder = self.state.recorder
+        if recorder is None:
+            return
+        figures = utilization(recorder.flops.summary(), recorder.window(COMPUTE_WINDOW))
+        if not figures or figures.get("skipped"):
+            return
+        yield f.single("gauge", "tuneup_step_flops", "FLOPs of one training step (forward and backward, counted on "
+                       "the model's shapes)", figures["flops_per_step"])
+        yield f.single("gauge", "tuneup_achieved_flops_per_second", "The step's FLOPs over the measured step time "
+                       f"(the last {COMPUTE_WINDOW} steps, data waits included)", figures["achieved_flops_per_second"])
+        if figures["mfu"] is not None:
+            family = f.gauge("tuneup_model_flops_utilization", "Achieved FLOP/s over the device's dense peak for the "
+                             "step's precision (0-1)", ["precision"])
+            yield f.add(family, figures["mfu"], str(figures["precision"]))
 
     def compiled(self) -> Iterator[Metric]:
         """torch.compile's work (measure/compiled.py); nothing for a job that never loaded dynamo."""

@@ -220,6 +220,9 @@ class NvmlGpus:
             memory = field(index, "memory", "nvmlDeviceGetMemoryInfo", handle)
             power_mw = field(index, "power", "nvmlDeviceGetPowerUsage", handle)
             limit_mw = field(index, "power_limit", "nvmlDeviceGetEnforcedPowerLimit", handle)
+            # Millijoules since the driver loaded, Volta and newer (nvidia-ml-py reads a uint64;
+            # older bindings a uint32, which wraps: readers treat a fall as no figure).
+            energy_mj = field(index, "energy", "nvmlDeviceGetTotalEnergyConsumption", handle)
             sm_clock = field(index, "sm_clock", "nvmlDeviceGetClockInfo", handle, sm)
             sm_max = field(index, "sm_clock_max", "nvmlDeviceGetMaxClockInfo", handle, sm)
             temperature = field(index, "temperature", "nvmlDeviceGetTemperature", handle,
@@ -239,6 +242,7 @@ class NvmlGpus:
                     "memory_total_bytes": memory.total if memory is not None else None,
                     "power_watts": power_mw / 1000 if power_mw is not None else None,
                     "power_limit_watts": limit_mw / 1000 if limit_mw is not None else None,
+                    "energy_joules": energy_mj / 1000 if energy_mj is not None else None,
                     "sm_clock_hz": sm_clock * 1e6 if sm_clock is not None else None,
                     "sm_clock_max_hz": sm_max * 1e6 if sm_max is not None else None,
                     "temperature_celsius": temperature,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
+from .utilization import energy, utilization
 from .windows import PARTS, SPLIT, Totals, samples_per_batch, samples_rate
 
 MAX_INTERVALS = 1024
@@ -281,8 +282,10 @@ class RunHistory:
             "syncs": self.latest.get("syncs") or {"measured": False},
             "scaler": self.latest.get("scaler") or {"present": False},
             "habits": self.latest.get("habits") or {},
+            "flops": utilization((self.latest.get("habits") or {}).get("flops"), window),
             "compile": self.latest.get("compile"),
             "system": self._system_in_window(window),
+            "energy": energy(self._samples_in_window(window), window),
             "gpu_history": _gpu_history(self._samples_in_window(window)),
             "config": self.config,
             "warnings": list(self.warnings),

@@ -19,9 +19,8 @@ The job sees none of it:
   running statistics stay the job's);
 - the random stream is forked (torch.random.fork_rng): dropout draws, and the job's stream
   goes on as if nothing ran;
-- every module hook of the model is set aside during the timing (the job's and tuneup's: none
-  sees these forwards), and tuneup's model probe is off (its class-level forward wrapper passes
-  through); a job with global module hooks is not timed (they would see the forwards).
+- every module hook of the model is set aside during the timing, and tuneup's model probe is
+  off (offstep.unseen); a job with global module hooks is not timed (they would see the forwards).
 Not timed: a compiled model (a hook would recompile it), a job under autocast, an FSDP model
 (sharded parameters), a model whose output holds no tensor a backward can start from. What the
 forward does to Python state of its own (a call counter, a cache) is not undone.
@@ -35,10 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
+from .offstep import global_hooks, largest, unseen, unwrapped
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
@@ -50,10 +49,6 @@ REPS, MIN_PAIRS = 12, 3
 BUDGET_STEPS = 30
 MIN_BUDGET, MAX_BUDGET = 0.05, 3.0
 MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 
 
 def premise(config: dict[str, Any] | None) -> bool:
@@ -87,19 +82,6 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch 2.3: no device argument (CUDA's state); the CPU's has its own call
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
-
-
-def _unwrapped(model: nn.Module) -> nn.Module | str:
-    """The module to time: DDP's and DataParallel's inner one (their forward would talk to
-    the other ranks or replicate), or why there is none."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if isinstance(model, (DistributedDataParallel, DataParallel)):
-        return model.module
-    if type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
-            type(m).__name__.startswith("FullyShardedDataParallel") for m in model.modules()):
-        return "an FSDP model (sharded parameters)"
-    return model
 
 
 def _clone(value: Any) -> Any:
@@ -146,12 +128,11 @@ class PrecisionTrial:
 
     def capture(self, models: list[nn.Module]) -> None:
         """Hook the largest trained model for the next step."""
-        largest = max(models, key=lambda model: sum(p.numel() for p in model.parameters()))
-        target = _unwrapped(largest)
+        target = unwrapped(largest(models))
         if isinstance(target, str):
             self.skip(target)
             return
-        if any(getattr(_module, name, None) for name in _GLOBAL_HOOKS):
+        if global_hooks():
             self.skip("global module hooks the job registered would see the timing's forwards")
             return
         self.state = "capturing"
@@ -235,12 +216,9 @@ class PrecisionTrial:
             return time.perf_counter() - began
 
         times: dict[bool, list[float]] = {False: [], True: []}
-        hooks = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOK_DICTS if hasattr(m, name)]
-        probe_on, self.models.on = self.models.on, False
         try:
-            for m, name, _ in hooks:
-                setattr(m, name, type(getattr(m, name))())
-            with torch.random.fork_rng(devices=[device] if cuda else []), torch.enable_grad():
+            with unseen(model, self.models), torch.random.fork_rng(devices=[device] if cuda else []), \
+                    torch.enable_grad():
                 began = time.perf_counter()
                 once(False), once(True)  # a pair to warm up (first calls, caches, kernel choices)
                 for rep in range(REPS):
@@ -250,10 +228,6 @@ class PrecisionTrial:
                         times[low].append(once(low))
         except _NoBackward:
             return {"skipped": "the model's output holds no tensor a backward can start from"}
-        finally:
-            for m, name, original in hooks:
-                setattr(m, name, original)
-            self.models.on = probe_on
         fp32, low = statistics.median(times[False]), statistics.median(times[True])
         return {"device": device.type, "dtype": str(reduced).replace("torch.", ""), "model": type(model).__name__,
                 "pairs": len(times[False]), "faster_pairs": sum(b < a for a, b in zip(times[False], times[True])),

@@ -36,6 +36,7 @@ from .memory import allocator_stats
 from .model import ModelProbe, is_compiled, tracing
 from .objects import Tracked
 from .optimizer import OptimizerProbe
+from .flops import FlopCount
 from .precision import PrecisionTrial
 from .scaler import ScalerProbe
 from .stacks import InputSampler
@@ -75,6 +76,7 @@ class Recorder:
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
+        self.flops = FlopCount(self.model)  # a step's FLOPs, counted on shapes when they change
         # The gradient norm each update uses, on sampled steps (exploding gradients).
         self.gradients = self.optimizer.gradients = self.model.gradients = GradientNorms(self.timeline, self.values)
         self.host: Any = None  # host.HostProbe, made at the first sample (psutil: not inside attach())
@@ -121,6 +123,8 @@ class Recorder:
         self.compile.close()
         self.precision.on = False
         self.precision.remove_hooks()
+        self.flops.on = False
+        self.flops.remove_hooks()
         self.model.uninstall_discovery()
 
     def forked(self) -> None:
@@ -197,6 +201,8 @@ class Recorder:
             self.values.poll()
         if self.precision.state == "capturing":  # hooked at the previous close: the step has run
             self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
+        if self.flops.state == "capturing":
+            self.flops.finish(step, tl.fail)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
@@ -205,7 +211,7 @@ class Recorder:
             experimenter.on_close(step)
         # Wake at the next close that needs us between detail steps.
         if (syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None
-                or self.precision.state == "capturing"):
+                or self.precision.state == "capturing" or self.flops.state == "capturing"):
             wake = step + 1  # (model discovery ends at a close: the backward off detail steps is not seen)
         elif syncs.on and syncs.next_sample > step:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
@@ -231,6 +237,12 @@ class Recorder:
                 self.precision.skip("the model is compiled (a hook on it would recompile it)")
             elif trained:
                 self.precision.capture(trained)
+        if self.flops.due(step) and not tracing():
+            trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
+            if self.compile.compiles or any(is_compiled(model) for model in trained):
+                self.flops.skip("the model is compiled (a hook on it would recompile it)")
+            elif trained:
+                self.flops.capture(trained)
 
     def time_gpu(self, timer: CudaStepTimer) -> None:
         """GPU time per detail step from now on, by `timer`'s events."""
@@ -333,7 +345,7 @@ class Recorder:
 
     def habits_summary(self) -> dict[str, Any]:
         return dict(self.habits.summary(), **self.calls.summary(), **self.model.graphs.summary(),
-                    amp_trial=self.precision.result, grad_norms=self.gradients.summary(),
+                    amp_trial=self.precision.result, grad_norms=self.gradients.summary(), flops=self.flops.summary(),
                     batch_transfer=self.batch_transfer, main_process_fetches=self.loader.fetch_cpu(),
                     worker_fetches=self.loader.ready_batches(),
                     eval_forwards_with_grad=self.model.eval_with_grad,

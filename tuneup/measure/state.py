@@ -35,6 +35,7 @@ from .._version import __version__
 from .. import redact
 from .._warning import TuneupWarning
 from .history import RunHistory
+from .utilization import utilization
 
 MAX_WARNINGS = 50
 LOCK_TIMEOUT = 5.0  # a reader never waits longer on a background thread stuck in a driver call
@@ -182,6 +183,7 @@ class RunState:
             "warnings": list(self.warnings),
             "actions": self.actions(),
         })
+        out["flops"] = utilization(out["habits"].get("flops"), window)
         return out
 
     def payload(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ..format import percent, read_rate, seconds, size
+from ..format import flops as flop_text, percent, read_rate, seconds, size
 
 
 def _rate(value: float | None, unit: str) -> str:
@@ -144,10 +144,12 @@ def evaluation_line(evaluation: dict[str, Any] | None) -> str | None:
 
 def compile_lines(compiled: dict[str, Any] | None, totals: dict[str, Any] | None) -> list[str]:
     """torch.compile's work: compilations (their time kept out of the step times), graphs,
-    recompiles and graph breaks with where and why; nothing for a job that never compiled."""
+    recompiles and graph breaks with where and why; nothing for a job that compiled nothing."""
     if not isinstance(compiled, dict):
         return []
     count = lambda key: value if isinstance(value := compiled.get(key), int) else 0  # noqa: E731
+    if not any(count(key) for key in ("compiles", "graphs", "recompiles", "graph_breaks")):
+        return []  # dynamo loaded (by torch.func, say), nothing compiled
     spent = (totals or {}).get("compile_seconds")
     warmup = (totals or {}).get("warmup_steps")
     kept_out = ""
@@ -163,6 +165,47 @@ def compile_lines(compiled: dict[str, Any] | None, totals: dict[str, Any] | None
     for site in compiled.get("graph_break_sites") or []:
         lines.append(f"    graph break {site.get('count')}x at {site.get('where')}: {site.get('reason')}")
     return lines
+
+
+def compute_lines(compute: dict[str, Any] | None, counted: dict[str, Any] | None) -> list[str]:
+    """The work a step does and how much of the device it reaches (measure/flops.py,
+    measure/utilization.py): FLOPs per step, achieved FLOP/s, MFU where the device's peak is
+    known; the modules that do the FLOPs. Nothing where no count ran yet."""
+    if not isinstance(compute, dict):
+        return []
+    if compute.get("skipped"):
+        return [f"Compute: FLOPs not counted: {compute['skipped']}"]
+    counted = counted if isinstance(counted, dict) else {}
+    per_batch = ""
+    if counted.get("forward_flops") is not None and counted.get("backward_flops") is not None:
+        per_batch = (f" (forward {flop_text(counted['forward_flops'])} + backward {flop_text(counted['backward_flops'])}"
+                     f" a batch{' of ' + str(counted['batch']) if counted.get('batch') else ''}, counted on "
+                     f"{counted.get('model') or 'the model'}'s shapes"
+                     f"{'; shapes vary: the median of ' + str(counted.get('counts')) + ' counts' if compute.get('estimate') else ''})")
+    if compute.get("mfu") is not None:
+        utilization = (f"MFU {compute['mfu']:.1%} of {compute.get('device')}'s "
+                       f"{flop_text(compute.get('peak_flops_per_second'), 'FLOP/s')} dense {compute.get('precision')} peak")
+    else:
+        utilization = f"MFU: unknown peak for {compute.get('device') or 'this device'} ({compute.get('precision')})"
+    lines = [f"Compute: {flop_text(compute.get('flops_per_step'))} a step{per_batch}, "
+             f"{flop_text(compute.get('achieved_flops_per_second'), 'FLOP/s')} achieved; {utilization}"]
+    modules = [m for m in counted.get("top_modules") or [] if isinstance(m, dict)]
+    if modules:
+        lines.append("    FLOPs by module: " + ", ".join(
+            f"{m.get('module')} ({(str(m['count']) + ' ') if (m.get('count') or 1) > 1 else ''}{m.get('class')}) "
+            f"{percent(m.get('share'))}" for m in modules))
+    return lines
+
+
+def energy_line(spent: dict[str, Any] | None) -> str | None:
+    """Joules a step and a sample on the job's GPUs (measure/utilization.py energy)."""
+    if not isinstance(spent, dict) or spent.get("joules_per_step") is None:
+        return None
+    sample = spent.get("joules_per_sample")
+    gpus = spent.get("gpus") or 1
+    return (f"Energy: {spent['joules_per_step']:.3g} J a step"
+            + (f", {sample:.3g} J a sample" if sample is not None else "")
+            + f" ({gpus} GPU{'s' if gpus != 1 else ''} at {spent.get('watts', 0):.0f} W, {spent.get('source')})")
 
 
 def scaler_line(scaler: dict[str, Any]) -> str:
@@ -283,6 +326,8 @@ def render(snapshot: dict[str, Any]) -> Group:
     if evaluation:
         lines.insert(0, evaluation)
     lines[:0] = compile_lines(snapshot.get("compile"), totals)
+    lines[:0] = compute_lines(snapshot.get("flops"), (snapshot.get("habits") or {}).get("flops")) + [
+        line for line in [energy_line(snapshot.get("energy"))] if line]
     loss = window.get("loss")
     if loss:
         trend = f", trend {loss['trend']:+.0%} over the window" if loss.get("trend") is not None else ""

@@ -1,0 +1,342 @@
+"""FLOPs per step, achieved FLOP/s and MFU (issue 22): the count on the model's shapes equals
+the analytic count written here from the layer shapes, forward and backward; counting leaves
+the job's results bit-identical; it says why where it cannot run; MFU is stated only against a
+known peak.
+
+The analytic counts follow torch's counter's convention (torch/utils/flop_counter.py): a
+matmul of (m, k) by (k, n) is 2·m·k·n; a convolution 2·(output elements)·(input channels per
+group)·(kernel elements); backward computes the input's gradient where it is needed and the
+weight's, each as many FLOPs as the forward; elementwise ops, norms and softmax count nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+from torch import nn
+
+import tuneup
+from tuneup.measure import flops as flops_module
+from tuneup.measure.utilization import peak, utilization
+
+
+def train(model, batches, steps, *, accumulate=1, lr=0.01, agent_options=None):
+    """A plain loop (SGD, cross-entropy on the model's output); returns its losses, and the
+    agent when one was attached."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+
+    def loop():
+        for step in range(steps):
+            optimizer.zero_grad()
+            for micro in range(accumulate):
+                x, y = batches(step * accumulate + micro)
+                loss = nn.functional.cross_entropy(model(x), y) / accumulate
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+
+    if agent_options is None:
+        loop()
+        return losses, None
+    with tuneup.attach(**agent_options) as agent:
+        loop()
+    return losses, agent
+
+
+def fixed(shape, classes=10):
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(*shape, generator=generator), torch.randint(0, classes, (shape[0],), generator=generator)
+    return lambda step: (x, y)
+
+
+def counted(agent):
+    found = agent.snapshot()["habits"]["flops"]
+    assert found and not found.get("skipped"), found
+    return found
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block, attention written out (as nanoGPT's), and a classifier head."""
+
+    def __init__(self, dim=64, heads=4, length=16, classes=10):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.head = nn.Linear(dim * length, classes)
+
+    def forward(self, x):
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        attention = (q @ k.transpose(-2, -1)) * (dim // self.heads) ** -0.5
+        mixed = (attention.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, dim)
+        x = x + self.proj(mixed)
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x.flatten(1))
+
+
+def linear(rows, inputs, outputs):
+    return 2 * rows * inputs * outputs
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv", "transformer"])
+def test_the_count_equals_the_analytic_count_forward_and_backward(case, run_dir):
+    if case == "mlp":
+        # x (32, 128) -> Linear 256 -> ReLU -> Linear 10. The first layer's input needs no gradient.
+        model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+        batches = fixed((32, 128))
+        forward = linear(32, 128, 256) + linear(32, 256, 10)
+        backward = linear(32, 128, 256) + 2 * linear(32, 256, 10)
+    elif case == "conv":
+        # x (8, 3, 16, 16) -> Conv 3->8 3x3 pad 1 -> ReLU -> Conv 8->16 3x3 pad 1 -> flatten -> Linear 10.
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
+                              nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+        batches = fixed((8, 3, 16, 16))
+        conv1, conv2 = 2 * (8 * 8 * 16 * 16) * 3 * 9, 2 * (8 * 16 * 16 * 16) * 8 * 9
+        head = linear(8, 16 * 16 * 16, 10)
+        forward = conv1 + conv2 + head
+        backward = conv1 + 2 * conv2 + 2 * head
+    else:
+        # x (4, 16, 64): qkv 64->192, scores and mixing 2·B·T²·D each, proj 64->64, MLP 64->256->64,
+        # head 1024->10; every layer's input needs a gradient (the residual stream's norms have weights).
+        batch, length, dim = 4, 16, 64
+        model = Block(dim=dim, length=length)
+        batches = fixed((batch, length, dim))
+        rows = batch * length
+        attention = 2 * (2 * batch * length * length * dim)
+        forward = (linear(rows, dim, 3 * dim) + attention + linear(rows, dim, dim) + linear(rows, dim, 4 * dim)
+                   + linear(rows, 4 * dim, dim) + linear(batch, dim * length, 10))
+        backward = 2 * forward
+    _, agent = train(model, batches, 80, agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    assert found["forward_flops"] == pytest.approx(forward, rel=0.02)
+    assert found["backward_flops"] == pytest.approx(backward, rel=0.02)
+    assert found["flops"] == found["forward_flops"] + found["backward_flops"]
+    assert found["batch"] == batches(0)[0].shape[0]
+    # Per step: one forward and backward a step here.
+    assert agent.snapshot()["flops"]["flops_per_step"] == pytest.approx(forward + backward, rel=0.02)
+
+
+def test_the_modules_that_do_the_flops_are_named_and_repeated_layers_grouped(run_dir):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)], nn.Linear(64, 10))
+    _, agent = train(model, fixed((16, 64)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    top = counted(agent)["top_modules"]
+    # Ground truth: three 64x64 layers (grouped: the same layer in each block) and a 64x10 head.
+    assert [(m["module"], m["class"], m["count"]) for m in top] == [("Sequential.*.0", "Linear", 3),
+                                                                    ("Sequential.3", "Linear", 1)]
+    assert sum(m["share"] for m in top) == pytest.approx(1.0)
+    assert top[0]["share"] > top[1]["share"]
+
+
+def test_counting_leaves_the_job_bit_identical(run_dir):
+    # Dropout draws from the global RNG: a count that touched it would change every loss after it.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 10))
+
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+            for _ in range(8)]
+    plain, _ = train(model(), lambda step: data[step % 8], 150)
+    measured_model = model()
+    measured, agent = train(measured_model, lambda step: data[step % 8], 150,
+                            agent_options=dict(run_dir=run_dir, port=0))
+    assert counted(agent)["counts"] == 1  # the count ran (at step 65)
+    assert measured == plain
+
+
+def test_gradient_accumulation_multiplies_the_count_by_the_batches_a_step_runs(run_dir):
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    _, agent = train(model, fixed((16, 32)), 80, accumulate=4, agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    assert agent.snapshot()["window"]["backward_passes_per_step"] == pytest.approx(4, abs=0.5)
+    assert agent.snapshot()["flops"]["flops_per_step"] == 4 * found["flops"]
+
+
+def test_a_new_input_shape_is_counted_again_and_the_figure_says_it_varies(run_dir, monkeypatch):
+    monkeypatch.setattr(flops_module, "RECHECK_STEPS", 1)  # a look at every lifecycle check (64 steps)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    small, large = fixed((16, 32)), fixed((48, 32))
+    _, agent = train(model, lambda step: small(step) if step < 100 else large(step), 300,
+                     agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    assert found["counts"] == 2
+    # Forward and the weight's gradient for the first layer (its input needs none), forward and
+    # both gradients for the second; the median of the two shapes' counts is reported.
+    per_batch = lambda rows: 2 * linear(rows, 32, 64) + 3 * linear(rows, 64, 10)  # noqa: E731
+    assert found["flops"] == pytest.approx((per_batch(16) + per_batch(48)) / 2, rel=0.02)
+    assert agent.snapshot()["flops"]["estimate"] is True
+
+
+def test_a_forward_that_needs_its_data_is_not_counted_and_says_why(run_dir):
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(32, 10)
+
+        def forward(self, x):
+            out = self.layer(x)
+            return out * (out > 0).float() if out[0, 0].item() > -1e9 else out  # a host read of the data
+
+    _, agent = train(Masked(), fixed((16, 32)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    found = agent.snapshot()["habits"]["flops"]
+    assert "cannot run on shapes alone" in found["skipped"] and "item" in found["skipped"].lower(), found
+    assert agent.snapshot()["flops"] == {"skipped": found["skipped"]}
+    assert not [w for w in agent.snapshot()["warnings"] if "flops" in w["message"]]  # a reason, not a failure
+
+
+def test_cpu_states_achieved_flops_and_no_mfu_in_the_report_and_the_metrics(run_dir):
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+    with tuneup.attach(run_dir=run_dir, port=0) as agent:
+        torch.manual_seed(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
+        for _ in range(100):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        snapshot = agent.snapshot()
+    figures = snapshot["flops"]
+    assert figures["mfu"] is None and figures["peak_flops_per_second"] is None
+    # Ground truth: the step's FLOPs over the loop's own mean step, within what load changes.
+    assert figures["achieved_flops_per_second"] == pytest.approx(
+        figures["flops_per_step"] * snapshot["window"]["steps_per_second"])
+    step_flops = [line for line in metrics.splitlines() if line.startswith("tuneup_step_flops{")]
+    assert len(step_flops) == 1 and float(step_flops[0].split()[-1]) == figures["flops_per_step"]
+    assert "tuneup_achieved_flops_per_second{" in metrics
+    assert "tuneup_model_flops_utilization" not in metrics  # no peak for a CPU
+    from tuneup.report.summary import compute_lines
+
+    [line, modules] = compute_lines(figures, snapshot["habits"]["flops"])
+    assert "FLOP/s achieved; MFU: unknown peak for cpu (float32)" in line
+    # The first layer: forward and its weight's gradient, 2 x 2.1 MFLOP; the second 3 x 164 kFLOP.
+    assert modules.strip() == "FLOPs by module: Sequential.0 (Linear) 90%, Sequential.2 (Linear) 10%"
+    text = json.dumps(snapshot["habits"]["flops"])
+    assert "NaN" not in text
+
+
+def test_mfu_is_achieved_over_the_datasheet_peak_for_the_precision():
+    # A recorded count of a bf16 step on an H100 SXM (its name as torch gives it).
+    counted_step = {"flops": 2.0e12, "dtype": "bfloat16", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
+                    "counts": 1}
+    window = {"steps_per_second": 100.0, "backward_passes_per_step": 1.0}
+    figures = utilization(counted_step, window)
+    assert figures["achieved_flops_per_second"] == 2.0e14
+    assert figures["peak_flops_per_second"] == pytest.approx(989.4e12)
+    assert figures["mfu"] == pytest.approx(2.0e14 / 989.4e12)
+    assert "h100" in figures["peak_source"].lower()
+    # PCIe and NVL parts are told apart from SXM; TF32 and fp32 have their own peaks; unknown is None.
+    assert peak("NVIDIA H100 PCIe", "bfloat16")["flops_per_second"] == pytest.approx(756.5e12)
+    assert peak("NVIDIA A100-SXM4-80GB", "tf32")["flops_per_second"] == pytest.approx(156e12)
+    assert peak("NVIDIA A100-SXM4-80GB", "float32")["flops_per_second"] == pytest.approx(19.5e12)
+    assert peak("Tesla T4", "bfloat16") is None  # no bf16 on Turing
+    assert peak("Some Future GPU", "bfloat16") is None
+    assert utilization(dict(counted_step, device_name="Some Future GPU"), window)["mfu"] is None
+
+
+# --- energy per step (NVML) ----------------------------------------------------------------------
+
+FAKE = "tests.fake_nvml"
+
+
+@pytest.fixture
+def fake_gpus():
+    from tests import fake_nvml
+
+    fake_nvml.reset(own_gpu=0)
+    yield fake_nvml
+    fake_nvml.reset()
+
+
+def energy_run(run_dir, **options):
+    """A CPU loop of 30 ms steps (a sleep: its pace is the ground truth) with GPU samples every 50 ms."""
+    import time
+
+    model = nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    began = time.perf_counter()
+    with tuneup.attach(run_dir=run_dir, interval=0.05, port=0, **options) as agent:
+        for _ in range(40):
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+            time.sleep(0.03)
+    return agent.snapshot(), time.perf_counter() - began
+
+
+def test_energy_per_step_comes_from_the_energy_counter(run_dir, fake_gpus):
+    snapshot, _ = energy_run(run_dir, nvml_module=FAKE)
+    spent = snapshot["energy"]
+    # Ground truth: the fake counter rises 350 J a second on each GPU; the job holds memory on GPU 0 only.
+    assert spent["source"] == "NVML energy counter" and spent["gpus"] == 1
+    assert spent["watts"] == pytest.approx(350, rel=0.05)
+    assert spent["joules_per_step"] == pytest.approx(spent["watts"] / snapshot["window"]["steps_per_second"])
+    assert spent["joules_per_sample"] == pytest.approx(spent["joules_per_step"] / 4)
+    from tuneup.report.summary import energy_line
+
+    line = energy_line(spent)
+    assert line.startswith(f"Energy: {spent['joules_per_step']:.3g} J a step") and line.endswith(
+        f"(1 GPU at {spent['watts']:.0f} W, NVML energy counter)")
+
+
+def test_without_the_counter_energy_is_power_times_time_and_says_so(run_dir, fake_gpus):
+    fake_gpus.reset(no_energy=True)
+    snapshot, _ = energy_run(run_dir, nvml_module=FAKE)
+    spent = snapshot["energy"]
+    # Ground truth: the job holds memory on both fake GPUs, each drawing 350 W.
+    assert spent["source"] == "power draw x time (an estimate)" and spent["gpus"] == 2
+    assert spent["watts"] == pytest.approx(700)
+
+
+def test_without_nvml_there_is_no_energy_figure(run_dir):
+    snapshot, _ = energy_run(run_dir, nvml_module="tuneup_missing_pynvml")
+    assert snapshot["energy"] is None
+
+
+@pytest.mark.gpu
+def test_mfu_of_a_bf16_transformer_block_on_cuda_matches_the_figure_by_hand(run_dir):
+    import time
+
+    batch, length, dim = 32, 256, 1024
+    model = Block(dim=dim, heads=16, length=length).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, length, dim, device="cuda")
+    y = torch.randint(0, 10, (batch,), device="cuda")
+    steps = 300
+    with tuneup.attach(run_dir=run_dir, port=0) as agent:
+        for step in range(steps):
+            if step == steps - 200:
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - began) / 200
+        snapshot = agent.snapshot()
+    rows = batch * length
+    forward = (linear(rows, dim, 3 * dim) + 2 * (2 * batch * length * length * dim) + linear(rows, dim, dim)
+               + linear(rows, dim, 4 * dim) + linear(rows, 4 * dim, dim) + linear(batch, dim * length, 10))
+    by_hand_flops = 3 * forward
+    figures = snapshot["flops"]
+    assert figures["precision"] == "bfloat16", figures
+    assert figures["flops_per_step"] == pytest.approx(by_hand_flops, rel=0.02)
+    device_peak = peak(torch.cuda.get_device_name(), "bfloat16")
+    if device_peak is None:
+        pytest.skip(f"no peak for {torch.cuda.get_device_name()}: MFU unknown (achieved FLOP/s only)")
+    by_hand = by_hand_flops / seconds / device_peak["flops_per_second"]
+    print(f"\nMFU on {torch.cuda.get_device_name()}: tuneup {figures['mfu']:.1%}, by hand {by_hand:.1%} "
+          f"({by_hand_flops / 1e9:.1f} GFLOP a step, {seconds * 1e3:.2f} ms a step)")
+    assert figures["mfu"] == pytest.approx(by_hand, rel=0.15)

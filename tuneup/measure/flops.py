@@ -1,0 +1,231 @@
+"""The FLOPs a training step does, counted on the job's own model with torch's own counter,
+and how much of the device's peak they reach (model FLOPs utilization, MFU).
+
+Counted, not guessed: `torch.utils.flop_counter.FlopCounterMode` is a dispatch mode that adds
+up each aten op's FLOPs from its shapes (2·m·n·k for a matmul, the convolution's and
+attention's formulas: torch/utils/flop_counter.py `flop_registry`); ops it has no formula for
+(elementwise, softmax, norms) count nothing, as in the usual MFU convention. It runs around one
+forward and backward of the model on the input a training forward took, on meta tensors: the
+same shapes and dtypes, no data, no device memory, no arithmetic:
+
+    close of step N     a forward pre-hook on the trained model (the largest, if several)
+    step N+1            its training forward's input, as meta tensors (shapes and dtypes only)
+    close of step N+1   the hook removed; forward + backward on meta parameters under the
+                        counter, the model's hooks set aside and tuneup's probe off
+                        (offstep.unseen), on the training thread between two steps
+
+The job's step is untouched: its tensors, gradients and random stream are never used (the
+counted ones are meta copies), so its results are bit-identical to an uncounted run. A model
+whose forward depends on its data (nonzero, a boolean mask, .item()) cannot run on shapes alone:
+the count is skipped and says why, as it is for a compiled model (a hook on it would recompile
+it), an FSDP one and a job with global module hooks.
+
+Counted again when the input's shapes change: every RECHECK_STEPS steps a one-shot pre-hook
+looks at a training forward's input shapes, and a new signature is counted (at most
+MAX_COUNTS; where they vary, the FLOPs per batch are the median of the counts, an estimate).
+Nothing of this runs on ordinary steps: the per-step figures (achieved FLOP/s, MFU) are the
+count over the measured step time, computed where the snapshot is read (utilization.py).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .offstep import global_hooks, largest, unseen, unwrapped
+
+FROM_STEP = 6  # past the first detail steps: the model and its input are what training uses
+RECHECK_STEPS = 512  # a look at the input's shapes this often, after the first count
+MAX_COUNTS = 8  # distinct input shapes counted, at most
+TOP_MODULES = 5
+
+
+def _meta(value: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                      device="meta"), value)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                 for leaf in tree_leaves((args, kwargs)))
+
+
+def _first_dim(args: tuple, kwargs: dict) -> int | None:
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def _compute_dtype(parameter: torch.Tensor) -> str:
+    """The precision the forward's matmuls run in: autocast's dtype where it is on, else the
+    parameters'; fp32 on CUDA with TF32 allowed for matmuls is TF32."""
+    device = parameter.device.type
+    try:
+        if torch.is_autocast_enabled(device):
+            return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+    except (TypeError, AttributeError, RuntimeError):  # an older torch: autocast state by device kind
+        pass
+    dtype = str(parameter.dtype).replace("torch.", "")
+    if dtype == "float32" and device == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return dtype
+
+
+def _top_modules(root: nn.Module, counts: dict[str, dict[Any, int]]) -> list[dict[str, Any]]:
+    """The modules that do the FLOPs (those counted with no counted child), the largest first;
+    a layer repeated in every block is one entry (`blocks.*.mlp`: the same class and parameter
+    shapes at the same place, the block's index the first number in the name)."""
+    prefix = type(root).__name__
+    modules = {(f"{prefix}.{name}" if name else prefix): module for name, module in root.named_modules()}
+    totals = {name: sum(ops.values()) for name, ops in counts.items() if name != "Global"}
+    leaves = [name for name, flops in totals.items() if flops
+              and not any(other.startswith(name + ".") and totals[other] for other in totals)]
+    grouped: dict[tuple, list[tuple[str, float]]] = {}
+    for name in leaves:
+        module = modules.get(name)
+        shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False)) if module is not None else ()
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", name, count=1), type(module).__name__ if module is not None else "?", shapes)
+        grouped.setdefault(key, []).append((name, totals[name]))
+    whole = sum(totals[name] for name in leaves) or 1
+    ranked = sorted(grouped.items(), key=lambda item: -sum(flops for _, flops in item[1]))[:TOP_MODULES]
+    return [{"module": pattern if len(members) > 1 else members[0][0], "class": cls, "count": len(members),
+             "flops": sum(flops for _, flops in members), "share": sum(flops for _, flops in members) / whole}
+            for (pattern, cls, _), members in ranked]
+
+
+class FlopCount:
+    name = "flops"
+
+    def __init__(self, model_probe: Any) -> None:
+        self.on = True
+        self.models = model_probe  # off while the counted forward runs
+        self.state = "waiting"  # capturing, then counted (rechecking after RECHECK_STEPS) or done
+        self.next_look = FROM_STEP
+        self.counts: dict[tuple, dict[str, Any]] = {}  # by input signature
+        self.last: dict[str, Any] | None = None  # the latest count
+        self.skipped: str | None = None
+        self.seconds = 0.0  # counting's own time
+        self._handle: Any = None
+        self._model: nn.Module | None = None
+        self._input: tuple[tuple, dict, tuple, str] | None = None  # meta args, kwargs, signature, dtype
+        self._failure: Exception | None = None
+
+    def due(self, step: int) -> bool:
+        return self.on and self.state in ("waiting", "counted") and step >= self.next_look
+
+    def skip(self, reason: str) -> None:
+        self.state, self.skipped = "done", reason
+        self.remove_hooks()
+
+    def capture(self, models: list[nn.Module]) -> None:
+        """Hook the largest trained model's next training forward."""
+        target = unwrapped(largest(models))
+        if isinstance(target, str):
+            self.skip(target)
+            return
+        if global_hooks():
+            self.skip("global module hooks the job registered would see the counted forward")
+            return
+        self.state, self._model = "capturing", target
+        self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def remove_hooks(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+
+    def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The pre-hook, inside the job's forward: never raises (a failure waits for finish)."""
+        try:
+            if self._input is None and module.training and torch.is_grad_enabled():
+                parameter = next(module.parameters(), None)
+                signature = _signature(args, kwargs)
+                dtype = _compute_dtype(parameter) if parameter is not None else "float32"
+                inputs = (None, None) if signature in self.counts else (_meta(args), _meta(kwargs))
+                self._input = (*inputs, signature, dtype)
+        except Exception as exc:
+            self._failure = exc
+        return None
+
+    def finish(self, step: int, on_fail: Any) -> None:
+        """At the close after the capture: count the input if its shapes are new."""
+        self.remove_hooks()
+        model, captured, self._model, self._input = self._model, self._input, None, None
+        self.state, self.next_look = "counted", step + RECHECK_STEPS
+        began = time.perf_counter()
+        try:
+            if self._failure is not None:
+                raise self._failure
+            if model is None or captured is None:
+                self.state, self.next_look = ("counted" if self.counts else "waiting"), step + 1
+                return
+            args, kwargs, signature, dtype = captured
+            if signature in self.counts:
+                self.last = self.counts[signature]
+                return
+            self.last = self.counts[signature] = self._count(model, args, kwargs, dtype)
+            if len(self.counts) >= MAX_COUNTS:
+                self.state = "done"
+        except _Skip as exc:
+            self.skip(str(exc))
+        except Exception as exc:
+            self.on = False
+            self.skip(f"the count failed: {type(exc).__name__}: {exc}")
+            on_fail(self.name, exc)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def _count(self, model: nn.Module, args: tuple, kwargs: dict, dtype: str) -> dict[str, Any]:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        parameter = next(model.parameters(), None)
+        if parameter is None:
+            raise _Skip("the model has no parameters")
+        params = {name: torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)
+                  for name, p in model.named_parameters()}
+        buffers = {name: torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="meta")
+                   for name, b in model.named_buffers()}
+        leaves = [p for p in params.values() if p.requires_grad]
+        counter = FlopCounterMode(display=False)
+        try:
+            with unseen(model, self.models), torch.enable_grad(), counter:
+                output = torch.func.functional_call(model, (params, buffers), args, kwargs)
+                forward = counter.get_total_flops()
+                found = [leaf.float().sum() for leaf in tree_leaves(output)
+                         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.grad_fn is not None]
+                if found and leaves:
+                    torch.autograd.grad(torch.stack(found).sum(), leaves, allow_unused=True)
+                total = counter.get_total_flops()
+        except Exception as exc:
+            # The model's own code on meta tensors: an op that needs data (.item(), a boolean
+            # mask), one without a meta kernel, an assertion on values. Shapes alone cannot run it.
+            raise _Skip(f"the forward cannot run on shapes alone ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+        device = parameter.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return {"model": type(model).__name__, "forward_flops": forward, "backward_flops": total - forward,
+                "flops": total, "batch": _first_dim(args, kwargs), "dtype": dtype, "device": device.type,
+                "device_name": name, "top_modules": _top_modules(model, counter.get_flop_counts())}
+
+    def summary(self) -> dict[str, Any] | None:
+        """The latest count (the median over the shapes counted where they vary), or why none."""
+        if self.last is None:
+            return {"skipped": self.skipped} if self.skipped else None
+        out = dict(self.last, counts=len(self.counts), seconds=self.seconds)
+        if len(self.counts) > 1:
+            for key in ("forward_flops", "backward_flops", "flops"):
+                out[key] = statistics.median(count[key] for count in self.counts.values())
+        if self.skipped:
+            out["stopped"] = self.skipped
+        return out
+
+
+class _Skip(RuntimeError):
+    """No count for this model; the message says why."""
