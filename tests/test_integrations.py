@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tuneup
-from tests.conftest import ROOT, child_env
+from tests.conftest import PROGRAMS, ROOT, child_env
 
 EXAMPLES = ROOT / "examples"
 
@@ -189,11 +189,88 @@ def test_the_callbacks_are_usable_directly_and_attach_once(run_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Module(), DataLoader(Slow(), batch_size=16))
-    # attach(trainer) started the agent; the callback focused it and leaves detaching to its owner.
-    agent = tuneup.current()
-    assert agent is callback.agent and agent.attached
-    agent.detach()
-    assert agent.snapshot()["totals"]["optimizer_steps"] == 20
+    # attach(trainer) started the agent; the callback focused it and ended it at train end: the
+    # job's code after fit() (a parameter digest of host reads, a forward) is no step's.
+    agent = callback.agent
+    assert not agent.attached and tuneup.current() is None
+    before = agent.snapshot()
+    model = trainer.lightning_module
+    digest = [float(p.sum().item()) for p in model.parameters()]
+    model.net(torch.ones(4, 8)).sum().backward()
+    after = agent.snapshot()
+    assert len(digest) == 2 and after["totals"] == before["totals"] and after["syncs"] == before["syncs"]
+    assert after["totals"]["optimizer_steps"] == 20
+
+
+def test_lightning_automatic_optimization_its_closure_is_the_loops_and_the_optimizers_reads_are_not(run_dir):
+    """Lightning's automatic optimization runs training_step inside optimizer.step(closure).
+    Ground truth from the code: training_step reads nothing to the host and does 20 ms of its
+    own work (a stand-in for logging) besides the forward; the backward runs in the closure
+    too; AdamW (capturable=False) reads its step counter inside its step, after the closure."""
+    L = pytest.importorskip("lightning")
+    from benchmarks.scenarios import spin
+
+    logging = spin(0.02)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            logging()
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randn(640, 8), torch.randn(640, 1))
+    trainer = L.Trainer(max_steps=30, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    agent = tuneup.attach(trainer, run_dir=run_dir, detail_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), DataLoader(data, batch_size=16))
+    snapshot = agent.snapshot()
+    window = snapshot["window"]
+    assert snapshot["totals"]["optimizer_steps"] == 30
+    assert window["syncs_per_step"] == 0.0, snapshot["syncs"]
+    assert window["other_seconds"]["median"] >= 0.02  # training_step's own work: the loop's
+    assert window["optimizer_seconds"]["median"] < 0.02 <= window["step_seconds"]["median"]
+
+
+def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_change(tmp_path):
+    """tests/programs/lightning_fit.py, as Lightning's docs write a job, with no tuneup in it.
+    Ground truth from the code: 120 steps, a training loader of tensors (no wait of its own), 4
+    validations from a loader that sleeps 2 ms a sample (>= 128 ms each), a digest after fit.
+    Under `tuneup run` the Trainer gets the callback `tuneup.attach(trainer)` gives it: the same
+    steps, validations apart (not training data wait: 74% 'stall' without it), the framework's
+    settings in the run log, the script's output as plain python's."""
+    pytest.importorskip("lightning")
+    script = str(PROGRAMS / "lightning_fit.py")
+    env = child_env(OMP_NUM_THREADS="1")
+
+    def run(*command, run_dir=None):
+        extra = {"TUNEUP_RUN_DIR": str(run_dir)} if run_dir else {}
+        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                                env={**env, **extra})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [line for line in result.stdout.splitlines() if line.startswith("digest")]
+
+    plain = run(script)
+    under_run = run("-m", "tuneup", "run", script, run_dir=tmp_path / "run")
+    attached = run(script, "--attach", "--run-dir", str(tmp_path / "attach"))
+    assert plain == under_run == attached and len(plain) == 1
+    for run_dir in (tmp_path / "run", tmp_path / "attach"):
+        snapshot = report(run_dir)["runs"][0]["snapshot"]
+        totals = snapshot["totals"]
+        assert totals["steps"] == 120
+        # A phase opens at its first forward: each holds its last 3 batches' fetches (32 ms each).
+        assert totals["evaluation"]["phases"] == 4 and totals["evaluation"]["seconds"] >= 4 * 3 * 0.032
+        assert totals["stall_ratio"] < 0.10, totals
+        assert any(e.get("event") == "framework" and e.get("framework") == "lightning" for e in events(run_dir))
 
 
 def test_the_core_install_pulls_no_framework():

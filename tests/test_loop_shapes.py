@@ -289,6 +289,44 @@ def test_lbfgs_optimizer_time_excludes_its_closure_passes(run_dir):
     assert window["backward_passes_per_step"] == pytest.approx(passes / 8, rel=0.5)
 
 
+def test_a_closures_own_code_and_reads_are_the_loops_and_the_optimizers_reads_are_not(run_dir):
+    """Lightning's automatic optimization shape: the step's forward, backward, a loss.item() and
+    20 ms of the loop's own work (logging) run in the closure that optimizer.step() calls.
+    Ground truth from the code: one host read a step, at the closure's line; AdamW's own step
+    counter reads (inside the optimizer, after the closure) are not the loop's; the 20 ms are
+    the loop's time ("other"), not the update's."""
+    import inspect
+
+    from benchmarks.scenarios import spin
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # capturable=False: its step count is read
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    logging = spin(0.02)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        loss.item()  # the loop's one read a step
+        logging()
+        return loss
+
+    read_line = inspect.getsourcelines(closure)[1] + 4
+    with tuneup.attach(run_dir=run_dir, detail_every=1) as agent:
+        for _ in range(40):
+            optimizer.step(closure)
+    snapshot = agent.snapshot()
+    window, syncs = snapshot["window"], snapshot["syncs"]
+    assert snapshot["totals"]["steps"] == 40
+    assert window["syncs_per_step"] == 1.0, syncs
+    assert [source["location"] for source in syncs["top_sources"]] == [f"tests/test_loop_shapes.py:{read_line}"]
+    # The 20 ms: in every step's "other", in no step's optimizer time.
+    assert window["other_seconds"]["median"] >= 0.02
+    assert window["optimizer_seconds"]["median"] < 0.02 <= window["step_seconds"]["median"]
+
+
 # --- evaluation phases ----------------------------------------------------------------------------
 
 def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):

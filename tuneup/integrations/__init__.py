@@ -16,15 +16,22 @@ __all__ = ["framework_of", "install", "loaders_in", "unwrap_loader", "unwrap_opt
 
 
 def install(trainer: Any, options: dict[str, Any]) -> None:
-    """Give the trainer tuneup's callback (once)."""
+    """Give the trainer tuneup's callback (once); it ends the measurement at train end (what
+    `tuneup.attach(trainer)` promises: the job's code after fit()/train() is not a step)."""
     kind = framework_of(trainer)
     if kind == "lightning":
         from .lightning import TuneupCallback
 
-        if not any(isinstance(cb, TuneupCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(TuneupCallback(**options))
+        callback = next((cb for cb in trainer.callbacks if isinstance(cb, TuneupCallback)), None)
+        if callback is None:
+            callback = TuneupCallback(**options)
+            trainer.callbacks.append(callback)
+        callback.ends_measurement = True
     elif kind == "transformers":
         from .hf import TuneupTrainerCallback
 
-        if not any(isinstance(cb, TuneupTrainerCallback) for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(TuneupTrainerCallback(**options))
+        callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TuneupTrainerCallback)), None)
+        if callback is None:
+            callback = TuneupTrainerCallback(**options)
+            trainer.add_callback(callback)
+        callback.ends_measurement = True

@@ -23,6 +23,9 @@ class TuneupTrainerCallback(TrainerCallback):
         self.options = options
         self.agent: Any = None
         self._started_here = False
+        # Set by tuneup.attach(trainer): the agent it started ends at train end too, so code after
+        # fit()/train() (a checkpoint digest, an export) is not counted as the last step.
+        self.ends_measurement = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
@@ -49,5 +52,5 @@ class TuneupTrainerCallback(TrainerCallback):
         })
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.agent is not None and self._started_here:
+        if self.agent is not None and (self._started_here or self.ends_measurement):
             self.agent.detach()

@@ -26,6 +26,9 @@ class TuneupCallback(Callback):
         self.options = options
         self.agent: Any = None
         self._started_here = False
+        # Set by tuneup.attach(trainer): the agent it started ends at train end too, so code after
+        # fit()/train() (a checkpoint digest, an export) is not counted as the last step.
+        self.ends_measurement = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach before the fit loop starts iterating (it does so before on_train_start)."""
@@ -54,7 +57,7 @@ class TuneupCallback(Callback):
         })
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.agent is not None and self._started_here:
+        if self.agent is not None and (self._started_here or self.ends_measurement):
             self.agent.detach()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

@@ -20,7 +20,9 @@ place there, and a detail step 1,000 operations more, paced to one in 20 there):
     loss.backward()    backward_before/after    one attribute test off hooked steps
     opt.step()         optimizer_pre/post       torch's global step hooks: a set test and a
                                                 few counters; the boundary rule for loops
-                                                without a fetch; optimizer time on detail steps
+                                                without a fetch; optimizer time on detail steps;
+                                                a closure passed to step() wrapped (closure_of:
+                                                the loop's code, its reads the loop's)
     x.item() ...       HOST_READ                one attribute test off sampled steps
 
 On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
@@ -143,10 +145,33 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
     # the compile check first folds to True there, so nothing of tuneup's enters the graph, no
     # graph break, no guard on its state. Such a step's boundaries come from the loop's other
     # calls (a fetch, the next forward after a backward).
-    def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def closure_of(closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The step's closure (LBFGS; Lightning's automatic optimization runs training_step
+        in one): the loop's code, not the optimizer's. Its host reads are the loop's, the
+        optimizer's own after it are not (`in_optimizer` again); on detail steps its time
+        outside the forwards and backwards is the loop's ("other"), not the update's."""
+
+        def closure_wrapper() -> Any:
+            tl.in_optimizer = False
+            if not tl.detail:
+                try:
+                    return closure()
+                finally:
+                    tl.in_optimizer = True
+            began, forward, backward = clock(), tl.forward, tl.backward
+            try:
+                return closure()
+            finally:
+                tl.closure_other += clock() - began - (tl.forward - forward) - (tl.backward - backward)
+                tl.in_optimizer = True
+
+        return closure_wrapper
+
+    def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if dynamo() or flags._is_compiling_flag:
-            return
+            return None
         key = id(optimizer)
+        result = None
         if key in measured or probe.admit(optimizer):
             try:
                 if tl.group or tl.detail:
@@ -157,17 +182,26 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     if tl.moved_on(now, key):
                         now = clock()
                     tl.in_input = False  # a close here opened no input: the optimizer steps
-                    # Less the forwards and backwards inside it (a closure: LBFGS).
-                    tl.optimizer_start = now - tl.forward - tl.backward
+                    # Less the forwards, backwards and the rest of a closure inside it.
+                    tl.optimizer_start = now - tl.forward - tl.backward - tl.closure_other
                 tl.in_optimizer = True
                 if tl.detail:  # the gradient norm the update will use, on sampled detail steps
                     gradients = probe.gradients
                     if gradients is not None and gradients.due.get(key, 0) <= tl.ring.count:
                         tl.optimizer_start += gradients.of_optimizer(optimizer)  # its time is not the update's
+                # A closure, as torch's step wrapper passes it on: `args` is (optimizer,
+                # closure?) and a pre-hook may return new (args, kwargs) (torch/optim/
+                # optimizer.py profile_hook_step).
+                if kwargs or len(args) > 1:  # (most steps: `optimizer.step()`, neither)
+                    if kwargs.get("closure") is not None:
+                        result = args, dict(kwargs, closure=closure_of(kwargs["closure"]))
+                    elif len(args) > 1 and callable(args[1]):
+                        result = (args[0], closure_of(args[1])) + tuple(args[2:]), kwargs
             except Exception as exc:
                 probe.fail(exc)
         if probe.guard_before is not None:  # apply mode's guards, while a change has some
             probe.guard_before(optimizer)
+        return result
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if dynamo() or flags._is_compiling_flag:
@@ -181,7 +215,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 tl.optimizer_steps += 1
                 now = tl.last_optimizer_end = clock()
                 if tl.detail:
-                    tl.optimizer += now - tl.forward - tl.backward - tl.optimizer_start
+                    tl.optimizer += now - tl.forward - tl.backward - tl.closure_other - tl.optimizer_start
                     probe.read_rate(optimizer)  # the learning rate this update used
                     if tl.gpu_timer is not None:  # the step's GPU work is queued up to here
                         tl.gpu_timer.optimizer_ended()
@@ -387,6 +421,7 @@ class StepTimeline:
         self.in_input = False
         self.input_mark = (0.0, 0.0, 0.0)  # (time, data_wait, optimizer + evaluation) at the mark
         self.optimizer_start = 0.0
+        self.closure_other = 0.0  # detail steps: closures' time outside their forwards and backwards (total)
         self.gpu_timer: Any = None  # CudaStepTimer once the job uses CUDA
         self.loss: Any = None  # detached loss of the latest backward
         self.step_loss: Any = None  # the loss the step's optimizer update consumed
