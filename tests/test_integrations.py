@@ -273,6 +273,31 @@ def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_chang
         assert any(e.get("event") == "framework" and e.get("framework") == "lightning" for e in events(run_dir))
 
 
+def test_attach_with_accelerates_prepared_objects_notes_accelerate_and_its_settings(run_dir):
+    """Accelerate's canonical loop: `accelerator.prepare(...)`, `accelerator.backward(loss)`.
+    Its settings come from the AcceleratorState the prepared optimizer holds."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=16)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    agent = tuneup.attach(model, optimizer, loader, run_dir=run_dir)
+    try:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        agent.detach()
+    framework = agent.snapshot()["config"]["framework"]
+    assert framework["framework"] == "accelerate" and framework["version"] == accelerate.__version__
+    assert framework["mixed_precision"] == "no" and framework["gradient_accumulation_steps"] == 2
+    assert any(e.get("event") == "framework" and e.get("framework") == "accelerate" for e in events(run_dir))
+    assert agent.snapshot()["totals"]["optimizer_steps"] == 8  # 16 batches, 2 accumulated a step
+
+
 def test_the_core_install_pulls_no_framework():
     requires = metadata.requires("tuneup") or []
     core = [r for r in requires if "extra ==" not in r]

@@ -135,6 +135,31 @@ def test_amp_off_on_a_cpu_with_bf16_fires_on_a_measured_gain_only(cpu_snapshot):
     assert "amp-off" not in fired(s)
 
 
+@pytest.mark.parametrize("framework, precision, clipping", [
+    (None, "torch.autocast(device_type=\"cuda\", dtype=torch.bfloat16)", "torch.nn.utils.clip_grad_norm_("),
+    ("lightning", "L.Trainer(..., precision=\"bf16-mixed\")", "L.Trainer(..., gradient_clip_val="),
+    ("transformers", "TrainingArguments(..., bf16=True)", "TrainingArguments(..., max_grad_norm="),
+    ("accelerate", "Accelerator(mixed_precision=\"bf16\")", "accelerator.clip_grad_norm_(model.parameters()"),
+])
+def test_fixes_speak_the_framework_that_owns_the_setting(cpu_snapshot, framework, precision, clipping):
+    """The same findings on a job trained through Lightning, the HF Trainer or Accelerate (its
+    integration's `framework` event in the configuration): the fix is the framework's setting."""
+    s = on_cuda(cpu_snapshot)
+    if framework:
+        s["config"]["framework"] = {"framework": framework}
+    s["habits"]["watched_steps"] = 5
+    s["habits"]["grad_norms"] = {"samples": 40, "spikes": 2, "nonfinite": 0, "series": 1, "median": 0.5,
+                                 "p90": 0.8, "largest_ratio": 30.0, "largest_norm": 15.0, "median_before": 0.5,
+                                 "largest_step": 120}
+    found = fired(s)
+    assert precision in found["amp-off"].fix, found["amp-off"].fix
+    assert clipping in found["no-grad-clipping"].fix and "max_norm=1" in found["no-grad-clipping"].fix.replace(
+        "gradient_clip_val=1", "max_norm=1").replace("max_grad_norm=1", "max_norm=1")
+    v100 = fired(on_cuda(s, device=V100))["amp-off"].fix  # fp16 where bf16 is not there: its scaler too
+    assert ("16-mixed" in v100 or "fp16=True" in v100 or "mixed_precision=\"fp16\"" in v100) if framework \
+        else "GradScaler" in v100
+
+
 def test_amp_off_on_a_compiled_gpu_model_estimates_and_says_apply_mode_cannot_make_it(cpu_snapshot):
     from tuneup.measure.config import amp_refusal
 

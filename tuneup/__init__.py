@@ -34,7 +34,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     sync_sample_every, detail_every, window_steps, gpu, nvml_module, disable, serve, host, port,
     push_gateway, push_interval, push_job, training_job, silence, cpu_bf16.
     """
-    from .integrations import framework_of, install
+    from .integrations import accelerate_settings, framework_of, install
 
     trainers = [obj for obj in objects if framework_of(obj) is not None]
     if trainers:  # Lightning / Transformers: their callback focuses the agent when training starts
@@ -42,7 +42,11 @@ def attach(*objects: Any, **options: Any) -> "Agent":
         for trainer in trainers:
             install(trainer, options)
         objects = tuple(obj for obj in objects if framework_of(obj) is None)
-    return session.attach(objects, options, stacklevel=3)
+    agent = session.attach(objects, options, stacklevel=3)
+    accelerate = accelerate_settings(objects)  # Accelerate's prepared objects: the fixes speak it
+    if accelerate is not None:
+        agent.note_framework(accelerate)
+    return agent
 
 
 def __getattr__(name: str) -> Any:

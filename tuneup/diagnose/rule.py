@@ -157,6 +157,16 @@ class Facts:
         return self.snapshot.get("totals") or {}
 
     @property
+    def framework(self) -> str | None:
+        """The training framework whose settings the job's speed is set through: "lightning",
+        "transformers" or "accelerate" (its integration's `framework` event), or None."""
+        return ((self.snapshot.get("config") or {}).get("framework") or {}).get("framework")
+
+    def spoken(self, plain: str, **by_framework: str) -> str:
+        """A fix in the job's own framework's words where it owns the setting, else `plain`."""
+        return by_framework.get(self.framework or "", plain)
+
+    @property
     def scaler(self) -> dict[str, Any]:
         return self.snapshot.get("scaler") or {"present": False}
 

@@ -12,7 +12,24 @@ from typing import Any
 
 from ..measure.objects import framework_of, loaders_in, unwrap_loader, unwrap_optimizer
 
-__all__ = ["framework_of", "install", "loaders_in", "unwrap_loader", "unwrap_optimizer"]
+__all__ = ["accelerate_settings", "framework_of", "install", "loaders_in", "unwrap_loader", "unwrap_optimizer"]
+
+
+def accelerate_settings(objects: tuple[Any, ...]) -> dict[str, Any] | None:
+    """Accelerate's settings, where attach() was given what `accelerator.prepare` returned (an
+    AcceleratedOptimizer holds the process's AcceleratorState and GradientState:
+    accelerate/optimizer.py): the framework the fixes speak; None otherwise."""
+    optimizer = next((obj for obj in objects if type(obj).__module__.startswith("accelerate.")
+                      and hasattr(obj, "accelerator_state")), None)
+    if optimizer is None:
+        return None
+    import accelerate
+
+    state, gradients = optimizer.accelerator_state, getattr(optimizer, "gradient_state", None)
+    return {"framework": "accelerate", "version": accelerate.__version__,
+            "mixed_precision": str(getattr(state, "mixed_precision", None)),
+            "gradient_accumulation_steps": getattr(gradients, "num_steps", None),
+            "distributed_type": str(getattr(state, "distributed_type", None))}
 
 
 def install(trainer: Any, options: dict[str, Any]) -> None:

@@ -262,9 +262,15 @@ def no_grad_clipping(facts: Facts) -> Evidence | None:
                  "largest_norm": norms.get("largest_norm"), "largest_ratio": norms.get("largest_ratio"),
                  "median_before": norms.get("median_before"), "largest_step": norms.get("largest_step"),
                  "median_norm": norms.get("median"), "p90_norm": typical, "max_norm": max_norm},
-        fix="loss.backward()\n"
+        fix=facts.spoken(
+            "loss.backward()\n"
             f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={max_norm:g})  # twice its usual norm\n"
             "optimizer.step()",
+            lightning=f"trainer = L.Trainer(..., gradient_clip_val={max_norm:g})  # twice the usual norm",
+            transformers=f"TrainingArguments(..., max_grad_norm={max_norm:g})  # twice the usual norm",
+            accelerate="accelerator.backward(loss)\n"
+                       f"accelerator.clip_grad_norm_(model.parameters(), max_norm={max_norm:g})  # twice the usual norm\n"
+                       "optimizer.step()"),
         gain_text="steadier training (bounded updates)",
     )
 

@@ -153,6 +153,12 @@ def amp_off(facts: Facts) -> Evidence | None:
                "with torch.autocast(device_type=\"cuda\", dtype=torch.float16):\n"
                "    loss = loss_fn(model(x), y)\n"
                "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()")
+    # The framework owns the precision (and, for fp16, the GradScaler) where there is one.
+    fix = facts.spoken(
+        fix,
+        lightning=f"trainer = L.Trainer(..., precision=\"{'bf16-mixed' if bf16 else '16-mixed'}\")",
+        transformers=f"TrainingArguments(..., {'bf16' if bf16 else 'fp16'}=True)",
+        accelerate=f"accelerator = Accelerator(mixed_precision=\"{'bf16' if bf16 else 'fp16'}\")")
     return Evidence(
         observed=f"autocast is off and the model is fp32 on {device.upper()} hardware with "
                  f"{'bf16' if bf16 else 'fp16'} acceleration" + (f"; {what}" if what else ""),
@@ -221,9 +227,15 @@ def fp16_without_scaler(facts: Facts) -> Evidence | None:
     return Evidence(
         observed=f"autocast runs in float16 on {device} and no enabled GradScaler scales the loss",
         numbers={"autocast": autocast, "grad_scaler": {k: scaler.get(k) for k in ("present", "enabled")}},
-        fix=f"scaler = torch.amp.GradScaler(\"{device}\")\n"
+        fix=facts.spoken(
+            f"scaler = torch.amp.GradScaler(\"{device}\")\n"
             "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()\n"
             f"# or: torch.autocast(\"{device}\", dtype=torch.bfloat16) and no scaler",
+            lightning="trainer = L.Trainer(..., precision=\"16-mixed\")  # autocast and a GradScaler\n"
+                      "# or: precision=\"bf16-mixed\" (no scaler needed)",
+            transformers="TrainingArguments(..., fp16=True)  # autocast and a GradScaler\n# or: bf16=True",
+            accelerate="accelerator = Accelerator(mixed_precision=\"fp16\")  # autocast and a GradScaler\n"
+                       "# or: mixed_precision=\"bf16\""),
         gain_text="correct gradients (no underflow), not speed",
     )
 
