@@ -298,6 +298,45 @@ def test_attach_with_accelerates_prepared_objects_notes_accelerate_and_its_setti
     assert agent.snapshot()["totals"]["optimizer_steps"] == 8  # 16 batches, 2 accumulated a step
 
 
+@pytest.mark.parametrize("progress_bar", [True, False])
+def test_lightnings_progress_bar_reads_get_lightnings_fix(run_dir, progress_bar, capsys):
+    """Ground truth from the code: training_step reads nothing to the host; it logs its loss
+    with `self.log(..., prog_bar=progress_bar)`, and Lightning's progress bar reads a shown
+    value at each refresh (lightning/fabric/utilities/apply_func.py to_item). With
+    prog_bar=False there is nothing to read."""
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, prog_bar=progress_bar)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(2048, 8), torch.randn(2048, 1))
+    trainer = L.Trainer(max_steps=100, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_model_summary=False)
+    agent = tuneup.attach(trainer, run_dir=run_dir, detail_every=1, sync_sample_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), DataLoader(data, batch_size=16))
+    capsys.readouterr()  # the progress bar's output
+    syncs = agent.snapshot()["syncs"]
+    found = {f["rule"]: f for f in agent.findings()}
+    if not progress_bar:
+        assert syncs["per_step"] == 0 and "host-syncs" not in found
+        return
+    assert syncs["per_step"] >= 1 and all("lightning/" in s["location"] for s in syncs["top_sources"]), syncs
+    assert found["host-syncs"]["fix"].startswith('self.log("train_loss", loss, prog_bar=False)')
+
+
 def test_the_core_install_pulls_no_framework():
     requires = metadata.requires("tuneup") or []
     core = [r for r in requires if "extra ==" not in r]

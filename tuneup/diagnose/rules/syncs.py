@@ -11,6 +11,9 @@ SYNCS_PER_STEP = 1.0
 
 
 FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each step's loss (nan/inf filter)
+# Lightning's own reads: the values its progress bar and loggers show, read on each refresh
+# (lightning/fabric/utilities/apply_func.py to_item, from the progress bar's get_metrics).
+LIGHTNING_SYNC = ("lightning/pytorch/", "lightning/fabric/", "pytorch_lightning/", "lightning_fabric/")
 
 
 @rule(
@@ -60,6 +63,11 @@ def host_syncs(facts: Facts) -> Evidence | None:
         fix = ("torch.distributions.Distribution.set_default_validate_args(False)  # once, at the start: no check\n"
                "# of every distribution's arguments and samples (each a read); or per distribution:\n"
                "# Categorical(probs, validate_args=False)\n" + fix)
+    if any(part in s["location"] for s in sources[:1] for part in LIGHTNING_SYNC):
+        # Measured on a Lightning 2.6 job logging its loss with prog_bar=True: 2.1 reads a step,
+        # 0 with prog_bar=False, 1.1 with TQDMProgressBar(refresh_rate=50) (not offered).
+        fix = ("self.log(\"train_loss\", loss, prog_bar=False)   # a progress-bar value is read to the host "
+               "every step\n# or: L.Trainer(..., enable_progress_bar=False)")
     if any(FRAMEWORK_SYNC in s["location"] for s in sources[:1]):
         # The Hugging Face Trainer's own check of every step's loss for NaN/inf.
         fix = ("TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every "
