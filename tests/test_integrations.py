@@ -337,6 +337,47 @@ def test_lightnings_progress_bar_reads_get_lightnings_fix(run_dir, progress_bar,
     assert found["host-syncs"]["fix"].startswith('self.log("train_loss", loss, prog_bar=False)')
 
 
+def test_the_loss_under_hf_gradient_accumulation_is_the_loss_the_trainer_logs(run_dir):
+    """The HF Trainer with gradient_accumulation_steps=4 backpropagates each micro-batch's loss
+    divided by 4 and logs their sum (the step's mean loss): the ground truth is its own log,
+    every step (logging_steps=1); tuneup's loss of each step it read must be that one."""
+    transformers = pytest.importorskip("transformers")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 2)
+
+        def forward(self, x, labels=None):
+            out = self.layer(x)
+            return {"loss": nn.functional.cross_entropy(out, labels), "logits": out}
+
+    logged = {}
+
+    class Log(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                logged[state.global_step] = float(logs["loss"])
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(8), "labels": torch.tensor(i % 2)} for i in range(1024)]
+    arguments = transformers.TrainingArguments(
+        output_dir=str(run_dir.parent / "hf"), max_steps=40, per_device_train_batch_size=8,
+        gradient_accumulation_steps=4, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
+        disable_tqdm=True)
+    trainer = transformers.Trainer(model=Model(), args=arguments, train_dataset=data, callbacks=[Log()])
+    agent = tuneup.attach(trainer, run_dir=run_dir, detail_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    ring = agent.recorder.timeline.ring
+    columns = ring.columns(1, ring.count)
+    ours = {step: loss for step, loss, read in zip(columns["step"], columns["loss"], columns["loss_known"]) if read}
+    assert len(logged) == 40 and len(ours) >= 30
+    for step, loss in ours.items():
+        assert loss == pytest.approx(logged[step], abs=1e-4), (step, loss, logged[step])
+
+
 def test_the_core_install_pulls_no_framework():
     requires = metadata.requires("tuneup") or []
     core = [r for r in requires if "extra ==" not in r]

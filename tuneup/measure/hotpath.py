@@ -328,7 +328,10 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
         if tl.detail:
             tensor = args[0]
             if type(tensor) is plain and id(tensor) != tl.scaled_loss_id and tensor.numel() == 1:
-                tl.loss = tensor.detach()  # read when the step closes
+                # Read when the step closes: the step's loss is the sum of its backward passes'
+                # (accumulation divides each micro-batch's loss by their number, as Lightning, the
+                # HF Trainer and nanoGPT do: the sum is the loss they log, not one micro-batch's).
+                tl.loss = tensor.detach() if tl.loss is None else tl.loss + tensor.detach()
         probe.backward_depth += 1
         return clock()
 

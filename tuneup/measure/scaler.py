@@ -90,7 +90,8 @@ class ScalerProbe:
                     self.values.read(start, lambda value: self._scale_read(ref, value, True))
             self.enabled = bool(scaler._enabled)
             if tl.detail and result is not outputs and type(outputs) is torch.Tensor and outputs.numel() == 1:
-                tl.loss = outputs.detach()  # the unscaled loss, on detail steps
+                # The unscaled loss, on detail steps, summed over the step's backward passes (hotpath)
+                tl.loss = outputs.detach() if tl.loss is None else tl.loss + outputs.detach()
                 tl.scaled_loss_id = id(result)
         except Exception as exc:
             self.fail(exc)
