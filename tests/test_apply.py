@@ -268,6 +268,35 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
     return agent, model, optimizer, times
 
 
+def test_autocast_never_wraps_the_jobs_evaluation_or_no_grad_forwards(run_dir):
+    """Ground truth from the loop: every 5th step it runs its model once in eval() mode under
+    no_grad (a validation metric) and once in train() mode under no_grad (a sampler); Timed
+    notes whether autocast was on in each. While AMP is applied the training forwards run
+    under autocast; those two never do."""
+    x_eval = torch.randn(16, 256)
+    seen = []  # (step, autocast) of the loop's own evaluation and no-grad forwards
+
+    def on_step(step, loss, model, optimizer, agent):
+        if step % 5 == 0:
+            model.eval()
+            with torch.no_grad():
+                model(x_eval)
+            seen.append((step, model.autocast.pop()))  # kept out of the training forwards' list
+            model.train()
+            with torch.no_grad():
+                model(x_eval)
+            seen.append((step, model.autocast.pop()))
+        return loss
+
+    agent, model, _, _ = amp_run(run_dir, 20000, on_step=on_step)
+    [record] = records(agent, "amp")
+    applied = record["applied_step"]
+    ended = record.get("decided_step") if record["decision"] != "kept" else len(model.autocast)
+    assert all(model.autocast[applied + 1: ended]), record  # the training forwards: under autocast
+    during = [autocast for step, autocast in seen if applied < step <= ended]
+    assert len(during) >= 2 and not any(during)
+
+
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):
     forward = vars(Timed)["forward"]
     agent, model, _, times = amp_run(run_dir, 20000, slow_under_autocast=60)

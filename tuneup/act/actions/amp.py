@@ -45,10 +45,13 @@ LOSS_LOOKBACK = 16
 _raw_tolist = torch._C.TensorBase.tolist
 # The forward of the trained models' classes under this change; it poses as the model's own
 # to TorchScript and fx (see posing_as), and a model being traced (jit.trace, fx, export: a
-# checkpoint exported mid-run) is traced as the job wrote it, without autocast.
+# checkpoint exported mid-run) is traced as the job wrote it, without autocast. Only training
+# forwards run under it: the job's evaluation (eval() mode) and no_grad forwards (its
+# validation metrics, a sampler) run as the job wrote them, in its precision.
 _AUTOCAST_FORWARD = """
 def forward(self, *args, **kwargs):
-    if _tuneup_id(self) not in _tuneup_targets or _tuneup_tracing():
+    if _tuneup_id(self) not in _tuneup_targets or not self.training or not _tuneup_grad_enabled() \
+            or _tuneup_tracing():
         return _tuneup_original(self, *args, **kwargs)
     with _tuneup_autocast():
         output = _tuneup_original(self, *args, **kwargs)
@@ -126,7 +129,8 @@ class AmpChange(Change):
         def wrap(original):
             return posing_as(original, _AUTOCAST_FORWARD, _tuneup_original=original, _tuneup_targets=self.targets,
                              _tuneup_id=id, _tuneup_autocast=lambda: torch.autocast(device, dtype=dtype),
-                             _tuneup_to_float32=to_float32, _tuneup_tracing=tracing)
+                             _tuneup_to_float32=to_float32, _tuneup_tracing=tracing,
+                             _tuneup_grad_enabled=torch.is_grad_enabled)
 
         for cls in self.classes:
             self.patches.replace(cls, "forward", wrap)
