@@ -278,7 +278,8 @@ class Experimenter:
         record = trial.record
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
-                      p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], decided_step=step,
+                      p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], criterion=verdict["criterion"],
+                      decided_step=step,
                       time=time.time())
         if verdict["keep"]:
             self.stable_since = trial.first
