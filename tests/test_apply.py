@@ -297,6 +297,37 @@ def test_autocast_never_wraps_the_jobs_evaluation_or_no_grad_forwards(run_dir):
     assert len(during) >= 2 and not any(during)
 
 
+@one_intra_op_thread()
+def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir):
+    """Ground truth from the code: Timed(slow_under_autocast=8) with `slow` set from the start
+    does 9 passes under autocast against 5 in fp32, so bf16 never pays on this model, measured
+    off the job's steps or on them. Apply mode with every action allowed must leave no trace:
+    the final parameters equal those of the same loop without tuneup, bit for bit."""
+    def train(agent_options=None):
+        torch.manual_seed(0)
+        model = Timed(slow_under_autocast=8)
+        model.slow = True
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+        agent = tuneup.attach(**agent_options) if agent_options else None
+        try:
+            for _ in range(400):
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        finally:
+            if agent is not None:
+                agent.detach()
+        return [p.detach().clone() for p in model.parameters()], model, agent
+
+    plain, _, _ = train()
+    tuned, model, agent = train(apply_options(run_dir, cpu_bf16=True))
+    trial = agent.recorder.precision.result
+    assert trial and trial.get("speedup") is not None and trial["speedup"] < 1, trial  # the premise, measured
+    assert not any(model.autocast) and not records(agent, "amp"), decisions(agent)
+    assert all(torch.equal(a, b) for a, b in zip(plain, tuned))
+
+
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):
     forward = vars(Timed)["forward"]
     agent, model, _, times = amp_run(run_dir, 20000, slow_under_autocast=60)
