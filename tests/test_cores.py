@@ -235,7 +235,7 @@ def test_judge_keeps_a_clearly_faster_trial():
     assert verdict["p_slower"] == 1.0
     assert verdict["speedup"] == pytest.approx(1.25, rel=1e-12)
     assert verdict["keep"] is True
-    assert verdict["reason"] == "1.25x: faster (p=0.001)"
+    assert verdict["reason"] == "1.25x faster (p=0.001)"
     assert verdict["criterion"] == FASTER
     assert verdict["baseline"] == window_numbers(make_columns(BASE))
     assert verdict["trial"]["first_step"] == 13 and verdict["trial"]["steps"] == 12
@@ -247,7 +247,7 @@ def test_judge_does_not_keep_a_trial_within_the_noise():
     assert verdict["speedup"] == 1.0
     assert verdict["p_faster"] == verdict["p_slower"] == 491 / 924
     assert verdict["keep"] is False
-    assert verdict["reason"] == "1.00x: within the noise (p=0.53; kept from p<0.05 and 1.02x)"
+    assert verdict["reason"] == "1.00x: no faster (p=0.53 that it is)"
 
 
 def test_judge_one_outlier_block_cannot_decide():
@@ -258,7 +258,7 @@ def test_judge_one_outlier_block_cannot_decide():
     assert verdict["speedup"] == 15 / 11
     assert verdict["p_faster"] > ALPHA
     assert verdict["keep"] is False
-    assert "within the noise" in verdict["reason"]
+    assert verdict["reason"].startswith("1.36x faster but not certain (p=") and "a longer run would tell" in verdict["reason"]
 
 
 def test_judge_does_not_keep_a_faster_trial_below_min_speedup():
@@ -267,7 +267,7 @@ def test_judge_does_not_keep_a_faster_trial_below_min_speedup():
     assert verdict["p_faster"] == 1 / 924
     assert verdict["speedup"] == 1.01
     assert verdict["keep"] is False
-    assert "within the noise" in verdict["reason"]
+    assert "1.01x faster but not certain" in verdict["reason"]
 
 
 def test_judge_min_speedup_is_inclusive():
@@ -380,7 +380,7 @@ def test_judge_without_numerics_does_not_judge_the_loss():
     for losses in ([100.0] * 12, [NAN] * 12):
         verdict = judge(base, make_columns(FAST, losses=losses), FASTER, numerics=False)
         assert verdict["keep"] is True
-        assert verdict["reason"].startswith("1.25x: faster")
+        assert verdict["reason"].startswith("1.25x faster")
 
 
 # ============================================================================================
@@ -1228,3 +1228,20 @@ def test_the_compile_check_is_one_call_that_dynamo_folds():
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     assert compiled(torch.zeros(1)).item() == 1.0 and compiled(torch.zeros(1)).item() == 1.0
     assert step(torch.zeros(1)).item() == -1.0
+
+
+def test_change_rows_say_kept_not_kept_or_undone_once():
+    from tuneup.report.summary import change_rows
+
+    def record(decision, reason, undone=None):
+        return {"id": 1, "action": "amp", "title": "AMP", "change": "autocast", "decision": decision,
+                "reason": reason, "speedup": 1.0, "undone": undone}
+
+    rows = change_rows([
+        record("kept", "1.22x faster (p=0.001)", undone={"reason": "detach"}),
+        record("reverted", "1.12x faster but not certain (p=0.20; kept from p<0.05 and 1.02x): a longer run would tell"),
+        record("reverted", "0.91x: slower (p=0.004)"),
+        record("kept", "1.30x faster (p=0.001)", undone={"reason": "revert_all"}),
+        record("rolled back", "a non-finite loss"),
+    ])
+    assert [row[2] for row in rows] == ["kept", "not kept", "undone", "kept (undone by revert_all)", "rolled back"]

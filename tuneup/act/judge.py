@@ -127,14 +127,17 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -
     slower = p_slower < ALPHA and speedup <= 1 / MIN_SPEEDUP
     if problem:
         verdict.update(keep=False, reason=problem)
+    # Words a user reads once: what the trial showed, then how sure (the p-value, in brackets).
     elif keep == FASTER:
         if faster:
-            verdict.update(keep=True, reason=f"{speedup:.2f}x: faster (p={p_faster:.3f})")
+            verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
         elif slower:
             verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
+        elif speedup > 1:
+            verdict.update(keep=False, reason=f"{speedup:.2f}x faster but not certain (p={p_faster:.2f}; kept from "
+                                              f"p<{ALPHA} and {MIN_SPEEDUP:.2f}x): a longer run would tell")
         else:
-            verdict.update(keep=False, reason=f"{speedup:.2f}x: within the noise (p={p_faster:.2f}; "
-                                              f"kept from p<{ALPHA} and {MIN_SPEEDUP:.2f}x)")
+            verdict.update(keep=False, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
     elif slower:
         verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
     else:

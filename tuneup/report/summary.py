@@ -66,13 +66,22 @@ def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     return rows
 
 
+# The record's decision, as a user reads it once: a trial that did not show a gain was "not
+# kept" (nothing was wrong with it); one that made steps slower was "undone".
+SPOKEN_DECISIONS = {"reverted": "not kept"}
+
+
 def _decision(record: dict[str, Any]) -> tuple[str, str | None]:
-    """The decision, and what happened to the change since (undone), if anything."""
+    """The decision, and what happened to the change since, if anything worth saying (every
+    change is undone at detach: that is not)."""
+    decision = record["decision"]
+    if decision == "reverted" and "slower" in str(record.get("reason", "")).split("(")[0]:
+        decision = "undone"
+    decision = SPOKEN_DECISIONS.get(decision, decision)
     undone = record.get("undone")
-    if not undone:
-        return record["decision"], None
-    reason = undone["reason"]
-    return record["decision"], "in effect until detach" if reason == "detach" else f"undone by {reason}"
+    if not undone or undone["reason"] == "detach":
+        return decision, None
+    return decision, f"undone by {undone['reason']}"
 
 
 def net_change(actions: list[dict[str, Any]]) -> str | None:
@@ -93,7 +102,8 @@ def net_change(actions: list[dict[str, Any]]) -> str | None:
 
 def changes_group(actions: list[dict[str, Any]]) -> Group:
     """Apply mode's changes for a terminal: one line each, the decision first."""
-    styles = {"kept": "bold green", "set at start": "bold green", "rolled back": "bold red", "failed": "bold red", "trying": "bold yellow"}
+    styles = {"kept": "bold green", "set at start": "bold green", "rolled back": "bold red", "failed": "bold red",
+              "undone": "bold red", "trying": "bold yellow"}
     parts: list[Any] = [Text("Changes tuneup made (apply mode)", style="bold")]
     for record, (number, change, _, before, after, _, why) in zip(actions, change_rows(actions)):
         decision, note = _decision(record)
