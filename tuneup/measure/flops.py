@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .offstep import global_hooks, largest, unseen, unwrapped
+from .offstep import hook_largest, unseen
 
 FROM_STEP = 6  # past the first detail steps: the model and its input are what training uses
 RECHECK_STEPS = 512  # a look at the input's shapes this often, after the first count
@@ -126,15 +126,11 @@ class FlopCount:
 
     def capture(self, models: list[nn.Module]) -> None:
         """Hook the largest trained model's next training forward."""
-        target = unwrapped(largest(models))
-        if isinstance(target, str):
-            self.skip(target)
+        hooked = hook_largest(models, self._seen)
+        if isinstance(hooked, str):
+            self.skip(hooked)
             return
-        if global_hooks():
-            self.skip("global module hooks the job registered would see the counted forward")
-            return
-        self.state, self._model = "capturing", target
-        self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+        self.state, (self._model, self._handle) = "capturing", hooked
 
     def remove_hooks(self) -> None:
         handle, self._handle = self._handle, None

@@ -12,7 +12,7 @@ global module hooks is left alone: they would see the forwards.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import nn
 from torch.nn.modules import module as _module
@@ -43,6 +43,17 @@ def largest(models: list[nn.Module]) -> nn.Module:
 def global_hooks() -> bool:
     """Whether module hooks are registered globally (by the job): they would see the forwards."""
     return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
+
+
+def hook_largest(models: list[nn.Module], seen: Callable[..., None]) -> tuple[nn.Module, Any] | str:
+    """The largest trained model (DDP's inner one), with `seen` as a forward pre-hook (with
+    kwargs) for its next forward: (model, handle); or why no model can be run unseen."""
+    target = unwrapped(largest(models))
+    if isinstance(target, str):
+        return target
+    if global_hooks():
+        return "global module hooks the job registered would see its forwards"
+    return target, target.register_forward_pre_hook(seen, with_kwargs=True)
 
 
 @contextmanager

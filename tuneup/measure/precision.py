@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
-from .offstep import global_hooks, largest, unseen, unwrapped
+from .offstep import hook_largest, unseen
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
@@ -128,16 +128,11 @@ class PrecisionTrial:
 
     def capture(self, models: list[nn.Module]) -> None:
         """Hook the largest trained model for the next step."""
-        target = unwrapped(largest(models))
-        if isinstance(target, str):
-            self.skip(target)
+        hooked = hook_largest(models, self._seen)
+        if isinstance(hooked, str):
+            self.skip(hooked)
             return
-        if global_hooks():
-            self.skip("global module hooks the job registered would see the timing's forwards")
-            return
-        self.state = "capturing"
-        self._model = target
-        self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+        self.state, (self._model, self._handle) = "capturing", hooked
 
     def finish(self, config: dict[str, Any] | None, step_seconds: float) -> None:
         """Unhook; time the captured input. A failure (an out-of-memory input, say) ends the
