@@ -35,6 +35,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
     push_gateway, push_interval, push_job, training_job, silence, cpu_bf16.
     """
     from .integrations import accelerate_settings, framework_of, install
+    from .integrations.watch import watch_trainers
 
     trainers = [obj for obj in objects if framework_of(obj) is not None]
     if trainers:  # Lightning / Transformers: their callback focuses the agent when training starts
@@ -43,6 +44,8 @@ def attach(*objects: Any, **options: Any) -> "Agent":
             install(trainer, options)
         objects = tuple(obj for obj in objects if framework_of(obj) is None)
     agent = session.attach(objects, options, stacklevel=3)
+    # A framework's Trainer built from now on gets tuneup's callback (`tuneup run`: no code change).
+    watch_trainers(agent)
     accelerate = accelerate_settings(objects)  # Accelerate's prepared objects: the fixes speak it
     if accelerate is not None:
         agent.note_framework(accelerate)

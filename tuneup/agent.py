@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from ._patching import PatchSet, interrupted_at_exit, keep_the_interrupted_exit
 from .diagnose.live import LiveDiagnosis
 from .export.outputs import Outputs
-from .integrations.watch import TrainerWatch
 from .measure.objects import sort_objects
 from .measure.recorder import Recorder
 from .measure.state import RunState, run_info
@@ -66,6 +65,7 @@ class Agent:
     # --- public face ---------------------------------------------------------------------
 
     attached = property(lambda self: self.state.attached)
+    patches = property(lambda self: self._patches, doc="What detach undoes (a PatchSet); for the integrations.")
     warnings = property(lambda self: self.state.warnings)
 
     server = property(lambda self: self.outputs.server if self.enabled else None, doc="The loopback endpoint, or None.")
@@ -79,8 +79,6 @@ class Agent:
         self.state.attached = True
         try:
             self.recorder.install(self._patches)
-            # A framework's Trainer built from now on gets tuneup's callback (no code change).
-            TrainerWatch(self._patches, lambda: self.attached, self.state.warn).install()
             self.diagnosis.guard_destroy(self._patches, self.ticker.final_exchange)
             self.outputs.start()
             self.ticker.start()

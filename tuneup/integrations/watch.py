@@ -19,6 +19,14 @@ import importlib.util
 import sys
 from typing import Any
 
+def watch_trainers(agent: Any) -> None:
+    """Once per agent, while it is attached: its PatchSet undoes the watch at detach."""
+    if not agent.enabled or not agent.attached or getattr(agent, "_trainer_watch", None) is not None:
+        return
+    agent._trainer_watch = TrainerWatch(agent.patches, lambda: agent.attached, agent.state.warn)
+    agent._trainer_watch.install()
+
+
 # The modules that define the trainers (their class is `Trainer` in each).
 TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer", "transformers.trainer")
 
