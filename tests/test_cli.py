@@ -147,3 +147,32 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
         assert net and float(net.group(1)) > 1, out
     else:
         assert re.search(r"1\. (not kept|undone)  num_workers 0 -> \d+: ", out), out
+
+
+def test_report_without_a_target_reads_the_newest_run_and_says_which(tmp_path):
+    """`tuneup report` right after `tuneup demo` (or any run writing to ./tuneup-runs): the
+    newest run directory holding a run log; none there: one line saying what to pass."""
+    import os
+    import time
+
+    script = ("import sys, torch, tuneup\n"
+              "model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "with tuneup.attach(run_dir=sys.argv[1], port=0):\n"
+              "    for _ in range(int(sys.argv[2])):\n"
+              "        opt.zero_grad(); model(torch.ones(2, 4)).sum().backward(); opt.step()\n")
+    for name, steps in (("older", 12), ("newer", 34)):
+        done = subprocess.run([sys.executable, "-c", script, f"tuneup-runs/{name}", str(steps)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env=child_env())
+        assert done.returncode == 0, done.stderr
+        time.sleep(0.05)
+    os.utime(tmp_path / "tuneup-runs" / "older" / "events.jsonl")  # rewritten last: the newest log
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=child_env())
+    assert result.returncode == 0, result.stderr
+    assert "the newest run, tuneup-runs/older" in result.stdout and "tuneup measured 12 steps" in result.stdout
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=empty, capture_output=True, text=True,
+                            timeout=120, env=child_env())
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "no run given" in result.stderr

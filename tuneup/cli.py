@@ -135,6 +135,19 @@ def demo(
         console.print(f"This report again: tuneup report {agent.run_dir}")
 
 
+RUNS = Path("tuneup-runs")  # where runs go by default (options.py default_run_dir)
+
+
+def _newest_run() -> Path:
+    """The newest run directory under ./tuneup-runs that holds a run log."""
+    runs = [folder for folder in (RUNS.iterdir() if RUNS.is_dir() else ())
+            if folder.is_dir() and any(folder.glob("events*.jsonl"))]
+    if not runs:
+        raise UserError(f"no run given and no run log under ./{RUNS}: pass one (tuneup report RUN_DIR, a run log file "
+                        "or an agent's URL)")
+    return max(runs, key=lambda folder: max(log.stat().st_mtime for log in folder.glob("events*.jsonl")))
+
+
 def _check_rules(ids: list[str]) -> tuple[str, ...]:
     from .diagnose.engine import unknown_rules
 
@@ -146,9 +159,10 @@ def _check_rules(ids: list[str]) -> tuple[str, ...]:
 
 @app.command()
 def report(
-    targets: list[str] = typer.Argument(..., metavar="TARGET",
-                                        help="A run directory, a run log file, or the URL of a live agent or node "
-                                             "daemon; several: one job's run directories from its nodes, merged."),
+    targets: Optional[list[str]] = typer.Argument(None, metavar="[TARGET]...",
+                                                  help="A run directory, a run log file, or the URL of a live agent or "
+                                                       "node daemon; several: one job's run directories from its "
+                                                       "nodes, merged. None: the newest run under ./tuneup-runs."),
     format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
@@ -163,6 +177,9 @@ def report(
     if format not in FORMATS:
         raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
     silenced = _check_rules(silence)
+    if not targets:
+        targets = [str(_newest_run())]
+        console.print(f"tuneup report: the newest run, {targets[0]}", style="dim")
     try:
         jobs = load_merged(targets)
     except ReportSourceError as exc:
