@@ -53,6 +53,8 @@ def failed(*commands, env):
     ("--fail", "backward", "--at", "9"),
     ("--fail", "dataset"),
     ("--fail", "dataset", "--at", "9", "--workers", "2"),  # raised in a worker, re-raised in the job
+    ("--fail", "forward", "--at", "9", "--closure"),  # inside optimizer.step(closure): tuneup wraps the closure
+    ("--fail", "backward", "--at", "9", "--closure"),
 ], ids=lambda args: "-".join(a.lstrip("-") for a in args))
 def test_an_exception_prints_the_traceback_it_prints_without_tuneup(tmp_path, args):
     env = environment(tmp_path)

@@ -22,6 +22,7 @@ parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--interrupt", action="store_true", help="wait there for SIGINT instead of raising")
 parser.add_argument("--marker", default="", help="created once the script waits there")
 parser.add_argument("--attach", action="store_true", help="tuneup.attach() in the script itself")
+parser.add_argument("--closure", action="store_true", help="forward and backward in a closure optimizer.step() calls")
 args = parser.parse_args()
 
 if args.attach:
@@ -81,6 +82,17 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(Digits(), batch_size=BATCH, num_workers=args.workers)
     for step, (data, target) in enumerate(loader):
+        if args.closure:  # Lightning's automatic optimization, LBFGS
+            def closure():
+                optimizer.zero_grad()
+                output = model(data, step)
+                Clip.failing = args.fail == "backward" and step == args.at
+                loss = F.cross_entropy(Clip.apply(output), target)
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            continue
         optimizer.zero_grad()
         output = model(data, step)
         Clip.failing = args.fail == "backward" and step == args.at

@@ -153,16 +153,16 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
 
         def closure_wrapper() -> Any:
             tl.in_optimizer = False
-            if not tl.detail:
-                try:
-                    return closure()
-                finally:
-                    tl.in_optimizer = True
-            began, forward, backward = clock(), tl.forward, tl.backward
+            detail = tl.detail
+            began, forward, backward = (clock(), tl.forward, tl.backward) if detail else (0.0, 0.0, 0.0)
             try:
                 return closure()
+            except BaseException as exc:
+                unwind(exc)  # the job's own traceback, without this frame (_patching.py)
+                raise
             finally:
-                tl.closure_other += clock() - began - (tl.forward - forward) - (tl.backward - backward)
+                if detail:
+                    tl.closure_other += clock() - began - (tl.forward - forward) - (tl.backward - backward)
                 tl.in_optimizer = True
 
         return closure_wrapper
