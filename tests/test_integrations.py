@@ -164,22 +164,32 @@ def test_accelerate_prepared_objects_work_with_the_plain_attach(run_dir):
     assert "data-stall" in [f["rule"] for f in agent.findings()]
 
 
-def test_the_callbacks_are_usable_directly_and_attach_once(run_dir):
-    import lightning as L
+def regressor(L, progress_bar=None):
+    """A LightningModule as Lightning's docs write one: a linear regressor, MSE, SGD. With
+    `progress_bar` set, training_step logs its loss through self.log(..., prog_bar=progress_bar)."""
 
-    from tuneup.integrations.lightning import TuneupCallback
-
-    class Module(L.LightningModule):
+    class Regressor(L.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = nn.Linear(8, 1)
 
         def training_step(self, batch, _):
             x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if progress_bar is not None:
+                self.log("train_loss", loss, prog_bar=progress_bar)
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Regressor()
+
+
+def test_the_callbacks_are_usable_directly_and_attach_once(run_dir):
+    import lightning as L
+
+    from tuneup.integrations.lightning import TuneupCallback
 
     callback = TuneupCallback(run_dir=run_dir)
     trainer = L.Trainer(max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -188,7 +198,7 @@ def test_the_callbacks_are_usable_directly_and_attach_once(run_dir):
     assert sum(isinstance(cb, TuneupCallback) for cb in trainer.callbacks) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Module(), DataLoader(Slow(), batch_size=16))
+        trainer.fit(regressor(L), DataLoader(Slow(), batch_size=16))
     # attach(trainer) started the agent; the callback focused it and ended it at train end: the
     # job's code after fit() (a parameter digest of host reads, a forward) is no step's.
     agent = callback.agent
@@ -305,28 +315,13 @@ def test_lightnings_progress_bar_reads_get_lightnings_fix(run_dir, progress_bar,
     value at each refresh (lightning/fabric/utilities/apply_func.py to_item). With
     prog_bar=False there is nothing to read."""
     L = pytest.importorskip("lightning")
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(8, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            self.log("train_loss", loss, prog_bar=progress_bar)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     data = torch.utils.data.TensorDataset(torch.randn(2048, 8), torch.randn(2048, 1))
     trainer = L.Trainer(max_steps=100, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_model_summary=False)
     agent = tuneup.attach(trainer, run_dir=run_dir, detail_every=1, sync_sample_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Module(), DataLoader(data, batch_size=16))
+        trainer.fit(regressor(L, progress_bar=progress_bar), DataLoader(data, batch_size=16))
     capsys.readouterr()  # the progress bar's output
     syncs = agent.snapshot()["syncs"]
     found = {f["rule"]: f for f in agent.findings()}

@@ -21,10 +21,10 @@ from typing import Any
 
 def watch_trainers(agent: Any) -> None:
     """Once per agent, while it is attached: its PatchSet undoes the watch at detach."""
-    if not agent.enabled or not agent.attached or getattr(agent, "_trainer_watch", None) is not None:
+    if not agent.enabled or not agent.attached or any(
+            isinstance(finder, TrainerWatch) and finder.patches is agent.patches for finder in sys.meta_path):
         return
-    agent._trainer_watch = TrainerWatch(agent.patches, lambda: agent.attached, agent.state.warn)
-    agent._trainer_watch.install()
+    TrainerWatch(agent.patches, lambda: agent.attached, agent.state.warn).install()
 
 
 # The modules that define the trainers (their class is `Trainer` in each).

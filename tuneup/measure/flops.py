@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .offstep import hook_largest, unseen
+from .offstep import ModelCapture, unseen
 
 FROM_STEP = 6  # past the first detail steps: the model and its input are what training uses
 RECHECK_STEPS = 512  # a look at the input's shapes this often, after the first count
@@ -100,10 +100,11 @@ def _top_modules(root: nn.Module, counts: dict[str, dict[Any, int]]) -> list[dic
             for (pattern, cls, _), members in ranked]
 
 
-class FlopCount:
+class FlopCount(ModelCapture):
     name = "flops"
 
     def __init__(self, model_probe: Any) -> None:
+        super().__init__()
         self.on = True
         self.models = model_probe  # off while the counted forward runs
         self.state = "waiting"  # capturing, then counted (rechecking after RECHECK_STEPS) or done
@@ -112,10 +113,7 @@ class FlopCount:
         self.last: dict[str, Any] | None = None  # the latest count
         self.skipped: str | None = None
         self.seconds = 0.0  # counting's own time
-        self._handle: Any = None
-        self._model: nn.Module | None = None
         self._input: tuple[tuple, dict, tuple, str] | None = None  # meta args, kwargs, signature, dtype
-        self._failure: Exception | None = None
 
     def due(self, step: int) -> bool:
         return self.on and self.state in ("waiting", "counted") and step >= self.next_look
@@ -123,19 +121,6 @@ class FlopCount:
     def skip(self, reason: str) -> None:
         self.state, self.skipped = "done", reason
         self.remove_hooks()
-
-    def capture(self, models: list[nn.Module]) -> None:
-        """Hook the largest trained model's next training forward."""
-        hooked = hook_largest(models, self._seen)
-        if isinstance(hooked, str):
-            self.skip(hooked)
-            return
-        self.state, (self._model, self._handle) = "capturing", hooked
-
-    def remove_hooks(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The pre-hook, inside the job's forward: never raises (a failure waits for finish)."""

@@ -12,7 +12,7 @@ global module hooks is left alone: they would see the forwards.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from torch import nn
 from torch.nn.modules import module as _module
@@ -45,15 +45,42 @@ def global_hooks() -> bool:
     return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
 
 
-def hook_largest(models: list[nn.Module], seen: Callable[..., None]) -> tuple[nn.Module, Any] | str:
-    """The largest trained model (DDP's inner one), with `seen` as a forward pre-hook (with
-    kwargs) for its next forward: (model, handle); or why no model can be run unseen."""
-    target = unwrapped(largest(models))
-    if isinstance(target, str):
-        return target
-    if global_hooks():
-        return "global module hooks the job registered would see its forwards"
-    return target, target.register_forward_pre_hook(seen, with_kwargs=True)
+class ModelCapture:
+    """A one-shot capture of the largest trained model's next training forward, to run it off
+    the step at the close after (the precision trial's and the FLOP count's): `capture` hooks
+    the model with the subclass's pre-hook `_seen`, `skip(reason)` ends it without one,
+    `remove_hooks` unhooks; `_failure` keeps what the hook raised for the close."""
+
+    state = "waiting"
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self._model: nn.Module | None = None
+        self._input: Any = None
+        self._failure: Exception | None = None
+
+    def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def skip(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def capture(self, models: list[nn.Module]) -> None:
+        """Hook the largest trained model (DDP's inner one) for its next forward, or skip with
+        why no model can be run unseen."""
+        target = unwrapped(largest(models))
+        if isinstance(target, str):
+            self.skip(target)
+        elif global_hooks():
+            self.skip("global module hooks the job registered would see its forwards")
+        else:
+            self.state, self._model = "capturing", target
+            self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def remove_hooks(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
 
 
 @contextmanager

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
-from .offstep import hook_largest, unseen
+from .offstep import ModelCapture, unseen
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
@@ -102,20 +102,18 @@ def _scalar(output: Any) -> torch.Tensor | None:
     return torch.stack(found).sum() if found else None
 
 
-class PrecisionTrial:
+class PrecisionTrial(ModelCapture):
     name = "precision"
 
     def __init__(self, timeline: StepTimeline, model_probe: Any) -> None:
+        super().__init__()
         self.on = True
         self.timeline = timeline
         self.models = model_probe  # off while the trial's forwards run
         self.state = "waiting"  # capturing, then done
         self.result: dict[str, Any] | None = None
-        self._handle: Any = None
-        self._model: nn.Module | None = None
         self._input: tuple[tuple, dict] | None = None
         self._skip: str | None = None  # why the captured step gives nothing to time
-        self._failure: Exception | None = None  # raised inside the hook, reported at finish
 
     # --- the schedule (Recorder.on_close, on the training thread) -------------------------
 
@@ -125,14 +123,6 @@ class PrecisionTrial:
     def skip(self, reason: str) -> None:
         """No trial for this job (a compiled model, say): the reason stands as its result."""
         self.state, self.result = "done", {"skipped": reason}
-
-    def capture(self, models: list[nn.Module]) -> None:
-        """Hook the largest trained model for the next step."""
-        hooked = hook_largest(models, self._seen)
-        if isinstance(hooked, str):
-            self.skip(hooked)
-            return
-        self.state, (self._model, self._handle) = "capturing", hooked
 
     def finish(self, config: dict[str, Any] | None, step_seconds: float) -> None:
         """Unhook; time the captured input. A failure (an out-of-memory input, say) ends the
@@ -154,11 +144,6 @@ class PrecisionTrial:
             self.result = {"skipped": f"the timing failed: {type(exc).__name__}: {exc}"}
             self.on = False
             self.timeline.fail(self.name, exc)
-
-    def remove_hooks(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The forward pre-hook: the first training forward's input, cloned. It runs inside the

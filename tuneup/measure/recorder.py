@@ -231,18 +231,17 @@ class Recorder:
                 self.gpus.match_cuda(cuda_uuids())
         self.model.read_config_next_forward = True
         self._measure_transfer()
-        if self.precision.due(step, self.config) and not tracing():
+        # The runs of the model off the step (offstep.py): what autocast would save, the FLOPs.
+        due = [capture for capture, wanted in ((self.precision, self.precision.due(step, self.config)),
+                                               (self.flops, self.flops.due(step))) if wanted]
+        if due and not tracing():
             trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
-            if self.compile.compiles or any(is_compiled(model) for model in trained):
-                self.precision.skip("the model is compiled (a hook on it would recompile it)")
-            elif trained:
-                self.precision.capture(trained)
-        if self.flops.due(step) and not tracing():
-            trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
-            if self.compile.compiles or any(is_compiled(model) for model in trained):
-                self.flops.skip("the model is compiled (a hook on it would recompile it)")
-            elif trained:
-                self.flops.capture(trained)
+            compiled = self.compile.compiles or any(is_compiled(model) for model in trained)
+            for capture in due:
+                if compiled:
+                    capture.skip("the model is compiled (a hook on it would recompile it)")
+                elif trained:
+                    capture.capture(trained)
 
     def time_gpu(self, timer: CudaStepTimer) -> None:
         """GPU time per detail step from now on, by `timer`'s events."""

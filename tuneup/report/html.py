@@ -395,9 +395,7 @@ def _lines(snapshot: dict[str, Any], window: dict[str, Any]) -> str:
     if evaluation:
         items.insert(0, escape(evaluation))
     items[:0] = [escape(line.strip()) for line in summary.compile_lines(snapshot.get("compile"), snapshot.get("totals"))]
-    items[:0] = [escape(line.strip()) for line in summary.compute_lines(snapshot.get("flops"),
-                                                                         (snapshot.get("habits") or {}).get("flops"))
-                 + [line for line in [summary.energy_line(snapshot.get("energy"))] if line]]
+    items[:0] = [escape(line.strip()) for line in summary.work_lines(snapshot)]
     loss = window.get("loss")
     if loss:
         last, trend = _finite(loss["last"]), _finite(loss.get("trend"))

@@ -188,13 +188,15 @@ def compute_lines(compute: dict[str, Any] | None, counted: dict[str, Any] | None
     counted = counted if isinstance(counted, dict) else {}
     per_batch = ""
     if counted.get("forward_flops") is not None and counted.get("backward_flops") is not None:
-        per_batch = (f" (forward {flop_text(counted['forward_flops'])} + backward {flop_text(counted['backward_flops'])}"
-                     f" a batch{' of ' + str(counted['batch']) if counted.get('batch') else ''}, counted on "
-                     f"{counted.get('model') or 'the model'}'s shapes"
-                     f"{'; shapes vary: the median of ' + str(counted.get('counts')) + ' counts' if compute.get('estimate') else ''})")
+        batch = f" of {counted['batch']}" if counted.get("batch") else ""
+        varying = f"; shapes vary: the median of {counted.get('counts')} counts" if compute.get("estimate") else ""
+        per_batch = (f" (forward {flop_text(counted['forward_flops'])} + backward "
+                     f"{flop_text(counted['backward_flops'])} a batch{batch}, counted on "
+                     f"{counted.get('model') or 'the model'}'s shapes{varying})")
     if compute.get("mfu") is not None:
-        utilization = (f"MFU {compute['mfu']:.1%} of {compute.get('device')}'s "
-                       f"{flop_text(compute.get('peak_flops_per_second'), 'FLOP/s')} dense {compute.get('precision')} peak")
+        peak = flop_text(compute.get("peak_flops_per_second"), "FLOP/s")
+        utilization = (f"MFU {compute['mfu']:.1%} of {compute.get('device')}'s {peak} dense "
+                       f"{compute.get('precision')} peak")
     else:
         utilization = f"MFU: unknown peak for {compute.get('device') or 'this device'} ({compute.get('precision')})"
     lines = [f"Compute: {flop_text(compute.get('flops_per_step'))} a step{per_batch}, "
@@ -216,6 +218,13 @@ def energy_line(spent: dict[str, Any] | None) -> str | None:
     return (f"Energy: {spent['joules_per_step']:.3g} J a step"
             + (f", {sample:.3g} J a sample" if sample is not None else "")
             + f" ({gpus} GPU{'s' if gpus != 1 else ''} at {spent.get('watts', 0):.0f} W, {spent.get('source')})")
+
+
+def work_lines(snapshot: dict[str, Any]) -> list[str]:
+    """What a step does and costs, for every report format: compute_lines, then energy_line."""
+    energy = energy_line(snapshot.get("energy"))
+    counted = (snapshot.get("habits") or {}).get("flops")
+    return compute_lines(snapshot.get("flops"), counted) + ([energy] if energy else [])
 
 
 def scaler_line(scaler: dict[str, Any]) -> str:
@@ -336,8 +345,7 @@ def render(snapshot: dict[str, Any]) -> Group:
     if evaluation:
         lines.insert(0, evaluation)
     lines[:0] = compile_lines(snapshot.get("compile"), totals)
-    lines[:0] = compute_lines(snapshot.get("flops"), (snapshot.get("habits") or {}).get("flops")) + [
-        line for line in [energy_line(snapshot.get("energy"))] if line]
+    lines[:0] = work_lines(snapshot)
     loss = window.get("loss")
     if loss:
         trend = f", trend {loss['trend']:+.0%} over the window" if loss.get("trend") is not None else ""

@@ -142,8 +142,7 @@ def to_markdown(document: dict[str, Any]) -> str:
             for _, label, middle, share in summary.step_parts(window):
                 out.append(f"| {label} | {summary.seconds(middle)} | {percent(share)} |")
             out.append("")
-        lines = summary.compute_lines(snapshot.get("flops"), (snapshot.get("habits") or {}).get("flops"))
-        lines += [line for line in [summary.energy_line(snapshot.get("energy"))] if line]
+        lines = summary.work_lines(snapshot)
         lines += summary.compile_lines(snapshot.get("compile"), snapshot.get("totals"))
         lines += summary.sync_lines(snapshot["syncs"]) + [summary.scaler_line(snapshot["scaler"])]
         lines += summary.system_lines(snapshot.get("system")) + summary.config_lines(snapshot.get("config"))
