@@ -31,7 +31,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import PROGRAMS, ROOT, child_env, free_port  # noqa: E402
+from tests.conftest import PROGRAMS, ROOT, child_env, get_json, serve_on_free_port  # noqa: E402
 
 PROMETHEUS_RULES = ROOT / "agents" / "prometheus"
 SERIES_BUDGET = 150  # per rank with its own GPU: docs/metrics.md "Series budget"
@@ -41,15 +41,18 @@ SCRAPE = "2s"
 RAW = 'count({job="tuneup", __name__=~"tuneup_.*|process_.*|python_.*"})'
 
 
-def get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 def query(base: str, expr: str) -> list[dict]:
     payload = get_json(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
     assert payload["status"] == "success", payload
     return payload["data"]["result"]
+
+
+def start_prometheus(folder: Path) -> tuple[subprocess.Popen, str]:
+    """Prometheus with folder/prometheus.yml on a free loopback port: (process, base URL)."""
+    return serve_on_free_port(lambda port: ["prometheus", f"--config.file={folder / 'prometheus.yml'}",
+                                            f"--storage.tsdb.path={folder / 'data'}",
+                                            f"--web.listen-address=127.0.0.1:{port}"],
+                              lambda base: get_json(f"{base}/api/v1/status/buildinfo")["data"]["version"], folder)
 
 
 def capture_template(folder: Path, deadline: float = 90.0) -> str:
@@ -91,7 +94,6 @@ class FleetPrometheus:
         self.started = time.monotonic()
         self.ports, self.series_per_rank = served["ports"], served["series_per_rank"]
         self.ranks = nodes * per_node
-        port = free_port()
         config = {
             "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE, "scrape_timeout": SCRAPE},
             "rule_files": [str(PROMETHEUS_RULES / "tuneup-recording.yml"), str(PROMETHEUS_RULES / "tuneup-alerts.yml")],
@@ -99,10 +101,8 @@ class FleetPrometheus:
                                 "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in self.ports]}]}],
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.server = self._start(["prometheus", f"--config.file={folder / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                  cwd=folder)
-        self.base = f"http://127.0.0.1:{port}"
+        self.server, self.base = start_prometheus(folder)
+        self.processes.append(self.server)
 
     def _start(self, command: list[str], **kwargs) -> subprocess.Popen:
         kwargs.setdefault("stdout", subprocess.DEVNULL)

@@ -65,6 +65,63 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def serve_on_free_port(argv, identify, cwd: Path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """A server that cannot be told "any port" and say which (Prometheus, the Pushgateway), on a
+    free loopback port: (process, base URL). `argv(port)` is its command line; `identify(base)`
+    is true once the answer comes from this server and no other.
+
+    A port picked here and released can be taken before the server binds it (the simulated
+    fleet binds hundreds): the server then exits, and the other process's answers must not be
+    read as its own. It is started again on another port."""
+    import time
+
+    for _ in range(attempts):
+        port = free_port()
+        server = subprocess.Popen(argv(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                if identify(base):
+                    return server, base
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # not listening yet, or another process's answer
+            time.sleep(0.2)
+        server.kill()
+        server.wait(20)
+    raise AssertionError(f"{argv(0)[0]} did not start on a free port in {attempts} attempts")
+
+
+def get_json(url: str, timeout: float = 10) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def start_pushgateway(binary: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    return serve_on_free_port(lambda port: [binary, f"--web.listen-address=127.0.0.1:{port}"],
+                              lambda base: get_json(f"{base}/api/v1/status")["data"]["build_information"]["version"],
+                              folder)
+
+
+def start_daemon(registry_dir: Path, env: dict[str, str], *args: str) -> tuple[subprocess.Popen, str]:
+    """`tuneup daemon` on any free port (--port 0: a port picked here could be taken before it
+    binds), as deployed: (process, its URL, read from the line it prints at start)."""
+    import re
+
+    daemon = subprocess.Popen([sys.executable, "-m", "tuneup", "daemon", "--port", "0", "--registry-dir",
+                               str(registry_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env)
+    for line in daemon.stdout:
+        found = re.search(r"serving .* at (http://\S+)/metrics", line)
+        if found:
+            return daemon, found.group(1)
+    daemon.wait(10)
+    raise AssertionError(f"the daemon did not start (exit {daemon.returncode})")
+
+
 def wait_for(predicate, timeout: float = 60.0):
     """Poll `predicate` (a connection refused counts as not yet) until it returns something
     true, which is returned; fails the test after `timeout` seconds."""

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PROGRAMS, child_env, free_port
+from tests.conftest import PROGRAMS, child_env, start_daemon
 from tuneup.export import discovery
 from tuneup.export.daemon import NodeDaemon
 
@@ -68,13 +68,9 @@ def cli(*args, env=None, timeout=60):
 def node(tmp_path):
     """`tuneup daemon` (a process, as deployed) and two training jobs on this 'node'."""
     folder = tmp_path / "agents"
-    port = free_port()
-    daemon = subprocess.Popen([sys.executable, "-m", "tuneup", "daemon", "--port", str(port),
-                               "--registry-dir", str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=environment(folder))
+    daemon, url = start_daemon(folder, environment(folder))
     jobs = [start_job(folder, "--seconds", "120", "--delay", "0.001", "--workers", "1"),
             start_job(folder, "--seconds", "120", "--skip-every", "5")]
-    url = f"http://127.0.0.1:{port}"
     yield url, daemon, jobs, folder
     for process, _ in jobs:
         process.kill()

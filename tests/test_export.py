@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tuneup
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, start_pushgateway
 from tuneup.options import TuneupWarning
 
 DOCS = (ROOT / "docs" / "metrics.md").read_text()
@@ -219,20 +219,7 @@ def pushgateway(tmp_path):
     binary = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
     if binary is None:
         pytest.skip("prometheus-pushgateway (Debian package) not installed")
-    port = free_port()
-    process = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(url + "/-/ready", timeout=1).read()
-            break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                pytest.fail("the Pushgateway did not start")
-            time.sleep(0.1)
+    process, url = start_pushgateway(binary, tmp_path)
     yield url
     process.terminate()
     process.wait(10)

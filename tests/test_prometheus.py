@@ -12,18 +12,19 @@ a CUDA job's would.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import yaml
+from urllib.parse import urlsplit
 
-from benchmarks.bench_fleet_prometheus import get_json, query
-from tests.conftest import PROGRAMS, ROOT, child_env
+from benchmarks.bench_fleet_prometheus import get_json, query, start_prometheus
+from tests.conftest import PROGRAMS, ROOT, child_env, free_port, start_daemon
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus (Debian package) not installed; .ci/run installs it")
@@ -47,17 +48,6 @@ def load_generator():
     return module
 
 
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for probe in sockets:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in sockets]
-    finally:
-        for probe in sockets:
-            probe.close()
-
-
 def substitute(expr):
     """Grafana's variables as the dashboards' "All": every job, training job, instance and rank."""
     for name in ("job", "training_job", "instance", "rank"):
@@ -65,16 +55,25 @@ def substitute(expr):
     return expr.replace("$__rate_interval", RATE_INTERVAL)
 
 
+def first_line(process, name):
+    line = process.stdout.readline()
+    assert line, f"{name} did not start"
+    return line
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     registry_dir = folder / "agents"
-    rank0, rank1, hung, daemon_port, prometheus_port = free_ports(5)
     base_env = child_env(TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_REGISTRY_DIR=str(registry_dir),
                          TUNEUP_LOG="0", TUNEUP_INTERVAL="0.5")
-    ddp = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "it"}
+    # Every listener takes any free port and says which (TUNEUP_PORT=0, daemon --port 0): a port
+    # picked here and given to a process could be taken in between by the suite's other tests.
+    # torch's rendezvous store has no such option; its port is picked here.
+    ddp = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "TORCHELASTIC_RUN_ID": "it"}
     jobs = {
-        "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_PORT": str(rank0), "TUNEUP_MODE": "apply",
+        "rank0": ({**ddp, "RANK": "0", "LOCAL_RANK": "0", "TUNEUP_MODE": "apply",
                    "TUNEUP_ACTIONS": "dataloader", "FAKE_NVML_UTILIZATION": "3"},
                   ["--delay", "0.0005", "--skip-every", "4", "--fake-allocator", "--ddp",
                    "--fake-device", "NVIDIA H100 80GB HBM3"]),
@@ -83,54 +82,46 @@ def prometheus(tmp_path_factory):
         # allreduce): over TuneupDataStallHigh's 20%, and the slow rank, unless rank 0's step
         # takes 190 ms. With 12 ms a sample (96 ms a batch), two busy processes beside the
         # suite slowed rank 0's CPU work enough that rank 1 was neither stalled nor slow.
-        "rank1": ({**ddp, "RANK": "1", "LOCAL_RANK": "1", "TUNEUP_PORT": str(rank1)},
+        "rank1": ({**ddp, "RANK": "1", "LOCAL_RANK": "1"},
                   ["--delay", "0.03", "--workers", "2", "--compute", "0.02", "--ddp"]),
-        "hung": ({"TUNEUP_PORT": str(hung)}, ["--steps", "40", "--hang"]),
+        "hung": ({}, ["--steps", "40", "--hang"]),
     }
-    processes = []
-    for name, (env, args) in jobs.items():
-        process = subprocess.Popen([sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "600", *args],
-                                   env={**base_env, **env}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   text=True)
-        processes.append(process)
-        assert process.stdout.readline(), f"{name} did not start"
-    processes.append(subprocess.Popen([sys.executable, "-m", "tuneup", "daemon", "--port", str(daemon_port),
-                                       "--registry-dir", str(registry_dir)], env=base_env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RECORDING), str(ALERTS)],
-        "scrape_configs": [
-            {"job_name": "tuneup", "static_configs": [{"targets": [f"127.0.0.1:{rank0}", f"127.0.0.1:{rank1}"]}]},
-            {"job_name": "tuneup-hung", "static_configs": [{"targets": [f"127.0.0.1:{hung}"]}]},
-            {"job_name": "tuneup-node", "static_configs": [{"targets": [f"127.0.0.1:{daemon_port}"]}]},
-        ],
-    }
-    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = subprocess.Popen(["prometheus", f"--config.file={folder / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={folder / 'data'}",
-                               f"--web.listen-address=127.0.0.1:{prometheus_port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder)
-    processes.append(server)
-    base = f"http://127.0.0.1:{prometheus_port}"
+    processes, targets = [], {}
+    server = None
     try:
+        for name, (env, args) in jobs.items():
+            process = subprocess.Popen([sys.executable, str(PROGRAMS / "export_job.py"), "--seconds", "600", *args],
+                                       env={**base_env, "TUNEUP_PORT": "0", **env}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, text=True)
+            processes.append(process)
+            targets[name] = urlsplit(json.loads(first_line(process, name))["url"]).netloc
+        daemon, daemon_url = start_daemon(registry_dir, base_env)
+        processes.append(daemon)
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RECORDING), str(ALERTS)],
+            "scrape_configs": [
+                {"job_name": "tuneup", "static_configs": [{"targets": [targets["rank0"], targets["rank1"]]}]},
+                {"job_name": "tuneup-hung", "static_configs": [{"targets": [targets["hung"]]}]},
+                {"job_name": "tuneup-node", "static_configs": [{"targets": [urlsplit(daemon_url).netloc]}]},
+            ],
+        }
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        server, base = start_prometheus(folder)
         deadline = time.monotonic() + 60
         while True:
-            try:
-                targets = get_json(f"{base}/api/v1/targets")["data"]["activeTargets"]
-                if len(targets) == 4 and all(t["health"] == "up" for t in targets):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "Prometheus did not scrape every target"
+            active = get_json(f"{base}/api/v1/targets")["data"]["activeTargets"]
+            if len(active) == 4 and all(t["health"] == "up" for t in active):
+                break
+            assert time.monotonic() < deadline, f"Prometheus did not scrape every target: {active}"
             assert server.poll() is None, "Prometheus exited"
             time.sleep(0.5)
         time.sleep(25)  # enough samples for every 20 s rate window, and past the hung job's last step
         yield base
     finally:
-        for process in processes:
+        for process in processes + ([server] if server else []):
             process.kill()
-        for process in processes:
+        for process in processes + ([server] if server else []):
             process.wait(20)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROGRAMS, child_env, free_port, wait_for
+from tests.conftest import PROGRAMS, child_env, start_daemon, start_pushgateway, wait_for
 from tuneup import redact
 from tuneup.export import discovery
 
@@ -56,11 +56,7 @@ def pushgateway(tmp_path):
     if binary is None:
         yield None
         return
-    port = free_port()
-    process = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: get(url + "/-/ready") is not None, timeout=20)
+    process, url = start_pushgateway(binary, tmp_path)
     yield url
     process.terminate()
     process.wait(10)
@@ -72,11 +68,8 @@ def test_a_secret_on_the_command_line_reaches_no_output(tmp_path, pushgateway):
                     TUNEUP_INTERVAL="0.2", TUNEUP_NVML_MODULE="tests.fake_nvml", TUNEUP_REDACT="value:SECRETVALUE",
                     **({"TUNEUP_PUSH_GATEWAY": pushgateway.removeprefix("http://"), "TUNEUP_PUSH_INTERVAL": "1"}
                        if pushgateway else {}))
-    daemon_port = free_port()
-    daemon = start([sys.executable, "-m", "tuneup", "daemon", "--port", str(daemon_port), "--registry-dir",
-                    str(registry)], env)
+    daemon, daemon_url = start_daemon(registry, env)
     job = start([sys.executable, "-m", "tuneup", "run", str(PROGRAMS / "secret_args.py"), *ARGS], env)
-    daemon_url = f"http://127.0.0.1:{daemon_port}"
     outputs: dict[str, str] = {}
     try:
         agent = wait_for(lambda: discovery.live_agents(registry))[0]

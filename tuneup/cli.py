@@ -121,7 +121,8 @@ def demo(
         warnings.simplefilter("ignore", UserWarning)  # torch's CPU GradScaler notes; ours print below
         agent = tuneup.attach(run_dir=run_dir, mode="apply" if apply else "advise")
         if agent.server is not None:
-            console.print(f"live while it trains: tuneup watch {agent.server.url}   (Prometheus: {agent.server.url}/metrics)")
+            console.print(f"live while it trains: tuneup watch {agent.server.url}   (Prometheus: {agent.server.url}/metrics)",
+                          soft_wrap=True)
         try:
             with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           TextColumn("loss {task.fields[loss]:.3f}"), console=console, transient=True) as bar:
@@ -132,7 +133,7 @@ def demo(
             agent.detach()
     render_text(agent.document(), console)
     if agent.run_dir is not None:  # None when the run log could not be written (the warning said why)
-        console.print(f"This report again: tuneup report {agent.run_dir}")
+        console.print(f"This report again: tuneup report {agent.run_dir}", soft_wrap=True)
 
 
 RUNS = Path("tuneup-runs")  # where runs go by default (options.py default_run_dir)
@@ -179,7 +180,7 @@ def report(
     silenced = _check_rules(silence)
     if not targets:
         targets = [str(_newest_run())]
-        console.print(f"tuneup report: the newest run, {targets[0]}", style="dim")
+        console.print(f"tuneup report: the newest run, {targets[0]}", style="dim", soft_wrap=True)
     try:
         jobs = load_merged(targets)
     except ReportSourceError as exc:
@@ -271,7 +272,8 @@ def run(
 def daemon(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface, for Prometheus "
                              "on another machine)."),
-    port: int = typer.Option(DEFAULT_DAEMON_PORT, min=1, max=65535, help="Port to listen on."),
+    port: int = typer.Option(DEFAULT_DAEMON_PORT, min=0, max=65535, help="Port to listen on (0: any free port, "
+                             "printed at start)."),
     registry_dir: Optional[Path] = typer.Option(None, help="Where agents announce themselves (default: "
                                                 "TUNEUP_REGISTRY_DIR, else this user's runtime directory)."),
     gpu: bool = typer.Option(True, "--gpu/--no-gpu", help="Export the node's GPUs (NVML) too."),
@@ -315,8 +317,9 @@ def daemon(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     console.print(f"tuneup daemon: serving every tuneup job on this node at {url}/metrics "
-                  f"(agents announce themselves in {folder}; {len(node.agents())} running now)", highlight=False)
-    console.print(f"  tuneup report {url}    tuneup watch {url}", highlight=False)
+                  f"(agents announce themselves in {folder}; {len(node.agents())} running now)", highlight=False,
+                  soft_wrap=True)
+    console.print(f"  tuneup report {url}    tuneup watch {url}", highlight=False, soft_wrap=True)
     try:
         while not stop.wait(1.0):
             pass
