@@ -80,12 +80,17 @@ def test_gpu_time_per_step_ends_at_the_update_not_after_the_data_wait(run_dir):
             opt.step()
             work.append(time.perf_counter() - began)
     window = agent.snapshot()["window"]
-    gpu, step = window["gpu_seconds"], window["step_seconds"]["median"]
-    assert gpu is not None and gpu["median"] > 0
-    # Before the end event moved to the update's end, the figure held the 30 ms wait: gpu ≈ step.
-    assert gpu["max"] <= max(work) + 0.005
-    assert gpu["median"] <= statistics.median(work) + 0.005
-    assert step - gpu["median"] >= 0.025  # the wait is outside the GPU's time
+    gpu, step = window["gpu_seconds"], window["step_seconds"]
+    assert gpu is not None
+    # Each step holds one whole wait of at least 30 ms (a sleep); the GPU's time must hold none
+    # of it: gpu_i <= step_i - 0.03 for every step timed, so for the largest too. Before the end
+    # event moved to the update's end, the figure held the wait: gpu ≈ step. (Bounds from the
+    # loop's own sleep, not from how fast this machine runs the work.)
+    assert gpu["max"] <= step["max"] - 0.03
+    assert gpu["median"] <= step["median"] - 0.025
+    # And it holds the work: the end event comes after the update, a few µs before the loop's
+    # clock reads `work`'s end (so not at the forward, where an early end would put it).
+    assert gpu["median"] >= 0.5 * statistics.median(work)
 
 
 def test_events_that_cannot_be_compared_drop_that_step_only(run_dir):
