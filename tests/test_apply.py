@@ -164,6 +164,87 @@ def test_a_worker_failure_during_a_trial_rolls_back_and_loses_no_batch(run_dir):
     assert loader.num_workers == 0
 
 
+class DearToShip(SlowIndexed):
+    """Batches that cost more to bring from a worker than to make: in a worker each batch waits
+    `latency` a sample (what shipping it and a worker's own start-up cost a real loader); in the
+    main process nothing. Each batch draws augmentation noise from torch's global RNG (in a
+    worker, that worker's stream)."""
+
+    def __getitems__(self, indices: list[int]):
+        if get_worker_info() is not None:
+            time.sleep(self.latency * len(indices))
+        noise = torch.rand(len(indices), 1)
+        return [(x + 0.01 * n, y, index) for (x, y, index), n in
+                zip(((*sample(index, 32), index) for index in indices), noise)]
+
+
+def test_a_loader_whose_workers_cost_more_than_they_save_is_moved_down_in_a_long_epoch(run_dir):
+    """Ground truth from the code: the job runs one worker per usable core (apply mode adds no
+    more), each taking 16 x 1.25 ms x cores = 20 ms x cores a batch, so one batch every 20 ms,
+    against a step of 10 ms (a sleep): about 20 ms a step, half of it waiting for data. In the
+    main process a batch costs nothing (no sleep): about 10 ms a step, 2x faster; one worker is
+    slower than the job's own. Epochs are 1,000 steps, longer than a persistent-workers trial
+    can span. The dataset draws noise from the global RNG: in workers from theirs."""
+    from tuneup.measure.host import usable_cores
+
+    cores = usable_cores()
+    options = dict(dataset=DearToShip(size=16 * 1000, latency=0.00125 * cores), num_workers=cores, compute=0.01)
+    plain, _, plain_rng, _, _ = io_bound_run(400, **options)
+    batches, _, rng, agent, loader = io_bound_run(400, agent_options=apply_options(run_dir, actions=["dataloader"]),
+                                                  **options)
+    moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
+             for r in records(agent, "dataloader") if "before" in r]
+    assert moves and moves[0] == (cores, 0, "kept"), decisions(agent)
+    assert not records(agent, "dataloader", "not applicable"), decisions(agent)
+    # The same samples in the same order, and the job's own random stream as without tuneup:
+    # in the main process the dataset drew its noise from a stream of its own.
+    assert batches == plain
+    assert torch.equal(rng, plain_rng)
+    assert loader.num_workers == cores, "detach puts the job's own settings back"
+
+
+def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
+    """Ground truth from the code: SlowIndexed's batches take 20 ms in-process against a 20 ms
+    step; in a worker, past the first 10 ms of a batch every sample costs 10x, so two workers
+    make a batch every 60 ms (3x slower than none) and one worker every 20 ms overlapped with the
+    step: the estimate (two or more) is rejected, its neighbour, one, is what pays."""
+    class SlowerInPairs(SlowIndexed):
+        def __getitems__(self, indices: list[int]):
+            info = get_worker_info()
+            if info is not None and info.num_workers > 1:
+                time.sleep(self.latency * len(indices) * 5)
+            return super().__getitems__(indices)
+
+    _, _, _, agent, _ = io_bound_run(400, dataset=SlowerInPairs(),
+                                     agent_options=apply_options(run_dir, actions=["dataloader"]),
+                                     generator=torch.Generator().manual_seed(0))
+    moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
+             for r in records(agent, "dataloader") if "before" in r and r["before"]["num_workers"] !=
+             r["after"]["num_workers"]]
+    assert len(moves) >= 2 and moves[0][0] == 0 and moves[0][1] >= 2 and moves[0][2] == "reverted", decisions(agent)
+    assert moves[1] == (0, 1, "kept"), decisions(agent)
+
+
+def test_every_finding_apply_mode_can_make_gets_a_trial_or_a_reason_in_a_400_step_run(run_dir):
+    """Ground truth from the code: the slow loader stalls (data-stall, the dataloader action) and
+    the loop zeroes gradients in place (zero_grad(set_to_none=False): zero-grad-keeps-tensors, the
+    zero-grad action). Every finding that says apply mode can make it gets, within the run, a
+    record of a trial or of why not."""
+    from tuneup.act.actions import ACTIONS
+
+    offered: set[str] = set()
+
+    def watch(step, agent):
+        offered.update(f["rule"] for f in agent.findings() if f["can_apply"])
+        return False
+
+    _, _, _, agent, _ = io_bound_run(400, set_to_none=False, agent_options=apply_options(run_dir), after_step=watch)
+    assert {"data-stall", "zero-grad-keeps-tensors"} <= offered, offered
+    acted = {rule for r in agent.actions() for rule in ACTIONS[r["action"]].fixes}
+    assert offered <= acted, decisions(agent)
+    assert all(r["decision"] != "trying" for r in agent.actions()), decisions(agent)
+
+
 def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tuning(run_dir):
     """A kept configuration's workers fail later (the files moved, a worker was OOM-killed):
     the job does not crash, sees the same batches, and runs with its own settings again."""
@@ -326,6 +407,27 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
     assert trial and trial.get("speedup") is not None and trial["speedup"] < 1, trial  # the premise, measured
     assert not any(model.autocast) and not records(agent, "amp"), decisions(agent)
     assert all(torch.equal(a, b) for a, b in zip(plain, tuned))
+
+
+def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run_dir, monkeypatch):
+    """Timed's gain under autocast is real (5 passes in fp32 against 1), but the timing off the
+    job's steps is made to say "faster in 10 of 12 pairs": enough for amp-off (75%), not for
+    apply mode to change the run's numerics (90%): no step runs under autocast, and the record
+    says why."""
+    from tuneup.measure.precision import PrecisionTrial
+
+    measure = PrecisionTrial._time
+
+    def close_call(self, *args, **kwargs):
+        result = measure(self, *args, **kwargs)
+        return dict(result, pairs=12, faster_pairs=10) if result.get("pairs") else result
+
+    monkeypatch.setattr(PrecisionTrial, "_time", close_call)
+    agent, model, _, _ = amp_run(run_dir, 600)
+    assert [f for f in agent.findings() if f["rule"] == "amp-off"], "the premise: amp-off fires"
+    [record] = records(agent, "amp")
+    assert record["decision"] == "not applicable" and "faster in 10 of 12 pairs" in record["reason"], record
+    assert not any(model.autocast)
 
 
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):

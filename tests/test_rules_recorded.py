@@ -124,6 +124,12 @@ def test_amp_off_on_a_cpu_with_bf16_fires_on_a_measured_gain_only(cpu_snapshot):
     assert "measured 2.00x as fast on the model's forward + backward (Sequential" in found.observed
     assert "faster in 8 of 8 interleaved pairs" in found.observed
     assert "measured on the job's model" in found.gain_text and found.evidence["measured"] is True
+    assert found.can_apply is True  # a clear gain (8 of 8): apply mode may switch it on
+    # Faster in 7 of 8 pairs: a finding, but not clear enough for apply mode to change the run's
+    # numerics on it (a trial undone would leave its bf16 updates in the weights).
+    s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.2 * step, faster=7)
+    found = fired(s)["amp-off"]
+    assert found.can_apply is False and "faster in 7 of 8 pairs" in found.evidence["not_applicable"]
     s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.2 * step, faster=5)  # faster in 5 of 8 pairs: noise
     assert "amp-off" not in fired(s)
     s["habits"]["amp_trial"] = amp_trial(0.4 * step, 0.39 * step)  # 1% of a step: not worth it

@@ -155,6 +155,7 @@ class Action:
     def __init__(self) -> None:
         self.done = False  # nothing more to try in this run
         self.busy = False  # in the middle of a sequence of changes: go on before other actions
+        self.deferred = False  # what is left holds the experimenter long: after every other action's turn
         self.not_applicable: str | None = None  # why the finding cannot be acted on (reported once)
 
     def wanted(self, job: LiveJob) -> bool:

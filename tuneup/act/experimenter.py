@@ -192,13 +192,13 @@ class Experimenter:
 
     def _ordered(self) -> list[Action]:
         """Actions still to run: one in the middle of a sequence first, then by the
-        estimated gain of the finding that starts them."""
+        estimated gain of the finding that starts them; a deferred one (a long trial) last."""
         def gain(action: Action) -> float:
             finding = self.job.finding(*action.fixes)
             return (finding or {}).get("gain") or 0.0
 
         waiting = [action for action in self.actions if not action.done]
-        return sorted(waiting, key=lambda action: (not action.busy, -gain(action)))
+        return sorted(waiting, key=lambda action: (action.deferred, not action.busy, -gain(action)))
 
     def _maybe_start(self, step: int) -> None:
         last = step - 1

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import random
+import sys
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -145,6 +147,7 @@ class TapedSampler:
         self.sampler = loader._index_sampler
         self.job_generator = loader.generator
         self.job_draws = not persistent(job_settings)
+        self.job_workers = job_settings["num_workers"]
         self.seeds = worker_seeds(loader)
         self.first = first
         self.tape: _Tape | None = None
@@ -171,15 +174,56 @@ def tape_of(iterator: Any) -> _Tape | None:
     return sampler.tape if isinstance(sampler, TapedSampler) else None
 
 
+class _OwnStreams:
+    """The random streams a dataset loaded in the main process draws from, where the job's
+    own settings load it in workers: its own, seeded as a worker's are (torch's
+    `_worker_loop` seeds torch, `random` and numpy from the iterator's base seed), swapped in
+    around each fetch, so the job's streams (dropout, its shuffling) move as they would have."""
+
+    def __init__(self, seed: int) -> None:
+        self.torch = torch.Generator().manual_seed(seed).get_state()
+        self.python = random.Random(seed).getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.RandomState(seed % (1 << 32)).get_state() if numpy is not None else None
+
+    def around(self, fetch: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        streams = self
+
+        def fetch_with_own_streams(index: Any) -> Any:
+            numpy = sys.modules.get("numpy") if streams.numpy is not None else None
+            job = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
+            torch.set_rng_state(streams.torch)
+            random.setstate(streams.python)
+            if numpy is not None:
+                numpy.random.set_state(streams.numpy)
+            try:
+                return fetch(index)
+            finally:
+                streams.torch, streams.python = torch.get_rng_state(), random.getstate()
+                torch.set_rng_state(job[0])
+                random.setstate(job[1])
+                if numpy is not None:
+                    streams.numpy = numpy.random.get_state()
+                    numpy.random.set_state(job[2])
+
+        return fetch_with_own_streams
+
+
 def build_iterator(loader: DataLoader, settings: Settings, sampler: TapedSampler) -> Any:
     """An iterator of `loader` with `settings` reading its indices from `sampler`, built from
     a shallow copy of the loader whose generator (the workers' base seed) is the sampler's
-    private one."""
+    private one. In the main process where the job loads in workers, the dataset draws from
+    streams of its own (`_OwnStreams`)."""
     proxy = copy.copy(loader)
     set_settings(proxy, effective(settings))
     vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = sampler
     vars(proxy)["generator"] = sampler.seeds
-    return proxy._get_iterator()
+    iterator = proxy._get_iterator()
+    if settings["num_workers"] == 0 and sampler.job_workers > 0:
+        seed = int(raw_item(torch.empty((), dtype=torch.int64).random_(generator=sampler.seeds))) & ((1 << 63) - 1)
+        fetcher = iterator._dataset_fetcher
+        fetcher.fetch = _OwnStreams(seed).around(fetcher.fetch)
+    return iterator
 
 
 def shut_down(iterator: Any) -> None:

@@ -16,7 +16,9 @@ same one GradScaler's step pays), during the guard period only; after it, the lo
 reads on detail steps and GradScaler's skips are watched: a non-finite loss or a burst of
 skipped steps rolls the change back at the next step close. Model and optimizer state are
 never touched: autocast changes no parameter, and a revert restores the GradScaler's state
-exactly.
+exactly; but the updates made under autocast until a revert stay in the weights, so autocast
+is switched on only where its gain was measured clearly off the job's steps
+(measure/precision.py, `shadow_refusal`) and a revert is unlikely.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch.amp.grad_scaler import GradScaler
 from ..._patching import PatchSet, measured, posing_as
 from ...measure.config import amp_refusal, cuda_bf16, is_compiled
 from ...measure.model import tracing
-from ..action import FASTER, NOT_SLOWER, Action, Change, LiveJob
+from ...measure.precision import shadow_refusal
+from ..action import NOT_SLOWER, Action, Change, LiveJob
 
 GUARD_STEPS = 300
 SETTLE_STEPS = 5
@@ -80,17 +83,6 @@ def _nothing_after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
     return None
 
 
-SHADOW_CLEAR = 0.9  # of the precision trial's interleaved pairs, those faster under autocast
-
-
-def measured_in_shadow(finding: dict[str, Any]) -> bool:
-    """Whether amp-off's gain was measured on the job's model off its steps and autocast was
-    faster in at least SHADOW_CLEAR of the pairs (not an estimate, not a close call)."""
-    trial = (finding.get("evidence") or {}).get("trial") or {}
-    pairs = trial.get("pairs") or 0
-    return bool(pairs) and (trial.get("faster_pairs") or 0) >= SHADOW_CLEAR * pairs
-
-
 def bf16_supported(device: str, index: int | None = None) -> bool:
     """Whether autocast may use bf16 here: on a GPU, where it runs natively (measure/config.py
     cuda_bf16; else fp16 with a GradScaler). On the CPU it always runs (whether it pays is what
@@ -101,7 +93,9 @@ def bf16_supported(device: str, index: int | None = None) -> bool:
 class AmpChange(Change):
     action = "amp"
     settle_steps = SETTLE_STEPS
-    keep = FASTER
+    # Proposed only on a clear gain measured off the job's steps (measure/precision.py): it stays
+    # unless the job's own steps are measurably slower.
+    keep = NOT_SLOWER
 
     def __init__(self, job: LiveJob, models: list[nn.Module], device: str, dtype: torch.dtype,
                  scaler: GradScaler | None) -> None:
@@ -336,13 +330,19 @@ class Amp(Action):
             change = AmpChange(job, models, device, torch.bfloat16, enabled[0] if enabled else None)
         else:
             change = self._fp16(job, models, device, scalers)
-        if change is not None and measured_in_shadow(finding):
-            # The gain was measured off the job's steps (measure/precision.py: the model's
-            # forward + backward on a copy of its batch, fp32 and autocast interleaved, the job
-            # untouched), and clearly: the change is switched on to stay, undone only if the
+        if change is not None:
+            # Switched on only where the gain was measured off the job's steps (measure/
+            # precision.py: the model's forward + backward on a copy of its batch, fp32 and
+            # autocast interleaved, the job untouched), and clearly: then it stays unless the
             # job's own steps turn out measurably slower (a gain of 1.17x at p=0.15 is kept, not
-            # thrown away; the trial's bf16 updates are not undone by a revert).
-            change.keep = NOT_SLOWER
+            # thrown away). A revert cannot take back the bf16 updates made meanwhile, so a
+            # change this likely to be undone is not made (the README says so).
+            evidence = finding.get("evidence") or {}
+            if evidence.get("timing") == "pending":
+                return None  # its gain not measured yet: look again once it is
+            refusal = shadow_refusal(evidence.get("trial"))
+            if refusal:
+                return self.refuse(refusal)
         return change
 
     def _fp16(self, job: LiveJob, models: list[nn.Module], device: str, scalers: list[GradScaler]) -> Change | None:

@@ -1,21 +1,30 @@
 """DataLoader tuning: a runtime AUTOTUNE for PyTorch's input pipeline.
 
-Started by a data stall (or, on CUDA, pageable copies), it climbs one knob at a time, each
+Started by a data stall (or, on CUDA, pageable copies), it searches one knob at a time, each
 move an experiment of its own, on the loader the training loop is reading:
 
-1. num_workers, while the stall is above STALL_TARGET: the next count is estimated from the
-   measured split (a batch takes about `wait` to load in-process, or `workers x step` with
-   workers; one must be ready every `step - wait`), then verified by the trial;
+1. num_workers, while the stall is above STALL_TARGET, both ways:
+   - up: the next count is estimated from the measured split (a batch takes about `wait` to
+     load in-process, or `workers x step` with workers; one must be ready every
+     `step - wait`), then verified by the trial; after a rejected count, the count halfway
+     between the current one and it (0 -> 2 rejected: 1);
+   - down, where no count above the job's own was faster (or the job has more workers than
+     usable cores): halving, to 0 where the batches are cheaper than shipping them between
+     processes; after a rejected count, halfway back. In the main process the dataset draws
+     from a random stream of its own, seeded as a worker's is (`_OwnStreams`), never from
+     the job's, and it is not tried where the loader has a worker_init_fn;
 2. pin_memory=True on a CUDA job;
-3. persistent_workers=True when epochs are short enough to put an epoch start in each
+3. prefetch_factor doubled, while the stall stays (bursty loads);
+4. persistent_workers=True when epochs are short enough to put an epoch start in each
    window (otherwise its gain, one worker start-up per epoch, is not measurable); kept
-   unless slower, as its gain sits in one step per epoch, below what a block test resolves;
-4. prefetch_factor doubled, while the stall stays (bursty loads).
+   unless slower, as its gain sits in one step per epoch, below what a block test resolves.
+   Its trial waits for an epoch start, so it goes after every other action's turn.
 
-A rejected move closes its knob. Workers are not added to a loader that runs in the main
-process when they would not fork (spawn re-imports the script) or when its dataset draws
-from torch's global RNG while the same RNG orders its samples (later epochs would come in
-another order). Bounds: no more workers than usable cores (affinity and
+A rejected move closes its knob (num_workers: that direction, once its neighbours are
+tried). A search that tries nothing says why, in one record. Workers are not added to a
+loader that runs in the main process when they would not fork (spawn re-imports the script) or
+when its dataset draws from torch's global RNG while the same RNG orders its samples (later
+epochs would come in another order). Bounds: no more workers than usable cores (affinity and
 cgroup quota), and no more than half the free RAM at the measured size of a worker (the
 main process's until a worker was measured). Changes land mid-epoch through a LoaderSwitch (see
 `act/loader_switch.py`): the sequence of samples the model sees does not change, and the global
@@ -245,6 +254,10 @@ class DataLoaderTuning(Action):
         self.job_settings: Settings = {}
         self.settings: Settings = {}
         self.closed: set[str] = set()  # knobs whose last move was rejected
+        self.rejected: set[int] = set()  # worker counts measured slower than another
+        self.raised = False  # a count above the job's own was kept: fewer workers would be slower
+        self.tried = 0  # changes proposed
+        self.passed_over: list[str] = []  # why knobs were not tried (said when nothing was)
         self.failed = False
         self.epoch_starts = _EpochStarts()
         self.in_effect: list[LoaderChange] = []
@@ -308,36 +321,80 @@ class DataLoaderTuning(Action):
         change = self._next(job, loader, recent)
         if change is _LATER:
             return None
-        return change if change is not None else self._finish()
+        if change is None:
+            return self._finish()
+        self.tried += 1
+        return change
 
     def _finish(self) -> None:
-        self.done, self.busy = True, False
+        self.done, self.busy, self.deferred = True, False, False
+        if not self.tried and self.passed_over:
+            self.not_applicable = "nothing to try on the DataLoader: " + "; ".join(self.passed_over)
         return None
 
+    def _pass_over(self, reason: str) -> None:
+        if reason not in self.passed_over:
+            self.passed_over.append(reason)
+
     def _next(self, job: LiveJob, loader: DataLoader, recent: dict[str, Any]) -> Any:
-        """The next move, None when the climb is over, or _LATER."""
+        """The next move, None when the search is over, or _LATER."""
         settings = self.settings
         workers = settings["num_workers"]
         stalled = recent["stall_ratio"] >= STALL_TARGET
-        if stalled and "num_workers" not in self.closed and workers < self.max_workers(job):
-            refusal = self._why_no_workers(job, loader) if workers == 0 else None
-            if refusal is _LATER:
+        if stalled and "num_workers" not in self.closed:
+            count = self._workers_target(job, loader, recent)
+            if count is _LATER:
                 return _LATER
-            if refusal is None:
-                count = self._workers_needed(recent, workers, self.max_workers(job))
+            if count is not None:
                 return self._change(job, loader, "num_workers", num_workers=count)
-            self.closed.add("num_workers")
-            self.not_applicable = f"num_workers stays 0: {refusal}"
         if job.on_cuda and torch.cuda.is_available() and not settings["pin_memory"] \
                 and "pin_memory" not in self.closed:
             return self._change(job, loader, "pin_memory", pin_memory=True)
-        if workers and not settings["persistent_workers"] and "persistent_workers" not in self.closed:
-            return self._persistent(job, loader)
         if stalled and workers and "prefetch_factor" not in self.closed:
             prefetch = effective(settings)["prefetch_factor"]
             if prefetch < MAX_PREFETCH:
                 return self._change(job, loader, "prefetch_factor", prefetch_factor=2 * prefetch)
+            self._pass_over(f"prefetch_factor is at {prefetch}, the most tuneup tries")
+        elif not stalled:
+            self._pass_over(f"the stall is {recent['stall_ratio']:.0%} of step time now, under the "
+                            f"{STALL_TARGET:.0%} where loading capacity is worth a trial")
+        if workers and not settings["persistent_workers"] and "persistent_workers" not in self.closed:
+            return self._persistent(job, loader)
         return None
+
+    def _workers_target(self, job: LiveJob, loader: DataLoader, recent: dict[str, Any]) -> Any:
+        """The worker count to try next: up while no count above was rejected, then the
+        neighbour of a rejected one; down where going up found nothing (see the module
+        docstring). None: nothing left to try; _LATER."""
+        workers, most = self.settings["num_workers"], self.max_workers(job)
+        above = [count for count in self.rejected if count > workers]
+        ceiling = min(above + [most + 1]) - 1
+        if workers < ceiling:
+            refusal = self._why_no_workers(job, loader) if workers == 0 else None
+            if refusal is _LATER:
+                return _LATER
+            if refusal is None:
+                if above:
+                    return (workers + min(above)) // 2  # between the current count and the rejected one
+                return min(ceiling, self._workers_needed(recent, workers, most))
+            self.closed.add("num_workers")
+            self.not_applicable = f"num_workers stays 0: {refusal}"
+            return None
+        if self.raised:
+            return None
+        floor = max([count for count in self.rejected if count < workers] + [-1]) + 1
+        if floor == 0 and loader.worker_init_fn is not None:
+            floor = 1  # the job sets its workers up itself: the dataset may need what it sets
+        if workers <= floor:
+            if workers >= most and not self.rejected:
+                self._pass_over(f"num_workers is at the {most} usable cores" if workers else
+                                "num_workers is 0 and no worker would fit")
+            return None
+        if workers > most and floor <= most and not self.rejected:
+            return most  # more workers than cores: straight down to the cores
+        if floor == 0:
+            return 0  # no worker at all: no batch crosses between processes
+        return max(floor, min(workers - 1, (workers + floor) // 2))  # halfway to the count rejected below
 
     @staticmethod
     def _why_no_workers(job: LiveJob, loader: DataLoader) -> Any:
@@ -362,14 +419,21 @@ class DataLoaderTuning(Action):
 
     def _persistent(self, job: LiveJob, loader: DataLoader) -> Any:
         """Measured across epoch starts: the baseline's last epoch start paid the workers'
-        start-up, the trial's (the second after the change) reuses them."""
+        start-up, the trial's (the second after the change) reuses them. Its trial waits for
+        an epoch start and runs an epoch, so it goes last: other actions take their turn first."""
         try:
             epoch = len(loader)
         except TypeError:
             epoch = 0
         if not epoch or epoch > PERSISTENT_MAX_EPOCH or not hasattr(loader.dataset, "__dict__"):
             self.closed.add("persistent_workers")
+            self._pass_over(f"persistent_workers saves one worker start-up per epoch, which epochs of "
+                            f"{epoch} steps make too rare to measure" if epoch else
+                            "persistent_workers: the loader's epoch length is unknown")
             return None
+        if not self.deferred:
+            self.deferred, self.busy = True, False  # the other actions' turn first
+            return _LATER
         live = live_iterators(loader, job.loaders.iterators)
         if not live:
             return _LATER  # between epochs: the position in the epoch decides the windows
@@ -406,8 +470,14 @@ class DataLoaderTuning(Action):
 
     def decided(self, change: Change, record: dict[str, Any]) -> None:
         assert isinstance(change, LoaderChange)
+        self.busy = not self.deferred
         if record["decision"] == "kept":
             self.settings = dict(change.after)
+            if change.knob == "num_workers":
+                self.rejected.add(change.before["num_workers"])  # it lost to the new count
+                self.raised = self.raised or change.after["num_workers"] > change.before["num_workers"]
+        elif change.knob == "num_workers":
+            self.rejected.add(change.after["num_workers"])
         else:
             self.closed.add(change.knob)
         if self.failed:

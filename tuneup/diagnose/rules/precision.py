@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...format import percent, seconds
 from ...measure.config import amp_refusal
+from ...measure.precision import shadow_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
@@ -144,7 +145,8 @@ def amp_off(facts: Facts) -> Evidence | None:
         gain_text = (f"up to {gain:.0%} shorter steps (an estimate, not measured on this job: Tensor Cores run "
                      "bf16/fp16 matmuls about 2x faster)" if gain is not None
                      else "typically 1.5-3x faster matmuls and convolutions (not measured on this job)")
-    refusal = amp_refusal(facts.config)
+    # What apply mode's AMP action asks too: a safe job, and a gain measured clearly enough.
+    refusal = amp_refusal(facts.config) or shadow_refusal(trial if measured else None)
     if bf16:
         fix = (f"with torch.autocast(device_type=\"{device}\", dtype=torch.bfloat16):\n"
                "    loss = loss_fn(model(x), y)\nloss.backward()")
@@ -164,6 +166,7 @@ def amp_off(facts: Facts) -> Evidence | None:
                  f"{'bf16' if bf16 else 'fp16'} acceleration" + (f"; {what}" if what else ""),
         numbers={"device": device, "dtype": "bfloat16" if bf16 else "float16", "compute_share": share,
                  "measured": bool(measured), **({"trial": trial} if measured else {}),
+                 **({"timing": "pending"} if trial is None else {}),  # the model not timed yet
                  **({"not_applicable": refusal} if refusal else {})},
         fix=fix,
         can_apply=refusal is None,  # the test apply mode's AMP action asks
