@@ -5,7 +5,8 @@
 
 It runs on the training thread, in the agent's step-close listener, so every change lands
 between two steps and sees the step records the moment they close; at a close it sees the
-steps before the closing one. W is about a second of steps (at least 24). A kept change's
+steps before the closing one. W is sized from the noise of the recent steps: enough to tell
+a 10% gain (default_window), at least half a second and 24 steps. A kept change's
 trial window is the next change's baseline; after a revert the job settles again first.
 While a change is in its guard period its `check()` runs at every close (and its own hooks
 may skip an update and roll it back inside a step); after that, on detail steps.
@@ -22,6 +23,7 @@ import math
 import threading
 import time
 from collections import deque
+from statistics import median
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,7 +33,11 @@ from .action import Action, Change, LiveJob
 from .judge import BLOCKS, judge
 
 NEVER = 1 << 62
-TRIAL_SECONDS = 1.0
+# A trial's windows hold enough steps to tell a DETECT gain in mean step time from the noise
+# the job's recent steps show, and no more; at least MIN_SECONDS of steps (a second of a
+# 1 ms step is 1,000 steps; a few hundred average the machine's own jitter as well).
+DETECT = 0.10
+MIN_SECONDS = 0.5
 # A trial that runs this many times slower than its baseline is cut short and judged on the
 # steps it has (at least MIN_TRIAL_STEPS): bf16 on a CPU without bf16 units can be 20x slower.
 DEADLINE_FACTOR = 3
@@ -40,14 +46,28 @@ REVERT_WAIT_SECONDS = 2.0  # how long revert_all() from another thread waits for
 MIN_WINDOW = 4 * BLOCKS
 MAX_WINDOW = 1200
 RECENT_STEPS = 64
+NOISE_BLOCK = 4  # steps a block of the noise estimate holds: alternating fast and slow steps even out
 LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are asked for this often
 
 
-def default_window(step_seconds: float | None) -> int:
-    """About TRIAL_SECONDS of steps, a multiple of BLOCKS, within [MIN_WINDOW, MAX_WINDOW]."""
-    if not step_seconds or step_seconds <= 0:
+def default_window(step_times: list[float]) -> int:
+    """Steps per window, a multiple of BLOCKS within [MIN_WINDOW, MAX_WINDOW], from the recent
+    steps' times. The judge compares BLOCKS block means a side; for a DETECT gain to stand
+    about two spreads clear of the noise, a block must hold k steps with
+    cv(k) = cv(NOISE_BLOCK) x sqrt(NOISE_BLOCK / k) <= DETECT / 2, where cv(NOISE_BLOCK) is the
+    robust relative spread (1.4826 MAD / median) of the recent steps' means over NOISE_BLOCK
+    steps (a loader with workers alternates fast and slow steps; their means do not)."""
+    if not step_times:
         return MIN_WINDOW
-    steps = min(MAX_WINDOW, max(MIN_WINDOW, math.ceil(TRIAL_SECONDS / step_seconds)))
+    means = [sum(step_times[i:i + NOISE_BLOCK]) / NOISE_BLOCK
+             for i in range(0, len(step_times) - NOISE_BLOCK + 1, NOISE_BLOCK)] or [sum(step_times) / len(step_times)]
+    center = median(means)
+    if center <= 0:
+        return MIN_WINDOW
+    spread = 1.4826 * median(abs(mean - center) for mean in means) / center
+    per_block = math.ceil(NOISE_BLOCK * (2 * spread / DETECT) ** 2)
+    steps = max(BLOCKS * per_block, math.ceil(MIN_SECONDS / center))
+    steps = min(MAX_WINDOW, max(MIN_WINDOW, steps))
     return BLOCKS * math.ceil(steps / BLOCKS)
 
 
@@ -228,7 +248,8 @@ class Experimenter:
                 break
         else:
             return
-        window = change.window_steps or default_window((recent or {}).get("step_seconds", {}).get("median"))
+        window = change.window_steps or default_window(
+            list(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last)["step_seconds"]))
         first = last - window + 1
         if first < self.stable_since:
             return  # too few steps in this configuration yet: propose again later
@@ -250,7 +271,7 @@ class Experimenter:
         expected = (change.settle_steps + window) * sum(baseline["step_seconds"]) / len(baseline["step_seconds"])
         self.trial = _Trial(change, action, record, baseline, step + 1 + change.settle_steps,
                             step + change.settle_steps + window,
-                            DEADLINE_FACTOR * max(expected, TRIAL_SECONDS))
+                            DEADLINE_FACTOR * max(expected, MIN_SECONDS))
         timeline = self.job.timeline
         timeline.detail_through(step + change.guard_steps)
         self._emit(record)

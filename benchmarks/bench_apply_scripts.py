@@ -1,0 +1,103 @@
+"""Apply mode on public-shaped training scripts, end to end, next to plain python, advise mode
+and the best hand-picked setting.
+
+    python benchmarks/bench_apply_scripts.py [--rounds 3] [--steps 600] [--scripts a,b]
+
+Scripts (benchmarks/apply_scripts/, each says what its loop does):
+- augment_classifier.py: CPU augmentation in the Dataset, num_workers=0;
+- collate_lm.py: a transformer LM tokenizing in its collate_fn, num_workers=0;
+- many_workers.py: num_workers=8 over in-memory rows on a small machine.
+
+Variants, each a fresh process (the script's own command line, as a user runs it):
+plain `python script.py`, `tuneup run script.py` (advise), `tuneup run --apply script.py`,
+and `python script.py --workers N` for each hand-picked N (the best of them is "hand").
+Every round runs every variant once in a shuffled order, so the machine's drifts hit all
+alike. Printed per script: median end-to-end wall seconds, the training loop's wall seconds
+and CPU ms per step (process time: tuneup's threads included), each as a ratio to plain, and
+the share of the hand-picked gain apply mode got: (plain - apply) / (plain - hand), on
+end-to-end wall time (goal: >= 90%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "benchmarks" / "apply_scripts"
+sys.path.insert(0, str(ROOT))
+from tests.conftest import child_env  # noqa: E402
+from tuneup.measure.host import usable_cores  # noqa: E402
+
+HAND = {  # worker counts a user would try by hand
+    "augment_classifier": lambda cores: sorted({1, 2, cores}),
+    "collate_lm": lambda cores: sorted({1, 2, cores}),
+    "many_workers": lambda cores: sorted({0, 1, 2, cores}),
+}
+
+
+def variants(script: str, cores: int) -> dict[str, list[str]]:
+    path = str(SCRIPTS / f"{script}.py")
+    out = {"plain": [sys.executable, path],
+           "advise": [sys.executable, "-m", "tuneup", "run", path],
+           "apply": [sys.executable, "-m", "tuneup", "run", "--apply", path]}
+    for workers in HAND[script](cores):
+        out[f"workers={workers}"] = [sys.executable, path, "--workers", str(workers)]
+    return out
+
+
+def run(command: list[str], steps: int, run_dir: str) -> dict[str, float]:
+    began = time.perf_counter()
+    done = subprocess.run([*command, "--steps", str(steps)], capture_output=True, text=True, timeout=1800,
+                          env=child_env(TUNEUP_RUN_DIR=run_dir, TUNEUP_LOG="0", TUNEUP_PORT="0"))
+    wall = time.perf_counter() - began
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"wall": wall, "train": result["seconds"], "cpu_ms": 1000 * result["cpu"] / result["steps"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--scripts", default=",".join(HAND))
+    args = parser.parse_args()
+    cores = usable_cores()
+    scripts = args.scripts.split(",")
+    plan = {script: variants(script, cores) for script in scripts}
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for round_ in range(args.rounds):
+            order = [(script, name) for script in scripts for name in plan[script]]
+            random.shuffle(order)
+            for script, name in order:
+                results.setdefault((script, name), []).append(run(plan[script][name], args.steps, run_dir))
+            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    print(f"{args.steps} steps a run, {args.rounds} rounds, {cores} usable cores; medians (ratio to plain)")
+    for script in scripts:
+        med = {name: {key: statistics.median(r[key] for r in results[(script, name)]) for key in ("wall", "train", "cpu_ms")}
+               for name in plan[script]}
+        hand = min((name for name in med if name.startswith("workers=")), key=lambda name: med[name]["wall"])
+        plain = med["plain"]
+        print(f"\n{script}  (best by hand: {hand})")
+        print(f"  {'variant':<12}{'wall s':>10}{'ratio':>8}{'train s':>10}{'ratio':>8}{'CPU ms/step':>13}{'ratio':>8}")
+        for name in ["plain", "advise", "apply", hand]:
+            m = med[name]
+            print(f"  {name:<12}{m['wall']:>10.2f}{m['wall'] / plain['wall']:>8.2f}{m['train']:>10.2f}"
+                  f"{m['train'] / plain['train']:>8.2f}{m['cpu_ms']:>13.2f}{m['cpu_ms'] / plain['cpu_ms']:>8.2f}")
+        possible = plain["wall"] - med[hand]["wall"]
+        got = plain["wall"] - med["apply"]["wall"]
+        share = f"{got / possible:.0%}" if possible > 0 else "n/a (no hand-picked gain)"
+        print(f"  apply mode got {share} of the hand-picked gain")
+
+
+if __name__ == "__main__":
+    main()
