@@ -1235,7 +1235,7 @@ def test_change_rows_say_kept_not_kept_or_undone_once():
 
     def record(decision, reason, undone=None):
         return {"id": 1, "action": "amp", "title": "AMP", "change": "autocast", "decision": decision,
-                "reason": reason, "speedup": 1.0, "undone": undone}
+                "reason": reason, "speedup": 1.0, "undone": undone, "applied_step": 57}
 
     rows = change_rows([
         record("kept", "1.22x faster (p=0.001)", undone={"reason": "detach"}),
@@ -1244,4 +1244,5 @@ def test_change_rows_say_kept_not_kept_or_undone_once():
         record("kept", "1.30x faster (p=0.001)", undone={"reason": "revert_all"}),
         record("rolled back", "a non-finite loss"),
     ])
-    assert [row[2] for row in rows] == ["kept", "not kept", "undone", "kept (undone by revert_all)", "rolled back"]
+    assert [row[2] for row in rows] == ["kept from step 58", "not kept", "undone", "kept from step 58 (undone by revert_all)",
+                                        "rolled back"]

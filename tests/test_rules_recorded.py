@@ -564,3 +564,17 @@ def test_compile_off_fires_on_a_launch_bound_eager_cuda_model(tmp_path):
     histories, source = load(str(tmp_path / "run"))
     findings = {f["rule"]: f for f in build(histories, source=source)["findings"]}
     assert "compile-off" in findings and "gpu-launch-bound" not in findings, sorted(findings)
+
+
+def test_misaligned_layers_under_apply_modes_autocast_are_said_to_be_under_tuneups_change(cpu_snapshot):
+    """Layer sizes only matter under reduced precision; where that precision is the autocast
+    apply mode switched on (a kept AMP change), the finding says so instead of presenting it as
+    the job's own precision."""
+    s = on_cuda(cpu_snapshot, **{"config.autocast": {"cuda": "bfloat16"}})
+    s["config"]["models"][0]["not_multiple_of_8"] = [{"module": "head", "type": "Linear", "in_features": 256, "out_features": 1001}]
+    plain = fired(s)["tensor-core-alignment"]
+    assert "apply mode" not in plain.observed
+    s["actions"] = [{"id": 3, "action": "amp", "decision": "kept"}]
+    assert "under the autocast tuneup's apply mode switched on, change 3" in fired(s)["tensor-core-alignment"].observed
+    s["actions"] = [{"id": 3, "action": "amp", "decision": "kept", "undone": {"reason": "revert_all"}}]
+    assert "apply mode" not in fired(s)["tensor-core-alignment"].observed

@@ -166,6 +166,15 @@ class Facts:
         """A fix in the job's own framework's words where it owns the setting, else `plain`."""
         return by_framework.get(self.framework or "", plain)
 
+    def tuneups(self, action: str) -> dict[str, Any] | None:
+        """Apply mode's change of kind `action` in effect now (on trial or kept, not undone),
+        or None: what the configuration shows of it is tuneup's doing, not the job's."""
+        for record in reversed(self.snapshot.get("actions") or []):
+            if record.get("action") == action and record.get("decision") in ("trying", "kept") \
+                    and not record.get("undone"):
+                return record
+        return None
+
     @property
     def scaler(self) -> dict[str, Any]:
         return self.snapshot.get("scaler") or {"present": False}

@@ -78,6 +78,10 @@ def _decision(record: dict[str, Any]) -> tuple[str, str | None]:
     if decision == "reverted" and "slower" in str(record.get("reason", "")).split("(")[0]:
         decision = "undone"
     decision = SPOKEN_DECISIONS.get(decision, decision)
+    if decision in ("kept", "set at start") and record.get("applied_step"):
+        # In effect from the step after the close it was applied at (a numerics change: the
+        # steps from which the run differs from one without tuneup).
+        decision += f" from step {record['applied_step'] + 1}"
     undone = record.get("undone")
     if not undone or undone["reason"] == "detach":
         return decision, None
@@ -108,7 +112,7 @@ def changes_group(actions: list[dict[str, Any]]) -> Group:
     for record, (number, change, _, before, after, _, why) in zip(actions, change_rows(actions)):
         decision, note = _decision(record)
         line = Text(f"{number}. ")
-        line.append(decision, style=styles.get(decision, "bold"))
+        line.append(decision, style=styles.get(decision.split(" from step")[0], "bold"))
         line.append(f"  {change}")
         if before != "–":
             line.append(f": mean step {before} -> {after}")

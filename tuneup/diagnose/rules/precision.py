@@ -315,8 +315,11 @@ def tensor_core_alignment(facts: Facts) -> Evidence | None:
     listed = ", ".join(
         f"{entry['module']} ({entry['type']} " + "x".join(str(v) for k, v in entry.items() if k not in ("module", "type")) + ")"
         for entry in misaligned[:4])
+    ours = facts.tuneups("amp")  # the autocast is apply mode's: the sizes matter once the job adopts it
     return Evidence(
-        observed=f"{count} layers under {dtype} have sizes not divisible by 8: {listed}",
+        observed=f"{count} layers under {dtype} have sizes not divisible by 8: {listed}"
+                 + (f" (under the autocast tuneup's apply mode switched on, change {ours.get('id')}; "
+                    "not the job's own precision)" if ours else ""),
         numbers={"count": count, "layers": misaligned[:10], "dtype": dtype},
         fix="nn.Linear(in_features, 8 * math.ceil(out_features / 8))   # pad sizes (and vocabularies) to multiples of 8",
         gain_text="full Tensor-Core throughput for those layers",
