@@ -652,7 +652,7 @@ def test_decisions_reach_the_run_log_the_report_and_the_metrics(run_dir):
     assert samples[("tuneup_apply_changes_in_effect", (("action", "dataloader"),))] >= 1
     assert samples[("tuneup_apply_speedup_ratio", (("action", "dataloader"),))] == pytest.approx(kept["speedup"])
     assert "Changes tuneup made (apply mode)" in scraped["watch"]
-    assert f"kept  {kept['change']}" in scraped["watch"]
+    assert f"kept from step {kept['applied_step'] + 1}  {kept['change']}" in scraped["watch"]
     report = agent.report("markdown")
     assert "## Changes tuneup made" in report and kept["change"] in report
     assert f"{kept['speedup']:.2f}x" in report

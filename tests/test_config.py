@@ -55,7 +55,7 @@ def test_configuration_comes_from_the_live_objects(run_dir):
     assert loader_config == {
         "dataset": "SlowDataset", "iterable_dataset": False, "batch_size": 4, "num_workers": 1,
         "pin_memory": False, "persistent_workers": True, "prefetch_factor": 3, "drop_last": False,
-        "multiprocessing_context": None,
+        "multiprocessing_context": None, "worker_init_fn": False,
     }
     (optimizer_config,) = config["optimizers"]
     assert optimizer_config["class"] == "AdamW"

@@ -508,7 +508,11 @@ def test_data_stall_asks_for_fewer_workers_where_a_batch_costs_less_to_make_than
     s = stalled(cpu_snapshot, stall=0.5, wait=0.002, own=1.0, workers=(0.06,) * 5, workers_waited=3.2, busy=2.0,
                 transfer=shipping(0.4))
     finding = stall_finding(s)
-    assert finding.fix.endswith("num_workers=0)") and not finding.can_apply
+    # Apply mode's DataLoader search moves down to none as well, unless the job has a
+    # worker_init_fn (the dataset may need what it sets up in each worker).
+    assert finding.fix.endswith("num_workers=0)") and finding.can_apply
+    s["config"]["loaders"][0]["worker_init_fn"] = True
+    assert not stall_finding(s).can_apply
     assert finding.evidence["make_seconds"] == pytest.approx(0.00115)
     assert finding.gain == pytest.approx(0.5 * (1 - 0.00115 / 0.002))
     # The same loop's workers with nothing waited for: their time may be I/O (not measured), so

@@ -4,8 +4,9 @@ jittered and normalized in `__getitem__` with torch ops drawing from torch's glo
 torchvision's transforms do); a small CNN, SGD with momentum; `DataLoader(shuffle=True)` with
 its own generator, as reproducible scripts write it; `--workers` workers (default 0).
 
-Ground truth, from this source: each step loads 32 samples in the main process (workers=0)
-at ~1-2 ms of CPU each, then a forward/backward of a few ms: the loop mostly waits for data.
+Ground truth, from this source: each step loads 32 samples in the main process (workers=0):
+an 80x80 image made, cropped to 64, resized to 28, flipped, jittered, blurred (5x5) and
+normalized, then a forward/backward of a small CNN on the batch.
 Prints one JSON line: steps, training wall seconds, process CPU seconds."""
 
 import argparse
@@ -29,13 +30,17 @@ class Images(Dataset):
 
     def __getitem__(self, index):
         generator = torch.Generator().manual_seed(index)  # the "decoded file"
-        image = torch.randint(0, 256, (3, 40, 40), generator=generator, dtype=torch.uint8).float() / 255
-        top, left = torch.randint(0, 9, (2,)).tolist()  # random crop
-        image = image[:, top:top + 32, left:left + 32]
+        image = torch.randint(0, 256, (3, 80, 80), generator=generator, dtype=torch.uint8).float() / 255
+        top, left = torch.randint(0, 17, (2,)).tolist()  # random crop
+        image = image[:, top:top + 64, left:left + 64]
         image = F.interpolate(image[None], size=28, mode="bilinear", align_corners=False)[0]
         if torch.rand(()) < 0.5:  # random horizontal flip
             image = image.flip(-1)
         image = image * (0.8 + 0.4 * torch.rand(3, 1, 1))  # colour jitter
+        sigma = 0.1 + 1.9 * torch.rand(())  # random Gaussian blur, 5x5, per channel
+        taps = torch.exp(-(torch.arange(5.0) - 2) ** 2 / (2 * sigma ** 2))
+        kernel = (taps[:, None] * taps[None, :] / taps.sum() ** 2).expand(3, 1, 5, 5)
+        image = F.conv2d(image[None], kernel, padding=2, groups=3)[0]
         image = (image - 0.5) / 0.25
         return image, index % 10
 

@@ -7,7 +7,8 @@ It runs on the training thread, in the agent's step-close listener, so every cha
 between two steps and sees the step records the moment they close; at a close it sees the
 steps before the closing one. W is sized from the noise of the recent steps: enough to tell
 a 10% gain (default_window), at least half a second and 24 steps. A kept change's
-trial window is the next change's baseline; after a revert the job settles again first.
+trial window is the next change's baseline; after a revert the job settles again first, and the
+undone trial's baseline serves the next trial (the same configuration, a window earlier).
 While a change is in its guard period its `check()` runs at every close (and its own hooks
 may skip an update and roll it back inside a step); after that, on detail steps.
 
@@ -48,6 +49,7 @@ MAX_WINDOW = 1200
 RECENT_STEPS = 64
 NOISE_BLOCK = 4  # steps a block of the noise estimate holds: alternating fast and slow steps even out
 LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are asked for this often
+REUSE_WINDOWS = 4  # an undone trial's baseline serves the next trial while it ended this many windows ago
 
 
 def default_window(step_times: list[float]) -> int:
@@ -108,6 +110,9 @@ class Experimenter:
         self.applied: list[tuple[Change, Action, dict[str, Any]]] = []  # in effect, oldest first
         self.trial: _Trial | None = None
         self.stable_since = WARMUP_STEPS + 1  # first step of the current configuration
+        # The baseline of a trial that was not kept: the configuration it measured is back in
+        # effect, so the next trial may compare against it rather than wait a window again.
+        self._reusable: dict[str, Any] | None = None
         self.wake_at = NEVER
         self._next_look = 0
         self._lock = threading.RLock()
@@ -251,9 +256,13 @@ class Experimenter:
         window = change.window_steps or default_window(
             list(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last)["step_seconds"]))
         first = last - window + 1
-        if first < self.stable_since:
-            return  # too few steps in this configuration yet: propose again later
-        baseline = ring.columns(first, last)
+        if first >= self.stable_since:
+            baseline = ring.columns(first, last)
+        else:
+            baseline = self._reused_baseline(window, last)
+            if baseline is None:
+                return  # too few steps in this configuration yet: propose again later
+        self._reusable = None
         record = self._record(change, action, step)
         try:
             change.apply()
@@ -275,6 +284,17 @@ class Experimenter:
         timeline = self.job.timeline
         timeline.detail_through(step + change.guard_steps)
         self._emit(record)
+
+    def _reused_baseline(self, window: int, last: int) -> dict[str, Any] | None:
+        """The last W steps of the baseline of the trial undone just before, where it is still
+        recent (ended within REUSE_WINDOWS windows) and holds W steps: the same configuration,
+        measured a trial earlier, so a run's trials are not spaced two windows apart."""
+        baseline = self._reusable
+        if baseline is None or len(baseline["step_seconds"]) < window:
+            return None
+        if last - baseline["step"][-1] > REUSE_WINDOWS * window:
+            return None
+        return {name: list(values)[-window:] for name, values in baseline.items()}
 
     def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:
         record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,
@@ -306,6 +326,7 @@ class Experimenter:
             self.stable_since = trial.first
         else:
             self._take_back(trial.change, step)
+            self._reusable = trial.baseline
         trial.action.decided(trial.change, record)
         self._emit(record)
 
@@ -327,6 +348,7 @@ class Experimenter:
 
     def _take_back(self, change: Change, step: int) -> None:
         change.revert()  # first: a revert that fails stays in effect, for revert_all to try again
+        self._reusable = None
         self.applied = [entry for entry in self.applied if entry[0] is not change]
         self.stable_since = step + 1 + change.settle_steps
 

@@ -54,6 +54,7 @@ def loader_config(loader: DataLoader) -> dict[str, Any]:
         "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
         "drop_last": bool(loader.drop_last),
         "multiprocessing_context": context,
+        "worker_init_fn": loader.worker_init_fn is not None,
     }
 
 

@@ -9,8 +9,9 @@ move an experiment of its own, on the loader the training loop is reading:
      `step - wait`), then verified by the trial; after a rejected count, the count halfway
      between the current one and it (0 -> 2 rejected: 1);
    - down, where no count above the job's own was faster (or the job has more workers than
-     usable cores): halving, to 0 where the batches are cheaper than shipping them between
-     processes; after a rejected count, halfway back. In the main process the dataset draws
+     usable cores): to the usable cores, then to 0 (where the batches are cheaper to make than
+     to ship between processes, none is best, whatever one worker measured), then halfway
+     to the count rejected below. In the main process the dataset draws
      from a random stream of its own, seeded as a worker's is (`_OwnStreams`), never from
      the job's, and it is not tried where the loader has a worker_init_fn;
 2. pin_memory=True on a CUDA job;
@@ -378,22 +379,25 @@ class DataLoaderTuning(Action):
                     return (workers + min(above)) // 2  # between the current count and the rejected one
                 return min(ceiling, self._workers_needed(recent, workers, most))
             self.closed.add("num_workers")
-            self.not_applicable = f"num_workers stays 0: {refusal}"
+            if not self.job_settings["num_workers"]:  # the job's own 0, not one apply mode found faster
+                self.not_applicable = f"num_workers stays 0: {refusal}"
             return None
         if self.raised:
             return None
-        floor = max([count for count in self.rejected if count < workers] + [-1]) + 1
-        if floor == 0 and loader.worker_init_fn is not None:
-            floor = 1  # the job sets its workers up itself: the dataset may need what it sets
+        # Down: the usable cores first (fewer workers than the job's, not fewer than it can
+        # run), then none at all (no batch crosses between processes: not a neighbour of one
+        # worker, as the shipping it saves is there with any), then halfway to a rejected count.
+        lowest = 1 if loader.worker_init_fn is not None else 0  # the job sets its workers up itself
+        if most < workers and most not in self.rejected and most >= lowest:
+            return most
+        if lowest == 0 and workers > 0 and 0 not in self.rejected:
+            return 0
+        floor = max([count for count in self.rejected if count < workers] + [lowest - 1]) + 1
         if workers <= floor:
             if workers >= most and not self.rejected:
                 self._pass_over(f"num_workers is at the {most} usable cores" if workers else
                                 "num_workers is 0 and no worker would fit")
             return None
-        if workers > most and floor <= most and not self.rejected:
-            return most  # more workers than cores: straight down to the cores
-        if floor == 0:
-            return 0  # no worker at all: no batch crosses between processes
         return max(floor, min(workers - 1, (workers + floor) // 2))  # halfway to the count rejected below
 
     @staticmethod

@@ -67,12 +67,13 @@ def data_stall(facts: Facts) -> Evidence | None:
         if plan.get("estimate"):
             observed += (f"; a batch was already waiting in the queue at {percent(numbers['ready_share'])} of the "
                          "fetches looked at: the wait is receiving them, and more workers would not shorten it")
-        # Apply mode's workers action only adds workers (act/actions): this one is the job's to make.
         gain_text = (f"up to {percent(plan['gain'])} shorter steps: an estimate (if making a batch is all CPU work, "
                      "as its workers' CPU says)" if plan.get("estimate") else _predicted(plan["gain"]))
+        # Apply mode's DataLoader search moves down to no workers too, except where the job
+        # sets its workers up itself (a worker_init_fn: the dataset may need what it sets).
         return Evidence(observed=observed, numbers=numbers, fix=loader_fix(facts, ["num_workers=0"]),
                         gain=plan["gain"], gain_text=gain_text,
-                        severity="high" if plan["gain"] >= 0.3 else None, can_apply=False)
+                        severity="high" if plan["gain"] >= 0.3 else None, can_apply=not loader.get("worker_init_fn"))
     if plan is not None and plan["gain"] < MIN_GAIN:
         make, ship = plan["make_seconds"], plan["ship_seconds"]
         if workers and "ready_share" in plan:
