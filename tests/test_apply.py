@@ -4,6 +4,7 @@ when they help, rolled back at once when they endanger the run, undone on reques
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 import urllib.request
@@ -51,9 +52,11 @@ class SlowIndexed(Dataset):
 
 @one_intra_op_thread()
 def io_bound_run(steps: int, *, compute: float = 0.02, set_to_none: bool = True, dataset: Dataset | None = None,
-                 agent_options: dict | None = None, after_step=None, observe=None, **loader_options):
+                 agent_options: dict | None = None, after_step=None, observe=None, jitter: float = 0.0,
+                 **loader_options):
     """Train an MLP on a slow loader (num_workers=0, shuffled by the global RNG unless told
-    otherwise) for `steps` steps; returns (what `observe(x, y, index)` saw of each batch,
+    otherwise) for `steps` steps, each step's own wait drawn in [1 - jitter, 1 + jitter] x
+    `compute` from a random stream of the test's; returns (what `observe(x, y, index)` saw of each batch,
     default the indices; losses; a final draw from the global RNG; agent; loader). It ends
     early where `after_step(step, agent)` returns True.
 
@@ -81,12 +84,13 @@ def io_bound_run(steps: int, *, compute: float = 0.02, set_to_none: bool = True,
     agent = tuneup.attach(**agent_options) if agent_options is not None else None
     batches, losses = [], []
     ended = False
+    waits = random.Random(0)
     try:
         while len(batches) < steps and not ended:
             for x, y, index in loader:
                 optimizer.zero_grad(set_to_none=set_to_none)
                 loss = nn.functional.mse_loss(model(x), y[:, :1])
-                time.sleep(compute)
+                time.sleep(compute * (1 + jitter * (2 * waits.random() - 1)))
                 loss.backward()
                 optimizer.step()
                 batches.append(observe(x, y, index) if observe is not None else index.tolist())
@@ -207,7 +211,9 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     """Ground truth from the code: SlowIndexed's batches take 20 ms in-process against a 20 ms
     step; in a worker, past the first 10 ms of a batch every sample costs 10x, so two workers
     make a batch every 60 ms (3x slower than none) and one worker every 20 ms overlapped with the
-    step: the estimate (two or more) is rejected, its neighbour, one, is what pays."""
+    step: the estimate (two or more) is rejected, its neighbour, one, is what pays. The step's
+    own wait varies by +-90% (a seeded stream of the test's): windows longer than the 24 steps
+    apply mode waits after undoing a trial, so the undone trial's baseline serves the next."""
     class SlowerInPairs(SlowIndexed):
         def __getitems__(self, indices: list[int]):
             info = get_worker_info()
@@ -215,14 +221,26 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
                 time.sleep(self.latency * len(indices) * 5)
             return super().__getitems__(indices)
 
-    _, _, _, agent, _ = io_bound_run(400, dataset=SlowerInPairs(),
-                                     agent_options=apply_options(run_dir, actions=["dataloader"]),
+    def two_decided(step, agent):
+        return len([r for r in records(agent, "dataloader") if r["decision"] in ("kept", "reverted")]) >= 2
+
+    _, _, _, agent, _ = io_bound_run(1000, dataset=SlowerInPairs(), after_step=two_decided,
+                                     agent_options=apply_options(run_dir, actions=["dataloader"]), jitter=0.9,
                                      generator=torch.Generator().manual_seed(0))
     moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
              for r in records(agent, "dataloader") if "before" in r and r["before"]["num_workers"] !=
              r["after"]["num_workers"]]
     assert len(moves) >= 2 and moves[0][0] == 0 and moves[0][1] >= 2 and moves[0][2] == "reverted", decisions(agent)
     assert moves[1] == (0, 1, "kept"), decisions(agent)
+    # The neighbour's trial compares against the undone trial's baseline (the same settings,
+    # a window earlier) instead of waiting a whole window again.
+    first, second = [r for r in records(agent, "dataloader") if "before" in r][:2]
+    window = second["trial"]["steps"]
+    assert window >= 48, second["trial"]  # the premise: windows well past the 24 steps waited
+    # Started once 24 steps ran with the job's settings again (after the settle steps and at
+    # most one look's wait), not a whole window later: its baseline began in the undone trial's.
+    assert second["applied_step"] - first["decided_step"] < first["decided_step"] - first["applied_step"]
+    assert second["baseline"]["first_step"] < first["applied_step"], (first["baseline"], second["baseline"])
 
 
 def test_every_finding_apply_mode_can_make_gets_a_trial_or_a_reason_in_a_400_step_run(run_dir):

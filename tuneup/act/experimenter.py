@@ -286,15 +286,20 @@ class Experimenter:
         self._emit(record)
 
     def _reused_baseline(self, window: int, last: int) -> dict[str, Any] | None:
-        """The last W steps of the baseline of the trial undone just before, where it is still
-        recent (ended within REUSE_WINDOWS windows) and holds W steps: the same configuration,
-        measured a trial earlier, so a run's trials are not spaced two windows apart."""
+        """W steps of the configuration in effect: those since the last trial was undone, after
+        the end of that trial's baseline (the same configuration, measured a trial earlier),
+        where that baseline is still recent (ended within REUSE_WINDOWS windows); so a run's
+        trials are not spaced two windows apart."""
         baseline = self._reusable
-        if baseline is None or len(baseline["step_seconds"]) < window:
+        if baseline is None or last - baseline["step"][-1] > REUSE_WINDOWS * window:
             return None
-        if last - baseline["step"][-1] > REUSE_WINDOWS * window:
-            return None
-        return {name: list(values)[-window:] for name, values in baseline.items()}
+        current = self.job.timeline.ring.columns(self.stable_since, last)
+        # Where the noise of the few steps since asks for more than that baseline holds, all of
+        # it: a window judged long enough a trial ago (a shorter one loses power, the p-value
+        # still holds: more "not certain", not more wrong keeps).
+        need = min(window - len(current["step_seconds"]), len(baseline["step_seconds"]))
+        return {name: list(baseline[name])[len(baseline[name]) - need:] + list(values)
+                for name, values in current.items()}
 
     def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:
         record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,

@@ -10,8 +10,9 @@ move an experiment of its own, on the loader the training loop is reading:
      between the current one and it (0 -> 2 rejected: 1);
    - down, where no count above the job's own was faster (or the job has more workers than
      usable cores): to the usable cores, then to 0 (where the batches are cheaper to make than
-     to ship between processes, none is best, whatever one worker measured), then halfway
-     to the count rejected below. In the main process the dataset draws
+     to ship between processes, none is best, whatever one worker measured; first, where
+     data-stall measured exactly that), then halfway to the count rejected below. Once a
+     count below the job's is kept, no workers are added back. In the main process the dataset draws
      from a random stream of its own, seeded as a worker's is (`_OwnStreams`), never from
      the job's, and it is not tried where the loader has a worker_init_fn;
 2. pin_memory=True on a CUDA job;
@@ -208,8 +209,11 @@ class LoaderChange(Change):
         changed = [knob for knob in KNOBS if before[knob] != after[knob] and
                    not (knob == "prefetch_factor" and not before["num_workers"])]
         self.description = ", ".join(f"{knob} {before[knob]} -> {after[knob]}" for knob in changed)
-        # New workers start and fill their queues first.
-        self.settle_steps = max(5, 2 + after["num_workers"] * (after["prefetch_factor"] or 0))
+        # The old iterator serves the batches its workers hold (num_workers x prefetch_factor)
+        # and then stops them (joining each: tens of ms, once), new workers start and fill
+        # their queues: all before the trial's window, whose mean would carry those one-offs.
+        held = before["num_workers"] * (effective(before)["prefetch_factor"] or 0)
+        self.settle_steps = max(5, 2 + held + after["num_workers"] * (after["prefetch_factor"] or 0))
 
     def apply(self) -> None:
         loader = self.loader()
@@ -257,6 +261,7 @@ class DataLoaderTuning(Action):
         self.closed: set[str] = set()  # knobs whose last move was rejected
         self.rejected: set[int] = set()  # worker counts measured slower than another
         self.raised = False  # a count above the job's own was kept: fewer workers would be slower
+        self.lowered = False  # a count below was kept: the job's workers cost more than they saved, none are added
         self.tried = 0  # changes proposed
         self.passed_over: list[str] = []  # why knobs were not tried (said when nothing was)
         self.failed = False
@@ -370,13 +375,13 @@ class DataLoaderTuning(Action):
         workers, most = self.settings["num_workers"], self.max_workers(job)
         above = [count for count in self.rejected if count > workers]
         ceiling = min(above + [most + 1]) - 1
-        if workers < ceiling:
+        if workers < ceiling and not self.lowered:
             refusal = self._why_no_workers(job, loader) if workers == 0 else None
             if refusal is _LATER:
                 return _LATER
             if refusal is None:
                 if above:
-                    return (workers + min(above)) // 2  # between the current count and the rejected one
+                    return min(ceiling, (workers + min(above)) // 2)  # between the current count and the rejected one
                 return min(ceiling, self._workers_needed(recent, workers, most))
             self.closed.add("num_workers")
             if not self.job_settings["num_workers"]:  # the job's own 0, not one apply mode found faster
@@ -388,6 +393,10 @@ class DataLoaderTuning(Action):
         # run), then none at all (no batch crosses between processes: not a neighbour of one
         # worker, as the shipping it saves is there with any), then halfway to a rejected count.
         lowest = 1 if loader.worker_init_fn is not None else 0  # the job sets its workers up itself
+        finding = job.finding("data-stall") or {}
+        if lowest == 0 and workers > 0 and 0 not in self.rejected and \
+                (finding.get("evidence") or {}).get("suggested_workers") == 0:
+            return 0  # data-stall measured it: a batch costs less to make here than to ship from a worker
         if most < workers and most not in self.rejected and most >= lowest:
             return most
         if lowest == 0 and workers > 0 and 0 not in self.rejected:
@@ -480,6 +489,7 @@ class DataLoaderTuning(Action):
             if change.knob == "num_workers":
                 self.rejected.add(change.before["num_workers"])  # it lost to the new count
                 self.raised = self.raised or change.after["num_workers"] > change.before["num_workers"]
+                self.lowered = self.lowered or change.after["num_workers"] < change.before["num_workers"]
         elif change.knob == "num_workers":
             self.rejected.add(change.after["num_workers"])
         else:
