@@ -322,6 +322,29 @@ class Timed(nn.Module):
         return self.layers(x)
 
 
+@pytest.fixture(autouse=True)
+def clear_amp_gain(request, monkeypatch):
+    """The tests of AMP's guards and reverts need apply mode to switch AMP on, which it does only
+    on a gain measured off the job's steps in >= 90% of the pairs (measure/precision.py). Timed
+    is 5x the work in fp32, but beside busy processes a pair or two can still come out the other
+    way; where the timing's medians say autocast is faster, its pairs are counted all faster
+    here. The 90% rule itself is tested on the timing's own result (the not-clear and not-paying
+    tests below, which opt out, and test_rules_recorded)."""
+    if request.node.get_closest_marker("own_amp_timing"):
+        return
+    from tuneup.measure.precision import PrecisionTrial
+
+    measure = PrecisionTrial._time
+
+    def clear(self, *args, **kwargs):
+        result = measure(self, *args, **kwargs)
+        if result.get("pairs") and result.get("speedup", 0) > 1:
+            result = dict(result, faster_pairs=result["pairs"])
+        return result
+
+    monkeypatch.setattr(PrecisionTrial, "_time", clear)
+
+
 @one_intra_op_thread()
 def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, actions=("amp",),
             slow_under_autocast=0):
@@ -396,6 +419,7 @@ def test_autocast_never_wraps_the_jobs_evaluation_or_no_grad_forwards(run_dir):
     assert len(during) >= 2 and not any(during)
 
 
+@pytest.mark.own_amp_timing
 @one_intra_op_thread()
 def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir):
     """Ground truth from the code: Timed(slow_under_autocast=8) with `slow` set from the start
@@ -427,6 +451,7 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
     assert all(torch.equal(a, b) for a, b in zip(plain, tuned))
 
 
+@pytest.mark.own_amp_timing
 def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run_dir, monkeypatch):
     """Timed's gain under autocast is real (5 passes in fp32 against 1), but the timing off the
     job's steps is made to say "faster in 10 of 12 pairs": enough for amp-off (75%), not for
