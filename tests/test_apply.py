@@ -208,12 +208,13 @@ def test_a_loader_whose_workers_cost_more_than_they_save_is_moved_down_in_a_long
 
 
 def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
-    """Ground truth from the code: SlowIndexed's batches take 20 ms in-process against a 20 ms
-    step; in a worker, past the first 10 ms of a batch every sample costs 10x, so two workers
-    make a batch every 60 ms (3x slower than none) and one worker every 20 ms overlapped with the
+    """Ground truth from the code: batches take 4.8 ms in-process (16 samples of 0.3 ms) against
+    a 5 ms step; in a worker of two, every sample costs 6x, so two workers make a batch every
+    14.4 ms (slower than none, 10 ms a step) and one worker every 4.8 ms, overlapped with the
     step: the estimate (two or more) is rejected, its neighbour, one, is what pays. The step's
-    own wait varies by +-90% (a seeded stream of the test's): windows longer than the 24 steps
-    apply mode waits after undoing a trial, so the undone trial's baseline serves the next."""
+    own wait varies by +-90% (a seeded stream of the test's), so windows (up to a second of
+    ~10 ms steps) are longer than the 24 steps apply mode waits after undoing a trial, and the
+    undone trial's baseline serves the next."""
     class SlowerInPairs(SlowIndexed):
         def __getitems__(self, indices: list[int]):
             info = get_worker_info()
@@ -224,8 +225,9 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     def two_decided(step, agent):
         return len([r for r in records(agent, "dataloader") if r["decision"] in ("kept", "reverted")]) >= 2
 
-    _, _, _, agent, _ = io_bound_run(1000, dataset=SlowerInPairs(), after_step=two_decided,
-                                     agent_options=apply_options(run_dir, actions=["dataloader"]), jitter=0.9,
+    _, _, _, agent, _ = io_bound_run(1500, dataset=SlowerInPairs(latency=0.0003), compute=0.005,
+                                     after_step=two_decided, jitter=0.9,
+                                     agent_options=apply_options(run_dir, actions=["dataloader"]),
                                      generator=torch.Generator().manual_seed(0))
     moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
              for r in records(agent, "dataloader") if "before" in r and r["before"]["num_workers"] !=

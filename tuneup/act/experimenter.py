@@ -6,7 +6,7 @@
 It runs on the training thread, in the agent's step-close listener, so every change lands
 between two steps and sees the step records the moment they close; at a close it sees the
 steps before the closing one. W is sized from the noise of the recent steps: enough to tell
-a 10% gain (default_window), at least half a second and 24 steps. A kept change's
+a 10% gain (default_window), at least half a second and 24 steps, at most a second. A kept change's
 trial window is the next change's baseline; after a revert the job settles again first, and the
 undone trial's baseline serves the next trial (the same configuration, a window earlier).
 While a change is in its guard period its `check()` runs at every close (and its own hooks
@@ -39,6 +39,9 @@ NEVER = 1 << 62
 # 1 ms step is 1,000 steps; a few hundred average the machine's own jitter as well).
 DETECT = 0.10
 MIN_SECONDS = 0.5
+# And at most MAX_SECONDS of steps (at least MIN_WINDOW): a noisier job's trial loses power (more
+# "not certain"), not correctness, and every action still gets its turn within a short run.
+MAX_SECONDS = 1.0
 # A trial that runs this many times slower than its baseline is cut short and judged on the
 # steps it has (at least MIN_TRIAL_STEPS): bf16 on a CPU without bf16 units can be 20x slower.
 DEADLINE_FACTOR = 3
@@ -68,7 +71,7 @@ def default_window(step_times: list[float]) -> int:
         return MIN_WINDOW
     spread = 1.4826 * median(abs(mean - center) for mean in means) / center
     per_block = math.ceil(NOISE_BLOCK * (2 * spread / DETECT) ** 2)
-    steps = max(BLOCKS * per_block, math.ceil(MIN_SECONDS / center))
+    steps = min(max(BLOCKS * per_block, math.ceil(MIN_SECONDS / center)), math.ceil(MAX_SECONDS / center))
     steps = min(MAX_WINDOW, max(MIN_WINDOW, steps))
     return BLOCKS * math.ceil(steps / BLOCKS)
 
