@@ -133,6 +133,12 @@ def worker_seeds(loader: DataLoader) -> torch.Generator:
     return generator
 
 
+def draw_seed(generator: torch.Generator | None) -> int:
+    """A seed drawn as a DataLoader iterator draws its workers' base seed (from `generator`, or
+    the global RNG), as a non-negative int64."""
+    return int(raw_item(torch.empty((), dtype=torch.int64).random_(generator=generator))) & ((1 << 63) - 1)
+
+
 class TapedSampler:
     """The loader's index sampler as the iterators tuneup builds see it.
 
@@ -160,8 +166,7 @@ class TapedSampler:
         else:
             indices = iter(self.sampler)
             if self.job_draws:
-                seed = raw_item(torch.empty((), dtype=torch.int64).random_(generator=self.job_generator))
-                self.seeds.manual_seed(int(seed) & ((1 << 63) - 1))
+                self.seeds.manual_seed(draw_seed(self.job_generator))
         self.tape = _Tape(indices)
         return self.tape
 
@@ -220,9 +225,8 @@ def build_iterator(loader: DataLoader, settings: Settings, sampler: TapedSampler
     vars(proxy)["generator"] = sampler.seeds
     iterator = proxy._get_iterator()
     if settings["num_workers"] == 0 and sampler.job_workers > 0:
-        seed = int(raw_item(torch.empty((), dtype=torch.int64).random_(generator=sampler.seeds))) & ((1 << 63) - 1)
         fetcher = iterator._dataset_fetcher
-        fetcher.fetch = _OwnStreams(seed).around(fetcher.fetch)
+        fetcher.fetch = _OwnStreams(draw_seed(sampler.seeds)).around(fetcher.fetch)
     return iterator
 
 

@@ -45,6 +45,15 @@ def global_hooks() -> bool:
     return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
 
 
+def own_hooks_on(model: nn.Module) -> bool:
+    """Whether a hook of tuneup's own is on the model's modules or global now (a capture's,
+    for one step; the model finder's, until the first step)."""
+    dicts = [getattr(m, name, None) for m in model.modules() for name in _HOOK_DICTS]
+    dicts += [getattr(_module, name, None) for name in _GLOBAL_HOOKS]
+    return any(str(getattr(hook, "__module__", "") or "").startswith("tuneup.")
+               for hooks in dicts for hook in (hooks or {}).values())
+
+
 class ModelCapture:
     """A one-shot capture of the largest trained model's next training forward, to run it off
     the step at the close after (the precision trial's and the FLOP count's): `capture` hooks

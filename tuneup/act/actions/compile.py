@@ -27,6 +27,7 @@ from torch import nn
 
 from ..._patching import PatchSet
 from ...measure.model import is_compiled
+from ...measure.offstep import own_hooks_on
 from ..action import Action, Change, LiveJob
 
 SETTLE_STEPS = 5  # the first calls compile forward and backward; a short last batch may recompile
@@ -127,7 +128,7 @@ class Compile(Action):
         if len(trained) > 1:
             return self.refuse(f"{len(trained)} models train together; tuneup compiles only a job's one model")
         model = trained[0]
-        if _ours_on(model):
+        if own_hooks_on(model):
             return None  # tuneup's own one-step capture is on the model: dynamo would trace it; next look
         reason = why_not(model, job)
         if reason:
@@ -149,29 +150,12 @@ def why_not(model: nn.Module, job: LiveJob) -> str | None:
         return f"{name} is a distributed wrapper; compile the module it wraps in the script"
     if "forward" in vars(model):
         return f"{name} has a forward set on the instance (a wrapper's); compile it in the script"
-    hooked = [sub for sub in model.modules() if any(_theirs(getattr(sub, hooks, None)) for hooks in _HOOKS)]
+    # Reached once tuneup's own hooks are off (Compile.propose waits them out): any left are the job's.
+    hooked = [sub for sub in model.modules() if any(getattr(sub, hooks, None) for hooks in _HOOKS)]
     # nn.Module's global hooks (register_module_forward_hook...): the check OptimizedModule makes
     # itself (torch/_dynamo/eval_frame.py), absent from older torch.
     global_hooks = getattr(nn.modules.module, "_has_any_global_hook", lambda: False)()
-    if hooked or (global_hooks and any(_theirs(getattr(nn.modules.module, hooks, None)) for hooks in _GLOBAL_HOOKS)):
+    if hooked or global_hooks:
         return f"{name} has module hooks the job registered (dynamo would trace them into the graph)"
     return None
 
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
-
-
-def _ours_on(model: nn.Module) -> bool:
-    """Whether a hook of tuneup's own is on the model or global now (one step at a time)."""
-    dicts = [getattr(sub, hooks, None) for sub in model.modules() for hooks in _HOOKS]
-    dicts += [getattr(nn.modules.module, hooks, None) for hooks in _GLOBAL_HOOKS]
-    return any(str(getattr(hook, "__module__", "") or "").startswith("tuneup.")
-               for hooks in dicts for hook in (hooks or {}).values())
-
-
-def _theirs(hooks: Any) -> bool:
-    """Whether a hook dict holds a hook of the job's: tuneup's own (a one-step capture of the
-    model's input for the FLOP count, the model finder's) come off before a trial's steps."""
-    return any(not str(getattr(hook, "__module__", "") or "").startswith("tuneup.")
-               for hook in (hooks or {}).values())

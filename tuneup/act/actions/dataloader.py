@@ -393,13 +393,13 @@ class DataLoaderTuning(Action):
         # run), then none at all (no batch crosses between processes: not a neighbour of one
         # worker, as the shipping it saves is there with any), then halfway to a rejected count.
         lowest = 1 if loader.worker_init_fn is not None else 0  # the job sets its workers up itself
+        to_none = lowest == 0 and workers > 0 and 0 not in self.rejected
         finding = job.finding("data-stall") or {}
-        if lowest == 0 and workers > 0 and 0 not in self.rejected and \
-                (finding.get("evidence") or {}).get("suggested_workers") == 0:
+        if to_none and (finding.get("evidence") or {}).get("suggested_workers") == 0:
             return 0  # data-stall measured it: a batch costs less to make here than to ship from a worker
         if most < workers and most not in self.rejected and most >= lowest:
             return most
-        if lowest == 0 and workers > 0 and 0 not in self.rejected:
+        if to_none:
             return 0
         floor = max([count for count in self.rejected if count < workers] + [lowest - 1]) + 1
         if workers <= floor:
