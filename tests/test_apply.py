@@ -22,6 +22,7 @@ from benchmarks.scenarios import sample
 from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
 from tuneup.act.judge import ALPHA, MIN_SPEEDUP
+from tuneup.measure.precision import shadow_refusal
 from tuneup.report.live import frame as live_frame
 from tests.conftest import one_intra_op_thread
 
@@ -168,6 +169,47 @@ def test_a_worker_failure_during_a_trial_rolls_back_and_loses_no_batch(run_dir):
     assert loader.num_workers == 0
 
 
+class StepClock:
+    """The test's own clock at the end of every step of io_bound_run (its `after_step`): ground
+    truth for a trial's gain beside tuneup's own figures. A premise built of sleeps still rests
+    on some CPU (a worker makes, pickles and ships each batch; the main process unpickles it),
+    and beside busy processes that CPU can take what the sleeps would save: a one-worker gain of
+    1.55x on an idle machine measured 1.0-1.26x with four busy processes. A test then asserts
+    what apply mode decided against what this clock measured in the same run."""
+
+    CLEAR = 1.3  # a gain this size by this clock is one the judge's windows must find
+
+    def __init__(self, then=None) -> None:
+        self.ends: dict[int, float] = {}
+        self.then = then
+
+    def __call__(self, step, agent):
+        self.ends[step] = time.perf_counter()
+        return self.then(step, agent) if self.then is not None else False
+
+    def _median_step(self, steps) -> float:
+        return statistics.median(self.ends[s] - self.ends[s - 1] for s in steps if s in self.ends and s - 1 in self.ends)
+
+    def speedup(self, record, others) -> float:
+        """Median step time of the steps the record's baseline spans, less those of other trials
+        (a reused baseline spans an undone trial), over the median of its trial's steps."""
+        trial = range(record["trial"]["first_step"], record["trial"]["last_step"] + 1)
+        busy = {s for r in others if r is not record and "decided_step" in r
+                for s in range(r["applied_step"], r["decided_step"] + 1)}
+        baseline = [s for s in range(record["baseline"]["first_step"], record["baseline"]["last_step"] + 1)
+                    if s not in busy]
+        return self._median_step(baseline) / self._median_step(trial)
+
+    def check(self, record, others) -> float:
+        """Kept where this clock says clearly faster; never kept where it says no faster."""
+        measured = self.speedup(record, others)
+        if measured >= self.CLEAR:
+            assert record["decision"] == "kept", (measured, record["decision"], record["reason"])
+        if measured <= 1.0:
+            assert record["decision"] != "kept", (measured, record["decision"], record["reason"])
+        return measured
+
+
 class DearToShip(SlowIndexed):
     """Batches that cost more to bring from a worker than to make: in a worker each batch waits
     `latency` a sample (what shipping it and a worker's own start-up cost a real loader); in the
@@ -194,11 +236,13 @@ def test_a_loader_whose_workers_cost_more_than_they_save_is_moved_down_in_a_long
     cores = usable_cores()
     options = dict(dataset=DearToShip(size=16 * 1000, latency=0.00125 * cores), num_workers=cores, compute=0.01)
     plain, _, plain_rng, _, _ = io_bound_run(400, **options)
+    clock = StepClock()
     batches, _, rng, agent, loader = io_bound_run(400, agent_options=apply_options(run_dir, actions=["dataloader"]),
-                                                  **options)
-    moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
-             for r in records(agent, "dataloader") if "before" in r]
-    assert moves and moves[0] == (cores, 0, "kept"), decisions(agent)
+                                                  after_step=clock, **options)
+    tried = [r for r in records(agent, "dataloader") if "before" in r]
+    assert tried and (tried[0]["before"]["num_workers"], tried[0]["after"]["num_workers"]) == (cores, 0), \
+        decisions(agent)
+    clock.check(tried[0], tried)  # idle: 1.8x by the test's clock, kept
     assert not records(agent, "dataloader", "not applicable"), decisions(agent)
     # The same samples in the same order, and the job's own random stream as without tuneup:
     # in the main process the dataset drew its noise from a stream of its own.
@@ -225,15 +269,18 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     def two_decided(step, agent):
         return len([r for r in records(agent, "dataloader") if r["decision"] in ("kept", "reverted")]) >= 2
 
+    clock = StepClock(then=two_decided)
     _, _, _, agent, _ = io_bound_run(1500, dataset=SlowerInPairs(latency=0.0003), compute=0.005,
-                                     after_step=two_decided, jitter=0.9,
+                                     after_step=clock, jitter=0.9,
                                      agent_options=apply_options(run_dir, actions=["dataloader"]),
                                      generator=torch.Generator().manual_seed(0))
+    tried = [r for r in records(agent, "dataloader") if "before" in r]
     moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
-             for r in records(agent, "dataloader") if "before" in r and r["before"]["num_workers"] !=
-             r["after"]["num_workers"]]
+             for r in tried if r["before"]["num_workers"] != r["after"]["num_workers"]]
     assert len(moves) >= 2 and moves[0][0] == 0 and moves[0][1] >= 2 and moves[0][2] == "reverted", decisions(agent)
-    assert moves[1] == (0, 1, "kept"), decisions(agent)
+    assert moves[1][:2] == (0, 1), decisions(agent)  # the neighbour of the rejected count
+    # Kept where it paid: idle, 1.5x by the test's clock.
+    clock.check(next(r for r in tried if r["after"]["num_workers"] == 1), tried)
     # The neighbour's trial compares against the undone trial's baseline (the same settings,
     # a window earlier) instead of waiting a whole window again.
     first, second = [r for r in records(agent, "dataloader") if "before" in r][:2]
@@ -447,8 +494,10 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
 
     plain, _, _ = train()
     tuned, model, agent = train(apply_options(run_dir, cpu_bf16=True))
+    # The premise, measured: the timing off the job's steps ran and found no clear gain (beside
+    # busy processes its figure is noise, but not a clear one: measure/precision.shadow_refusal).
     trial = agent.recorder.precision.result
-    assert trial and trial.get("speedup") is not None and trial["speedup"] < 1, trial  # the premise, measured
+    assert trial and trial.get("pairs") and shadow_refusal(trial) is not None, trial
     assert not any(model.autocast) and not records(agent, "amp"), decisions(agent)
     assert all(torch.equal(a, b) for a, b in zip(plain, tuned))
 

@@ -116,7 +116,14 @@ def prometheus(tmp_path_factory):
             assert time.monotonic() < deadline, f"Prometheus did not scrape every target: {active}"
             assert server.poll() is None, "Prometheus exited"
             time.sleep(0.5)
-        time.sleep(25)  # enough samples for every 20 s rate window, and past the hung job's last step
+        # Every job stepping before the clock starts (on a busy machine, importing torch and the
+        # ranks' rendezvous can take most of a fixed wait): then enough samples for every 20 s
+        # rate window, and past the hung job's last step.
+        deadline = time.monotonic() + 120
+        while len([s for s in query(base, 'tuneup_step_seconds_count{job=~"tuneup|tuneup-hung"} >= 5')]) < 3:
+            assert time.monotonic() < deadline, query(base, "tuneup_step_seconds_count")
+            time.sleep(0.5)
+        time.sleep(25)
         yield base
     finally:
         for process in processes + ([server] if server else []):
@@ -138,9 +145,27 @@ def dashboard_expressions():
     return [pytest.param(expr, id=f"{uid}: {title}") for uid, title, expr in generator.expressions()]
 
 
+def rank_figures(prometheus) -> str:
+    """Each rank's step time, data wait and own time per step over the last 20 s, and its
+    steps so far: what a failed stall or straggler assertion shows."""
+    figures = {
+        "steps": "tuneup_step_seconds_count",
+        "step_s": "rate(tuneup_step_seconds_sum[20s]) / rate(tuneup_step_seconds_count[20s])",
+        "stall": "rate(tuneup_data_wait_seconds_total[20s]) / rate(tuneup_step_seconds_sum[20s])",
+        "own_s": "rank:tuneup_own_seconds_per_step:mean5m",
+        "own_ratio": "rank:tuneup_own_seconds_per_step:ratio_to_median5m",
+    }
+    lines = []
+    for label, expr in figures.items():
+        values = {(s["metric"].get("job"), s["metric"].get("rank")): round(float(s["value"][1]), 4)
+                  for s in query(prometheus, expr)}
+        lines.append(f"{label}: {values}")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("expr", dashboard_expressions())
 def test_every_dashboard_panel_returns_data(prometheus, expr):
-    assert query(prometheus, substitute(expr)), f"no data for:\n{substitute(expr)}"
+    assert query(prometheus, substitute(expr)), f"no data for:\n{substitute(expr)}\n{rank_figures(prometheus)}"
 
 
 def variable_queries():
@@ -175,7 +200,7 @@ def test_every_alert_condition_is_met_by_the_job_made_to_meet_it(prometheus, nam
         assert re.search(pattern, expr), f"{name}'s threshold changed: update SHORTENED"
         expr = re.sub(pattern, replacement, expr)
     firing = query(prometheus, expr)
-    assert firing, f"{name}: no series meets\n{expr}"
+    assert firing, f"{name}: no series meets\n{expr}\nwhat the ranks show:\n{rank_figures(prometheus)}"
     # The rank made to meet it (rank 0's own loader stalls too until apply mode has fixed it).
     expected = {"TuneupDataStallHigh": {"1"}, "TuneupGradScalerSkipRateHigh": {"0"}, "TuneupGpuIdle": {"0"},
                 "TuneupRankStraggler": {"1"}}

@@ -53,19 +53,24 @@ MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
 
 # Of the interleaved pairs, those faster under autocast before apply mode changes the job's
 # numerics on the strength of it: a switch it would undo leaves its trace (the weights updated
-# in bf16 meanwhile), so it is made only where undoing it is unlikely.
+# in bf16 meanwhile), so it is made only where undoing it is unlikely. And at least
+# SHADOW_MIN_PAIRS of them: with fewer, "all faster" is a sign test's p of 1/8 to 1/32 (beside
+# busy processes, 3 of 3 pairs once said 3.4x faster of a model doing 9 passes under autocast
+# against 5 in fp32); from 6 on, p <= 1/64 at any 90% outcome.
 SHADOW_CLEAR = 0.9
+SHADOW_MIN_PAIRS = 6
 
 
 def shadow_refusal(trial: dict[str, Any] | None) -> str | None:
     """Why this measurement is not clear enough for apply mode to switch autocast on (None:
-    it is): measured off the job's steps, and faster in at least SHADOW_CLEAR of the pairs."""
+    it is): measured off the job's steps, and faster in at least SHADOW_CLEAR of at least
+    SHADOW_MIN_PAIRS pairs."""
     if not trial or trial.get("skipped") or not trial.get("pairs"):
         reason = f" ({trial['skipped']})" if trial and trial.get("skipped") else ""
         return ("its gain was not measured on this job's model" + reason + ", and a trial on the job's own "
                 "steps would leave its bf16 updates in the weights if undone; switch it on yourself")
     pairs, faster = trial["pairs"], trial.get("faster_pairs") or 0
-    if faster < SHADOW_CLEAR * pairs:
+    if pairs < SHADOW_MIN_PAIRS or faster < SHADOW_CLEAR * pairs:
         return (f"autocast was faster in {faster} of {pairs} pairs timed off the job's steps, not clear enough "
                 "to change the run's numerics (a trial undone would leave its bf16 updates in the weights); "
                 "switch it on yourself, or a run on a quieter machine measures it again")
