@@ -84,11 +84,16 @@ def test_findings_are_ranked_by_estimated_gain(tmp_path):
     # states none; data-stall states one where more workers would recover the wait).
     stated = [f["gain"] is not None for f in document["findings"]]
     assert stated == sorted(stated, reverse=True), [(f["rule"], f["gain"]) for f in document["findings"]]
-    if "data-stall" not in fired(document):  # its premise is timing (advice_scenarios._premises): load can undo it
-        # Less tuneup's own work at step closes, which the loop's clock holds and tuneup keeps out
-        # of the job's wait (Truth.own_share; measured 1.5-2.3 points of this job's stall idle).
+    evaluation = document["runs"][0]["evaluation"]
+    if "data-stall" not in fired(document) and "data-stall" not in evaluation["slight"]:
+        # Its premise is timing (advice_scenarios._premises): load can undo it. Less tuneup's own
+        # work at step closes, which the loop's clock holds and tuneup keeps out of the job's
+        # wait (Truth.own_share; measured 1.5-2.3 points of this job's stall idle). (A stall
+        # whose fix would save next to nothing, CPU-bound workers on cores other work keeps
+        # busy, is "slight": no finding, rightly.)
         truth = document["truth"]
-        assert truth.stall - truth.own_share < 0.10 + 0.03, truth
+        window = document["runs"][0]["snapshot"]["window"]
+        assert truth.stall - truth.own_share < 0.10 + 0.03, (truth, window["stall_ratio"], evaluation["slight"])
 
 
 def test_a_silenced_rule_stays_out_and_unknown_ids_are_refused(tmp_path):

@@ -5,6 +5,7 @@ the framework's own objects; the examples run; the core install pulls no framewo
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -281,6 +282,58 @@ def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_chang
         assert totals["evaluation"]["phases"] == 4 and totals["evaluation"]["seconds"] >= 4 * 3 * 0.032
         assert totals["stall_ratio"] < 0.10, totals
         assert any(e.get("event") == "framework" and e.get("framework") == "lightning" for e in events(run_dir))
+
+
+def test_an_hf_trainer_with_accumulation_evaluation_and_a_cosine_schedule_under_run_and_attach(tmp_path):
+    """tests/programs/hf_finetune.py, as the Transformers docs write a fine-tuning job, with no
+    tuneup in it (its docstring holds the ground truth from its code): 60 optimizer steps of two
+    micro-batches, evaluation at steps 20, 40 and 60, a cosine schedule after warm-up, a training
+    set read in the main process (the script times its own reads: the loop's true wait), host
+    reads only in the Trainer's and the model's own code. Under `tuneup run` (no code change)
+    and `tuneup.attach(trainer)`: the same output as plain python, and the same measure."""
+    pytest.importorskip("transformers")
+    script = str(PROGRAMS / "hf_finetune.py")
+    env = child_env(OMP_NUM_THREADS="1", TUNEUP_CPU_BF16="0")
+
+    def run(*command, run_dir=None):
+        extra = {"TUNEUP_RUN_DIR": str(run_dir)} if run_dir else {}
+        result = subprocess.run([sys.executable, *command, "--out", str(tmp_path / "out")], capture_output=True,
+                                text=True, timeout=240, cwd=ROOT, env={**env, **extra})
+        assert result.returncode == 0, result.stderr[-3000:]
+        train, evaluation = map(float, re.search(r"reads train ([\d.]+) eval ([\d.]+)", result.stderr).groups())
+        return [line for line in result.stdout.splitlines() if line.startswith("digest")], train, evaluation
+
+    plain, _, _ = run(script)
+    under_run, *run_reads = run("-m", "tuneup", "run", script, run_dir=tmp_path / "run")
+    attached, *attach_reads = run(script, "--attach", "--run-dir", str(tmp_path / "attach"))
+    assert plain == under_run == attached and len(plain) == 1
+    for run_dir, (train_reads, evaluation_reads) in ((tmp_path / "run", run_reads), (tmp_path / "attach", attach_reads)):
+        document = report(run_dir)
+        snapshot = document["runs"][0]["snapshot"]
+        totals, window = snapshot["totals"], snapshot["window"]
+        assert totals["steps"] == totals["optimizer_steps"] == 60
+        assert window["backward_passes_per_step"] == 2.0  # gradient_accumulation_steps=2
+        assert totals["evaluation"]["phases"] == 3
+        # The training loader's wait is the training set's own reads (the loader fetches one
+        # batch ahead: its last is never trained on), the evaluation set's are not in it.
+        assert 0.9 * train_reads <= totals["data_wait_seconds"] <= train_reads + 0.5 * evaluation_reads, \
+            (totals["data_wait_seconds"], train_reads, evaluation_reads)
+        # The Trainer's NaN/inf filter: isnan and isinf read each micro-batch's loss, 4 a step;
+        # every read is in transformers' code (the Trainer, the model), none in the script.
+        sources = snapshot["syncs"]["top_sources"]
+        nan_filter = [s for s in sources if "transformers/trainer.py:" in s["location"]]
+        assert nan_filter and nan_filter[0]["per_step"] == 4.0, sources
+        assert all("site-packages/transformers/" in s["location"] for s in sources), sources
+        # The cosine schedule changes the learning rate every step: no schedule advice.
+        [optimizer] = snapshot["config"]["optimizers"]
+        assert optimizer["lr_measured"]["changes"] >= optimizer["lr_measured"]["reads"] - 2
+        found = {f["rule"]: f for f in document["findings"]}
+        assert "no-lr-schedule" not in found and {"data-stall", "host-syncs"} <= set(found), sorted(found)
+        # Each fix in the Trainer's own settings.
+        assert found["data-stall"]["fix"].startswith("TrainingArguments(..., dataloader_num_workers=")
+        assert "TrainingArguments(..., logging_nan_inf_filter=False)" in found["host-syncs"]["fix"]
+        assert any(e.get("event") == "framework" and e.get("framework") == "transformers"
+                   and e.get("gradient_accumulation_steps") == 2 for e in events(run_dir))
 
 
 def test_attach_with_accelerates_prepared_objects_notes_accelerate_and_its_settings(run_dir):
