@@ -258,6 +258,34 @@ def gpu_busy(snapshot, share):
     return snapshot
 
 
+@pytest.mark.parametrize("framework, compile_off, launch_bound", [
+    (None, "model = torch.compile(model)", 'model = torch.compile(model, mode="reduce-overhead")'),
+    ("lightning", "before trainer.fit(model)", 'mode="reduce-overhead")   # the LightningModule'),
+    ("transformers", "TrainingArguments(..., torch_compile=True)",
+     'TrainingArguments(..., torch_compile=True, torch_compile_mode="reduce-overhead")'),
+    ("accelerate", 'Accelerator(dynamo_backend="inductor")', 'TorchDynamoPlugin(backend="inductor", mode="reduce-overhead")'),
+])
+def test_compile_advice_speaks_the_jobs_framework(cpu_snapshot, framework, compile_off, launch_bound):
+    """Where the framework compiles the model (TrainingArguments, Accelerator), the fix is its
+    setting; Lightning has none: the LightningModule is compiled before fit."""
+    def framed(snapshot):
+        if framework:
+            snapshot["config"]["framework"] = {"framework": framework}
+        return snapshot
+
+    assert compile_off in fired(framed(gpu_busy(on_cuda(cpu_snapshot), 0.3)))["compile-off"].fix
+    s = framed(on_cuda(cpu_snapshot))
+    s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.35)]
+    assert launch_bound in fired(s)["gpu-launch-bound"].fix
+    # A short last batch that recompiles: the Trainer drops it with its own setting.
+    s = framed(copy.deepcopy(cpu_snapshot))
+    s["compile"] = {"compiles": 4, "recompiles": 3, "graphs": 4, "graph_breaks": 0,
+                    "recompile_sites": [{"where": "forward", "count": 3, "guard": "tensor 'x' size mismatch at index 0"}]}
+    drop_last = "TrainingArguments(..., dataloader_drop_last=True)" if framework == "transformers" else \
+        "DataLoader(..., drop_last=True)"
+    assert drop_last in fired(s)["recompiles"].fix
+
+
 def test_compile_off_on_an_eager_cuda_model_whose_gpu_idles_for_no_other_reason(cpu_snapshot):
     s = gpu_busy(on_cuda(cpu_snapshot), 0.3)
     s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.35)]

@@ -34,6 +34,23 @@ def launch_bound_share(facts: Facts) -> float | None:
     return 1 - busy if busy < GPU_BUSY_BELOW else None
 
 
+def compile_fix(facts: Facts, graphs: bool = False) -> str:
+    """torch.compile for the job's model, in its framework's words where the framework compiles
+    it (`graphs`: CUDA graphs too, mode "reduce-overhead", which suits small fixed shapes)."""
+    mode = ', mode="reduce-overhead"' if graphs else ""
+    plain = (f"model = torch.compile(model{mode})   # before the training loop; the first steps compile"
+             + ("" if graphs else '\n# small, fixed shapes: torch.compile(model, mode="reduce-overhead")   # CUDA graphs'))
+    return facts.spoken(
+        plain,
+        # Lightning compiles nothing itself: the LightningModule is compiled before fit.
+        lightning=f"model = torch.compile(model{mode})   # the LightningModule, before trainer.fit(model)",
+        transformers="TrainingArguments(..., torch_compile=True"
+                     + (', torch_compile_mode="reduce-overhead")' if graphs else ")   # the Trainer compiles the model"),
+        accelerate=("from accelerate.utils import TorchDynamoPlugin\n"
+                    'accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="reduce-overhead"))'
+                    if graphs else 'accelerator = Accelerator(dynamo_backend="inductor")   # prepare() compiles the model'))
+
+
 @rule(
     id="recompiles",
     title="A compiled function keeps recompiling",
@@ -61,8 +78,10 @@ def recompiles(facts: Facts) -> Evidence | None:
     share = spent * min(1.0, compiled.get("recompiles", 0) / compiles) / (spent + trained) if spent + trained else 0.0
     if "size" in guard or "stride" in guard:
         fix = ("torch._dynamo.mark_dynamic(x, 0)   # before the first call: the batch dimension varies\n"
-               "# or: DataLoader(..., drop_last=True) so the last batch is not short;\n"
-               "# or: torch.compile(model, dynamic=True)")
+               + facts.spoken("# or: DataLoader(..., drop_last=True) so the last batch is not short;\n",
+                              transformers="# or: TrainingArguments(..., dataloader_drop_last=True) so the last batch "
+                                           "is not short;\n")
+               + "# or: torch.compile(model, dynamic=True)")
     else:
         fix = ("# keep what the failed guard checks fixed between calls (a Python number, a flag,\n"
                "# a module attribute), or pass it as a tensor; TORCH_LOGS=recompiles shows every reason")
@@ -133,8 +152,7 @@ def compile_off(facts: Facts) -> Evidence | None:
         observed=f"the GPU was busy {percent(1 - idle)} of a step, with data wait and syncs too small to explain "
                  "the rest; nothing in the job is compiled",
         numbers={"gpu_busy_ratio": 1 - idle, "launch_bound_ratio": idle},
-        fix="model = torch.compile(model)   # before the training loop; the first steps compile\n"
-            "# small, fixed shapes: torch.compile(model, mode=\"reduce-overhead\")   # CUDA graphs",
+        fix=compile_fix(facts),
         gain=idle,
         gain_text=f"up to {percent(idle)} shorter steps (the GPU's idle share of a step; what fusion saves "
                   "is not known until it is tried)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...format import percent, size
 from ..rule import Evidence, Facts, Missing, rule
-from .compiled import LOW_STALL, launch_bound_share
+from .compiled import LOW_STALL, compile_fix, launch_bound_share
 
 CUDA_NOTES = "https://docs.pytorch.org/docs/stable/notes/cuda.html"
 MIN_GPU_SAMPLES = 5
@@ -45,7 +45,7 @@ def gpu_launch_bound(facts: Facts) -> Evidence | None:
     return Evidence(
         observed=f"GPU utilization averaged {percent(utilization)} while data wait was {percent(stall)} of the step",
         numbers={"gpu_utilization": utilization, "stall_ratio": stall},
-        fix='model = torch.compile(model, mode="reduce-overhead")   # fuses kernels, uses CUDA graphs\n'
+        fix=compile_fix(facts, graphs=True) + "   # fuses kernels, uses CUDA graphs\n"
             "# or a larger batch_size (scale the learning rate with it)",
         gain=1 - utilization,
         gain_text=f"up to {percent(1 - utilization)} more GPU work per second",
