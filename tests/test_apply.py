@@ -149,6 +149,36 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
     assert loader.num_workers == 0, "detach puts the job's own settings back"
 
 
+@pytest.mark.parametrize("counter", [True, False], ids=["energy counter", "no energy counter"])
+def test_a_change_row_shows_the_gpus_energy_a_step_before_and_after(run_dir, counter):
+    """NVML is the fake (no GPU here): its energy counter rises at 350 W on each GPU, and the job
+    holds memory on GPU 1 only (one rank of a node whose GPUs it sees). Ground truth: a step costs
+    350 W x its time on the job's GPU, so the worker that halves the step halves its joules; a
+    GPU without the counter (before Volta) gives no energy figure rather than a guess."""
+    from tests import fake_nvml
+    from tuneup.report.summary import change_rows
+
+    fake_nvml.reset(own_gpu=1, no_energy=not counter)
+    try:
+        _, _, _, agent, _ = io_bound_run(150, agent_options=apply_options(run_dir, actions=["dataloader"],
+                                                                           nvml_module="tests.fake_nvml"))
+    finally:
+        fake_nvml.reset()
+    decided = [r for r in records(agent, "dataloader") if r.get("trial")]
+    assert decided, decisions(agent)
+    first = decided[0]
+    if not counter:
+        assert "energy" not in first and change_rows([first])[0][6] == "–"
+        return
+    energy = first["energy"]
+    assert energy["before_watts"] == pytest.approx(350, rel=0.05) and energy["after_watts"] == pytest.approx(350, rel=0.05)
+    for side, window in (("before", first["baseline"]), ("after", first["trial"])):
+        assert energy[f"{side}_joules_per_step"] == pytest.approx(350 * window["mean_step_seconds"], rel=0.25), (
+            energy, window)
+    assert energy["ratio"] == pytest.approx(1 / first["speedup"], rel=0.25), (energy, first["speedup"])
+    assert change_rows([first])[0][6].endswith(f"({energy['ratio']:.2f}x)") and " J -> " in change_rows([first])[0][6]
+
+
 def test_advise_mode_changes_nothing(run_dir):
     _, _, _, agent, loader = io_bound_run(100, agent_options=dict(run_dir=run_dir, interval=0.2))
     assert agent.actions() == []

@@ -30,6 +30,22 @@ def test_a_conv_net_gets_amp_pinned_memory_and_cudnn_benchmark_decided(run_dir):
     assert torch.backends.cudnn.benchmark is False  # detach put the job's setting back
 
 
+def test_each_decided_change_states_the_gpus_energy_a_step_from_nvml(run_dir):
+    """On a GPU with NVML's energy counter (Volta and newer): every change judged on its windows
+    says what a step cost in joules before and after, at a power the GPU can draw."""
+    pytest.importorskip("pynvml")
+    _, records, _ = run_job("conv net", 1500, "apply", run_dir)
+    judged = [r for r in records if r.get("trial") and r.get("baseline")]
+    assert judged, records
+    for record in judged:
+        energy = record.get("energy")
+        assert energy, record
+        assert 10 < energy["before_watts"] < 2000 and 10 < energy["after_watts"] < 2000, energy
+        for side, window in (("before", record["baseline"]), ("after", record["trial"])):
+            assert energy[f"{side}_joules_per_step"] == pytest.approx(
+                energy[f"{side}_watts"] * window["mean_step_seconds"], rel=0.3), (energy, window)
+
+
 def test_a_transformer_gets_bf16_autocast_decided_by_measurement(run_dir):
     _, records, model = run_job("transformer", 800, "apply", run_dir)
     [amp] = decisions(records, "amp")

@@ -42,6 +42,8 @@ class LiveJob:
     models: ModelProbe
     scalers: ScalerProbe
     compiles: Any = None  # the recorder's CompileProbe (measure/compiled.py): compilations so far
+    # fn(gpu labels or None) -> joules NVML's energy counters read now, or None (measure/gpu.py)
+    energy: Callable[[Any], float | None] | None = None
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
     system: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)

@@ -52,6 +52,9 @@ MAX_WINDOW = 1200
 RECENT_STEPS = 64
 NOISE_BLOCK = 4  # steps a block of the noise estimate holds: alternating fast and slow steps even out
 LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are asked for this often
+# Where the GPUs' energy counter can be read, a trial starts this many steps at least after it
+# was first read in the configuration the trial's baseline measures (_Energy).
+ENERGY_STEPS = 8
 REUSE_WINDOWS = 4  # an undone trial's baseline serves the next trial while it ended this many windows ago
 
 
@@ -86,6 +89,10 @@ class _Trial:
     last: int
     allowance: float  # seconds the trial's steps may take before it is judged on the steps it has
     deadline: float | None = None  # time.monotonic() of that moment, once the trial's first step ran
+    # The GPUs' energy while the baseline ran (joules a step, watts), and the counter at the end
+    # of the step before the trial's first (_Energy marks)
+    baseline_energy: dict[str, float] | None = None
+    energy_start: tuple[int, float, float] | None = None
 
     def due(self, step: int) -> bool:
         """At the close of `step`, whose ring holds the steps before it. The deadline's clock
@@ -99,6 +106,56 @@ class _Trial:
         if self.deadline is None:
             self.deadline = time.monotonic() + self.allowance
         return ran >= MIN_TRIAL_STEPS and time.monotonic() >= self.deadline
+
+
+class _Energy:
+    """NVML's energy counters read at step closes while apply mode works (at its looks, at a
+    change, at a trial's first step and at its verdict), so that a change's row can say what a
+    step cost in joules before and after it. A mark (step, joules, time) is the counter at the
+    end of that step. A window's energy runs from a mark at or before its first step (in the
+    same configuration) to one at or after its last: the steps in between, all of them in it."""
+
+    KEEP = 16
+
+    def __init__(self, read: Callable[[Any], float | None] | None, gpus: Callable[[], Any]) -> None:
+        self.read, self.gpus = read, gpus
+        self.marks: deque[tuple[int, float, float]] = deque(maxlen=self.KEEP)
+
+    @property
+    def on(self) -> bool:
+        return self.read is not None
+
+    def mark(self, step: int) -> tuple[int, float, float] | None:
+        """The counter now, at the close of `step`; None (and off from now) where it cannot be read."""
+        if self.read is None:
+            return None
+        try:
+            joules = self.read(self.gpus())
+        except Exception:
+            joules = None  # NVML failing here is the GPU probe's to report; apply mode goes on
+        if joules is None:
+            self.read = None
+            return None
+        mark = (step, joules, time.perf_counter())
+        self.marks.append(mark)
+        return mark
+
+    def marked(self, first: int, last: int) -> bool:
+        """Whether a mark was taken at the close of a step in first..last."""
+        return any(first <= mark[0] <= last for mark in self.marks)
+
+    def since(self, first: int, end: tuple[int, float, float]) -> dict[str, float] | None:
+        """Joules a step and watts from the earliest mark at or after step `first` - 1 to `end`."""
+        start = next((mark for mark in self.marks if first - 1 <= mark[0] < end[0]), None)
+        return self.between(start, end)
+
+    @staticmethod
+    def between(start: tuple[int, float, float] | None, end: tuple[int, float, float] | None) -> dict[str, float] | None:
+        if start is None or end is None or end[0] <= start[0] or end[1] < start[1] or end[2] <= start[2]:
+            return None  # (a counter that fell: the driver reloaded)
+        joules = end[1] - start[1]
+        return {"joules_per_step": joules / (end[0] - start[0]), "watts": joules / (end[2] - start[2]),
+                "steps": end[0] - start[0]}
 
 
 class Experimenter:
@@ -123,6 +180,7 @@ class Experimenter:
         self._undone = 0
         self._revert_request: tuple[str, threading.Event] | None = None
         self._worth_looking = False  # some action is busy or has a finding to fix (see publish)
+        self.energy = _Energy(job.energy, self._job_gpus)
         job.guard_failed = self._fail
 
     @classmethod
@@ -132,7 +190,7 @@ class Experimenter:
         from .actions import ACTIONS, DEFAULT_ACTIONS
 
         job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler,
-                      compiles=recorder.compile)
+                      compiles=recorder.compile, energy=recorder.gpus.energy_joules if recorder.gpus.available else None)
         ids = allowed if allowed is not None else DEFAULT_ACTIONS
         experimenter = cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
         models = recorder.model
@@ -178,6 +236,11 @@ class Experimenter:
         self.job.system, self.job.config = system or {}, config or {}
         self._worth_looking = self._anything_to_try()
 
+    def _job_gpus(self) -> list[Any] | None:
+        """The GPUs the job holds memory on, per the latest system sample (None: every one)."""
+        samples = ((self.job.system or {}).get("gpu") or {}).get("samples") or []
+        return [device["gpu"] for device in samples if device.get("process_memory_bytes")] or None
+
     def _anything_to_try(self) -> bool:
         """Whether an action is in the middle of a sequence or has a finding to fix."""
         return any(action.busy or (not action.done and action.wanted(self.job)) for action in self.actions)
@@ -199,6 +262,9 @@ class Experimenter:
                     done.set()
                     return
                 self._check_guards(step)
+                trial = self.trial
+                if trial is not None and trial.energy_start is None and step >= trial.first - 1 and self.energy.on:
+                    trial.energy_start = self.energy.mark(step)
                 if self.trial is not None:
                     if self.trial.due(step):
                         self._decide(step)
@@ -237,6 +303,11 @@ class Experimenter:
         waiting = [action for action in self._ordered() if action.busy or action.wanted(self.job)]
         if not waiting:
             return
+        if self.energy.on and not self.energy.marked(self.stable_since - 1, step - ENERGY_STEPS):
+            # A baseline's energy needs the counter read in its configuration a few steps back.
+            self.energy.mark(step)
+            self._next_look = step + ENERGY_STEPS
+            return
         self._next_look = step + LOOK_EVERY_STEPS  # if nothing starts now
         ring = self.job.timeline.ring
         recent = summarize(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last))
@@ -267,6 +338,8 @@ class Experimenter:
                 return  # too few steps in this configuration yet: propose again later
         self._reusable = None
         record = self._record(change, action, step)
+        before = self.energy.mark(step)
+        baseline_energy = self.energy.since(max(baseline["step"][0], self.stable_since), before) if before else None
         try:
             change.apply()
         except Exception as exc:
@@ -283,7 +356,8 @@ class Experimenter:
         expected = (change.settle_steps + window) * sum(baseline["step_seconds"]) / len(baseline["step_seconds"])
         self.trial = _Trial(change, action, record, baseline, step + 1 + change.settle_steps,
                             step + change.settle_steps + window,
-                            DEADLINE_FACTOR * max(expected, MIN_SECONDS))
+                            DEADLINE_FACTOR * max(expected, MIN_SECONDS), baseline_energy=baseline_energy,
+                            energy_start=before if not change.settle_steps else None)
         timeline = self.job.timeline
         timeline.detail_through(step + change.guard_steps)
         self._emit(record)
@@ -330,6 +404,7 @@ class Experimenter:
                       p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], criterion=verdict["criterion"],
                       decided_step=step,
                       time=time.time())
+        self._energy_change(trial, step)
         if verdict["keep"]:
             self.stable_since = trial.first
         else:
@@ -337,6 +412,22 @@ class Experimenter:
             self._reusable = trial.baseline
         trial.action.decided(trial.change, record)
         self._emit(record)
+
+    def _energy_change(self, trial: _Trial, step: int) -> None:
+        """The GPUs' joules a step (and watts) in the baseline and the trial, where NVML's energy
+        counters were read at both ends of each: a faster step at the same power costs fewer
+        joules; a change can also raise the power (more workers, a busier GPU)."""
+        if trial.baseline_energy is None or trial.energy_start is None:
+            return
+        after = _Energy.between(trial.energy_start, self.energy.mark(step))
+        before = trial.baseline_energy
+        if after is None or not before["joules_per_step"]:
+            return
+        trial.record["energy"] = {
+            "before_joules_per_step": before["joules_per_step"], "after_joules_per_step": after["joules_per_step"],
+            "ratio": after["joules_per_step"] / before["joules_per_step"],
+            "before_watts": before["watts"], "after_watts": after["watts"],
+            "steps": [before["steps"], after["steps"]], "source": "NVML energy counter"}
 
     def _roll_back(self, change: Change, action: Action, record: dict[str, Any], reason: str, step: int) -> None:
         trial = self.trial
@@ -369,6 +460,8 @@ class Experimenter:
             self.wake_at = step + 1
         elif self.trial is not None:
             self.wake_at = self.trial.last + 1
+            if self.trial.energy_start is None and self.energy.on:  # the counter at the trial's start
+                self.wake_at = min(self.wake_at, max(step + 1, self.trial.first - 1))
         else:
             self.wake_at = NEVER
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Collection
 
 # NVML return codes that mean "this GPU or driver cannot tell you that": the field stays None.
 _NOT_SUPPORTED = 3
@@ -65,6 +65,9 @@ class NoGpus:
 
     def sample(self) -> list[dict[str, Any]]:
         return []
+
+    def energy_joules(self, gpus: Collection[Any] | None = None) -> float | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -210,6 +213,19 @@ class NvmlGpus:
 
     def _constant(self, name: str, default: int) -> int:
         return getattr(self.nvml, name, default)
+
+    def energy_joules(self, gpus: Collection[Any] | None = None) -> float | None:
+        """Joules NVML's energy counters read now (millijoules since the driver loaded, Volta and
+        newer), summed over the devices labelled `gpus` (None: every one of this process's);
+        None where one of them has no counter (a MIG instance, an older GPU). One NVML call a
+        device: apply mode reads it a few times a trial, between two steps."""
+        total, chosen = 0.0, [(index, handle) for label, index, handle in self.handles if gpus is None or label in gpus]
+        for index, handle in chosen:
+            millijoules = self._field(index, "energy", "nvmlDeviceGetTotalEnergyConsumption", handle)
+            if millijoules is None:
+                return None
+            total += millijoules / 1000
+        return total if chosen else None
 
     def sample(self) -> list[dict[str, Any]]:
         samples = []

@@ -46,7 +46,18 @@ def step_table(window: dict[str, Any]) -> Group:
     return Group(title, table)
 
 
-CHANGE_COLUMNS = ("#", "change", "decision", "mean step before", "mean step after", "speed-up", "why")
+CHANGE_COLUMNS = ("#", "change", "decision", "mean step before", "mean step after", "speed-up", "GPU energy a step",
+                  "why")
+
+
+def energy_change(record: dict[str, Any]) -> str:
+    """The GPUs' joules a step before and after a change (NVML's energy counters read at both
+    ends of each window), or "–" where they were not read."""
+    energy = record.get("energy")
+    if not isinstance(energy, dict) or not energy.get("before_joules_per_step"):
+        return "–"
+    return (f"{energy['before_joules_per_step']:.3g} J -> {energy['after_joules_per_step']:.3g} J "
+            f"({energy['ratio']:.2f}x)")
 
 
 def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -62,7 +73,7 @@ def change_rows(actions: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         speedup = record.get("speedup")
         rows.append((str(record.get("id", "")), record.get("change") or f"{record['action']}: {record['title']}",
                      decision, seconds(baseline.get("mean_step_seconds")), seconds(trial.get("mean_step_seconds")),
-                     "–" if speedup is None else f"{speedup:.2f}x", record.get("reason", "")))
+                     "–" if speedup is None else f"{speedup:.2f}x", energy_change(record), record.get("reason", "")))
     return rows
 
 
@@ -109,13 +120,15 @@ def changes_group(actions: list[dict[str, Any]]) -> Group:
     styles = {"kept": "bold green", "set at start": "bold green", "rolled back": "bold red", "failed": "bold red",
               "undone": "bold red", "trying": "bold yellow"}
     parts: list[Any] = [Text("Changes tuneup made (apply mode)", style="bold")]
-    for record, (number, change, _, before, after, _, why) in zip(actions, change_rows(actions)):
+    for record, (number, change, _, before, after, _, energy, why) in zip(actions, change_rows(actions)):
         decision, note = _decision(record)
         line = Text(f"{number}. ")
         line.append(decision, style=styles.get(decision.split(" from step")[0], "bold"))
         line.append(f"  {change}")
         if before != "–":
             line.append(f": mean step {before} -> {after}")
+        if energy != "–":
+            line.append(f", GPU energy a step {energy}")
         line.append(f", {why}" if why else "")
         if note:
             line.append(f"; {note}", style="dim")

@@ -124,7 +124,7 @@ def to_markdown(document: dict[str, Any]) -> str:
         rank = f" (rank {run['rank']})" if run["rank"] is not None else ""
         if snapshot.get("actions"):
             out += [f"## Changes tuneup made{rank}", "",
-                    "| " + " | ".join(summary.CHANGE_COLUMNS) + " |", "|---|---|---|---:|---:|---:|---|"]
+                    "| " + " | ".join(summary.CHANGE_COLUMNS) + " |", "|---|---|---|---:|---:|---:|---:|---|"]
             out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |"
                     for row in summary.change_rows(snapshot["actions"])]
             net = summary.net_change(snapshot["actions"])
