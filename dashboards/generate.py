@@ -392,7 +392,7 @@ def overview() -> dict[str, Any]:
                    targets((sel("tuneup_apply_speedup_ratio"), "{{action}} " + LEGEND)), "short",
                    minimum=None, w=8),
         table("Apply mode: decisions", "Changes apply mode tried, by action and how it decided "
-              "(kept, reverted, rolled_back, failed, not_applicable), since the job started.",
+              "(kept, reverted, rolled_back, failed, not_applicable, stopped), since the job started.",
               f"sum by ({SERIES}, action, decision) ({sel('tuneup_apply_decisions_total')})",
               ["instance", "run_id", "rank", "action", "decision", "Value"], w=8),
     ])

@@ -1246,3 +1246,31 @@ def test_change_rows_say_kept_not_kept_or_undone_once():
     ])
     assert [row[2] for row in rows] == ["kept from step 58", "not kept", "undone", "kept from step 58 (undone by revert_all)",
                                         "rolled back"]
+
+
+def test_another_trial_stops_where_its_expected_cost_outweighs_what_it_may_save():
+    """The experimenter's stop rule on hand-made records: two undone DataLoader trials that cost
+    0.5 s each (100 steps 5 ms slower) against a finding that may save 30% of a 10 ms step."""
+    from types import SimpleNamespace
+
+    from tuneup.act.experimenter import Experimenter
+
+    def trial(decision, slower=0.005, steps=100):
+        return {"action": "dataloader", "decision": decision, "baseline": {"mean_step_seconds": 0.010},
+                "trial": {"mean_step_seconds": 0.010 + slower, "steps": steps}}
+
+    def why(records, steps, gain=0.3):
+        me = SimpleNamespace(job=SimpleNamespace(finding=lambda *rules: {"gain": gain}), records=records)
+        action = SimpleNamespace(id="dataloader", fixes=("data-stall",))
+        return Experimenter._not_worth_a_trial(me, action, {"step_seconds": {"mean": 0.010}}, steps)
+
+    undone = [trial("reverted"), trial("reverted")]
+    # Expected cost (1 - 1/4) x 0.5 s = 0.375 s; may save 0.3 x 10 ms x steps x 1/4.
+    assert why(undone, 400) is not None and "cost the job 1.00 s" in why(undone, 400)  # 0.30 s to save
+    assert "against 0.30 s it may save" in why(undone, 400)
+    assert why(undone, 600) is None  # 0.45 s to save: worth another
+    assert why(undone[:1], 100) is None  # one undone trial is not yet a pattern
+    assert why([trial("reverted", slower=-0.001), trial("reverted", slower=0.0)], 10) is None  # they cost nothing
+    # A keep raises the chance: (1 + 1) / (3 + 2) = 40%; expected cost 0.6 x 0.5 s = 0.3 s, to save 0.3 x 10 ms x 400 x 0.4.
+    assert why(undone + [trial("kept", slower=-0.004)], 400) is None
+    assert why(undone, 400, gain=None) is None  # no stated gain: nothing to weigh

@@ -55,7 +55,8 @@ LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are ask
 # Where the GPUs' energy counter can be read, a trial starts this many steps at least after it
 # was first read in the configuration the trial's baseline measures (_Energy).
 ENERGY_STEPS = 8
-REUSE_WINDOWS = 4  # an undone trial's baseline serves the next trial while it ended this many windows ago
+REUSE_WINDOWS = 4
+MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop the next (_not_worth_a_trial)  # an undone trial's baseline serves the next trial while it ended this many windows ago
 
 
 def default_window(step_times: list[float]) -> int:
@@ -294,6 +295,31 @@ class Experimenter:
         waiting = [action for action in self.actions if not action.done]
         return sorted(waiting, key=lambda action: (action.deferred, not action.busy, -gain(action)))
 
+    def _not_worth_a_trial(self, action: Action, recent: dict[str, Any] | None, steps: int) -> str | None:
+        """Why another trial of `action` cannot pay for itself (None: it may). Once two or more
+        of its trials were undone, what they cost (the trial windows' steps over their baselines')
+        is what another is expected to cost where it fails; what it may save is its finding's
+        gain over a run as long again as the one so far (how long a job runs is unknown: the
+        steps so far are the estimate that errs least in the long run), at the chance of a keep
+        its trials have had so far ((kept + 1) / (tried + 2))."""
+        finding = self.job.finding(*action.fixes)
+        gain = (finding or {}).get("gain")
+        step_seconds = ((recent or {}).get("step_seconds") or {}).get("mean")
+        judged = [r for r in self.records if r.get("action") == action.id and r.get("trial") and r.get("baseline")]
+        undone = [r for r in judged if r["decision"] != "kept"]
+        if len(undone) < MIN_UNDONE_TO_STOP or not gain or not step_seconds:
+            return None
+        cost = sum(max(0.0, r["trial"]["mean_step_seconds"] - r["baseline"]["mean_step_seconds"]) * r["trial"]["steps"]
+                   for r in undone)
+        chance = (len(judged) - len(undone) + 1) / (len(judged) + 2)
+        may_save = gain * step_seconds * steps * chance
+        expected_cost = (1 - chance) * cost / len(undone)
+        if expected_cost <= may_save:
+            return None
+        return (f"its {len(undone)} trials undone cost the job {cost:.2f} s; another would be expected to cost "
+                f"{expected_cost:.2f} s against {may_save:.2f} s it may save ({gain:.0%} of a step over a run as long "
+                f"again as the {steps} steps so far, at a {chance:.0%} chance of a keep)")
+
     def _maybe_start(self, step: int) -> None:
         last = step - 1
         if last - self.stable_since + 1 < MIN_WINDOW or step < self._next_look:
@@ -312,6 +338,11 @@ class Experimenter:
         ring = self.job.timeline.ring
         recent = summarize(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last))
         for action in waiting:
+            unpaid = self._not_worth_a_trial(action, recent, last)
+            if unpaid is not None:
+                action.done = True
+                self._note(action, "stopped", unpaid)
+                continue
             try:
                 change = action.propose(self.job, recent)
             except Exception as exc:

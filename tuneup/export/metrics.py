@@ -36,7 +36,7 @@ COMPUTE_WINDOW = 256  # steps the achieved FLOP/s and MFU gauges are over
 # Every agent series: its rank, and the training job its ranks share (measure/state.py
 # training_job): Prometheus' recording rules aggregate a job's ranks by it.
 BASE_LABELS = ("rank", "local_rank", "training_job")
-DECISIONS = ("kept", "set at start", "reverted", "rolled back", "failed", "not applicable")
+DECISIONS = ("kept", "set at start", "reverted", "rolled back", "failed", "not applicable", "stopped")
 PHASES = (("data_wait", "detailed_data_wait_seconds"), ("input", "input_seconds"), ("forward", "forward_seconds"),
           ("backward", "backward_seconds"), ("optimizer", "optimizer_seconds"), ("other", "detailed_other_seconds"))
 
