@@ -138,7 +138,8 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
     faster = decided["p_faster"] < ALPHA and decided["speedup"] >= MIN_SPEEDUP
     assert (decided["decision"] == "kept") == faster, decided
     if faster:
-        kept = re.search(r"1\. kept  num_workers 0 -> (\d+): mean step ([\d.]+) ms -> ([\d.]+) ms, ([\d.]+)x faster",
+        kept = re.search(r"1\. kept from step \d+  num_workers 0 -> (\d+): mean step ([\d.]+) ms -> ([\d.]+) ms, "
+                         r"([\d.]+)x faster",
                          out)
         assert kept and int(kept.group(1)) >= 1 and float(kept.group(3)) < float(kept.group(2)), out
         assert float(kept.group(4)) == pytest.approx(decided["speedup"], abs=0.01)
