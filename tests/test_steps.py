@@ -21,9 +21,12 @@ UNDER = 0.10
 def assert_stall_matches(agent, truth):
     totals = agent.snapshot()["totals"]
     assert totals["steps"] == truth.steps
-    said = f"tuneup waited {totals['data_wait_seconds']:.4f} s vs the loop's own clock {truth.data_wait_seconds:.4f} s"
+    said = (f"tuneup waited {totals['data_wait_seconds']:.4f} s (its own work at closes {totals['tuneup_seconds']:.4f} s) "
+            f"vs the loop's own clock {truth.data_wait_seconds:.4f} s")
     assert totals["data_wait_seconds"] <= truth.data_wait_seconds + 1e-6, said
-    assert totals["data_wait_seconds"] >= truth.data_wait_seconds * (1 - UNDER), said
+    # The loop's wait also holds tuneup's listeners at the closes inside next() (their time is
+    # kept out of the job's wait, as tuneup_seconds): on a busy machine 0.76 ms a step of 40.
+    assert totals["data_wait_seconds"] + totals["tuneup_seconds"] >= truth.data_wait_seconds * (1 - UNDER), said
     assert totals["stall_ratio"] == pytest.approx(totals["data_wait_seconds"] / totals["seconds"])
     # tuneup's own work between steps (a batch shipped once, a precision trial) is kept out of
     # its step times and counted apart; the loop's clock holds both.
