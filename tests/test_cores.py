@@ -1274,3 +1274,6 @@ def test_another_trial_stops_where_its_expected_cost_outweighs_what_it_may_save(
     # A keep raises the chance: (1 + 1) / (3 + 2) = 40%; expected cost 0.6 x 0.5 s = 0.3 s, to save 0.3 x 10 ms x 400 x 0.4.
     assert why(undone + [trial("kept", slower=-0.004)], 400) is None
     assert why(undone, 400, gain=None) is None  # no stated gain: nothing to weigh
+    # Settle steps count too: 10 steps of worker start-up taking 0.25 s where the baseline's took 0.1 s.
+    settled = [dict(trial("reverted"), settle={"steps": 10, "seconds": 0.25}) for _ in range(2)]
+    assert "cost the job 1.30 s" in why(settled, 400)

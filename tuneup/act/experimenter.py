@@ -297,7 +297,8 @@ class Experimenter:
 
     def _not_worth_a_trial(self, action: Action, recent: dict[str, Any] | None, steps: int) -> str | None:
         """Why another trial of `action` cannot pay for itself (None: it may). Once two or more
-        of its trials were undone, what they cost (the trial windows' steps over their baselines')
+        of its trials were undone, what they cost (the trial windows' and settle steps' time over
+        their baselines')
         is what another is expected to cost where it fails; what it may save is its finding's
         gain over a run as long again as the one so far (how long a job runs is unknown: the
         steps so far are the estimate that errs least in the long run), at the chance of a keep
@@ -310,6 +311,8 @@ class Experimenter:
         if len(undone) < MIN_UNDONE_TO_STOP or not gain or not step_seconds:
             return None
         cost = sum(max(0.0, r["trial"]["mean_step_seconds"] - r["baseline"]["mean_step_seconds"]) * r["trial"]["steps"]
+                   + max(0.0, (r.get("settle") or {}).get("seconds", 0.0)
+                         - (r.get("settle") or {}).get("steps", 0) * r["baseline"]["mean_step_seconds"])
                    for r in undone)
         chance = (len(judged) - len(undone) + 1) / (len(judged) + 2)
         may_save = gain * step_seconds * steps * chance
@@ -430,6 +433,9 @@ class Experimenter:
         columns = self.job.timeline.ring.columns(trial.first, min(trial.last, step - 1))
         verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics)
         record = trial.record
+        if trial.first > record["applied_step"] + 1:  # the settle steps (new workers start): a trial's cost too
+            settle = self.job.timeline.ring.columns(record["applied_step"] + 1, trial.first - 1)["step_seconds"]
+            record["settle"] = {"steps": len(settle), "seconds": sum(settle)}
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
                       p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], criterion=verdict["criterion"],
