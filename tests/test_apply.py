@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import time
 import urllib.request
@@ -959,3 +960,40 @@ def test_revert_all_from_another_thread_lands_between_steps(run_dir, monkeypatch
     assert record["decision"] == "reverted" and record["reason"] == "revert_all() before the trial ended"
     assert vars(scaler) == before
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def slow_worker_start(_worker_id):
+    time.sleep(0.2)  # opening a dataset's files in each worker, as an h5py loader does
+
+
+def test_persistent_workers_on_long_epochs_is_passed_over_with_the_start_up_it_would_save(run_dir):
+    """Epochs of 650 steps (longer than a trial can span): persistent_workers is not tried; the
+    reason says what the latest epoch's start cost. Ground truth from the loop's own clock: the
+    second epoch's `for` statement to its first batch (iter() starting two workers that each
+    sleep 0.2 s in worker_init_fn, then the first fetch), against an epoch of ~650 short steps."""
+    from tuneup.act.actions.dataloader import DataLoaderTuning
+
+    torch.manual_seed(0)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(650 * 4, 8), torch.randn(650 * 4, 1)),
+                        batch_size=4, num_workers=2, worker_init_fn=slow_worker_start)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    agent = tuneup.attach(**apply_options(run_dir, actions=["dataloader"]))
+    try:
+        for epoch in range(2):
+            began, start_up = time.perf_counter(), None
+            for step, (x, y) in enumerate(loader):
+                if start_up is None:
+                    start_up = time.perf_counter() - began
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                if epoch == 1 and step == 20:
+                    break
+        said = DataLoaderTuning._start_up_said(agent.experimenter.job, loader, len(loader))
+    finally:
+        agent.detach()
+    found = re.search(r"the latest epoch's start cost (\d+) ms beyond a step's wait, ([\d.]+)% of an epoch", said)
+    assert found, said
+    assert int(found.group(1)) / 1e3 == pytest.approx(start_up, rel=0.2, abs=0.01), (said, start_up)
+    assert "worth setting yourself: DataLoader(..., persistent_workers=True)" in said  # 0.2 s of a ~1 s epoch

@@ -88,6 +88,9 @@ class LoaderProbe:
         # Fetches of worker iterators past their start looked at: how many found a batch already
         # waiting in the data queue (made ahead: the wait, if any, is receiving it).
         self.ready_checked = self.ready_found = 0
+        # Per loader (id), the step its latest epoch began in: that step's data wait holds
+        # iter() (worker start-up) and the epoch's first fetch (apply mode's persistent_workers).
+        self.epoch_steps: dict[int, int] = {}
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included
@@ -125,6 +128,7 @@ class LoaderProbe:
                     try:
                         tl.waited(began, perf_counter())
                         probe.loaders.add(loader)
+                        probe.epoch_steps[id(loader)] = tl.ring.count + 1
                     except Exception as exc:
                         probe.fail(exc)
                 try:

@@ -45,6 +45,7 @@ import functools
 import math
 import multiprocessing
 import weakref
+from statistics import median
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,6 +66,8 @@ MAX_PREFETCH = 8
 WORKER_MARGIN = 1.25  # workers estimated from the split, plus this much for jitter
 RAM_SHARE = 0.5  # workers may take at most this share of the free RAM
 PERSISTENT_MAX_EPOCH = 600  # steps: longer epochs put no epoch start in a trial window
+PERSISTENT_WORTH = 0.01  # of an epoch's time, a start-up saved worth saying so where not tried
+RECENT_START_UP = 64  # steps whose median data wait is a step's own, beside an epoch start's
 _LATER = object()  # a move that must wait for a better moment (the next epoch to start)
 
 
@@ -440,8 +443,7 @@ class DataLoaderTuning(Action):
             epoch = 0
         if not epoch or epoch > PERSISTENT_MAX_EPOCH or not hasattr(loader.dataset, "__dict__"):
             self.closed.add("persistent_workers")
-            self._pass_over(f"persistent_workers saves one worker start-up per epoch, which epochs of "
-                            f"{epoch} steps make too rare to measure" if epoch else
+            self._pass_over(self._start_up_said(job, loader, epoch) if epoch else
                             "persistent_workers: the loader's epoch length is unknown")
             return None
         if not self.deferred:
@@ -458,6 +460,26 @@ class DataLoaderTuning(Action):
         change.settle_steps = remaining + 2  # the first epoch after the change starts its workers
         change.window_steps = epoch * max(1, math.ceil(24 / epoch))
         return change
+
+    @staticmethod
+    def _start_up_said(job: LiveJob, loader: DataLoader, epoch: int) -> str:
+        """Why persistent_workers is not tried on long epochs, with what it would save where an
+        epoch start was seen: the data wait of the step the latest epoch began in (iter()'s
+        worker start-up and the first fetch) over the median step's, against an epoch's time."""
+        said = f"persistent_workers saves one worker start-up per epoch, which epochs of {epoch} steps make too rare to measure"
+        ring = job.timeline.ring
+        began = job.loaders.epoch_steps.get(id(loader))
+        recent = ring.columns(max(1, ring.count - RECENT_START_UP + 1), ring.count)
+        if began is None or began > ring.count or not ring.holds(began) or not recent["step_seconds"]:
+            return said
+        start_up = ring.columns(began, began)["data_wait_seconds"][0] - median(recent["data_wait_seconds"])
+        epoch_seconds = epoch * sum(recent["step_seconds"]) / len(recent["step_seconds"])
+        if start_up <= 0 or epoch_seconds <= 0:
+            return said
+        share = start_up / epoch_seconds
+        return (f"{said}: the latest epoch's start cost {start_up * 1e3:.0f} ms beyond a step's wait, {share:.1%} of "
+                f"an epoch ({epoch_seconds:.1f} s)" + (", worth setting yourself: DataLoader(..., persistent_workers=True)"
+                                                      if share >= PERSISTENT_WORTH else ""))
 
     # --- sizing ------------------------------------------------------------------------
 
