@@ -55,8 +55,8 @@ LOOK_EVERY_STEPS = 16  # while a finding waits for its moment, proposals are ask
 # Where the GPUs' energy counter can be read, a trial starts this many steps at least after it
 # was first read in the configuration the trial's baseline measures (_Energy).
 ENERGY_STEPS = 8
-REUSE_WINDOWS = 4
-MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop the next (_not_worth_a_trial)  # an undone trial's baseline serves the next trial while it ended this many windows ago
+REUSE_WINDOWS = 4  # an undone trial's baseline serves the next trial while it ended this many windows ago
+MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop the next (_not_worth_a_trial)
 
 
 def default_window(step_times: list[float]) -> int:
@@ -298,11 +298,10 @@ class Experimenter:
     def _not_worth_a_trial(self, action: Action, recent: dict[str, Any] | None, steps: int) -> str | None:
         """Why another trial of `action` cannot pay for itself (None: it may). Once two or more
         of its trials were undone, what they cost (the trial windows' and settle steps' time over
-        their baselines')
-        is what another is expected to cost where it fails; what it may save is its finding's
-        gain over a run as long again as the one so far (how long a job runs is unknown: the
-        steps so far are the estimate that errs least in the long run), at the chance of a keep
-        its trials have had so far ((kept + 1) / (tried + 2))."""
+        their baselines') is what another is expected to cost where it fails; what it may save
+        is its finding's gain over a run as long again as the one so far (how long a job runs is
+        unknown: the steps so far are the estimate that errs least in the long run), at the
+        chance of a keep its trials have had so far ((kept + 1) / (tried + 2))."""
         finding = self.job.finding(*action.fixes)
         gain = (finding or {}).get("gain")
         step_seconds = ((recent or {}).get("step_seconds") or {}).get("mean")
