@@ -43,9 +43,12 @@ FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it wil
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
 # reduced one was faster (a machine's noise can exceed the difference: a 2-core CPU's MLP
 # measured 0.84x to 1.40x on four runs of four pairs).
-REPS, MIN_PAIRS = 12, 3
+REPS = 12
 # The timing's budget: BUDGET_STEPS of the job's recent steps, within [MIN_BUDGET, MAX_BUDGET]
-# seconds, once a run; fewer pairs where they take longer (at least MIN_PAIRS, after the warm-up).
+# seconds, once a run, counted from after the warm-up pair (a first bf16 call can take a
+# machine's oneDNN set-up: on a busy machine that alone cut the timing to 3 pairs); fewer
+# pairs where they take longer, at least MIN_PAIRS (SHADOW_MIN_PAIRS below: enough for apply
+# mode to act on).
 BUDGET_STEPS = 30
 MIN_BUDGET, MAX_BUDGET = 0.05, 3.0
 MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
@@ -58,7 +61,7 @@ MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
 # busy processes, 3 of 3 pairs once said 3.4x faster of a model doing 9 passes under autocast
 # against 5 in fp32); from 6 on, p <= 1/64 at any 90% outcome.
 SHADOW_CLEAR = 0.9
-SHADOW_MIN_PAIRS = 6
+SHADOW_MIN_PAIRS = MIN_PAIRS = 6
 
 
 def shadow_refusal(trial: dict[str, Any] | None) -> str | None:
@@ -225,8 +228,8 @@ class PrecisionTrial(ModelCapture):
         try:
             with unseen(model, self.models), torch.random.fork_rng(devices=[device] if cuda else []), \
                     torch.enable_grad():
-                began = time.perf_counter()
                 once(False), once(True)  # a pair to warm up (first calls, caches, kernel choices)
+                began = time.perf_counter()
                 for rep in range(REPS):
                     if rep >= MIN_PAIRS and time.perf_counter() - began + times[False][-1] + times[True][-1] > budget:
                         break
