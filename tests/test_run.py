@@ -141,7 +141,8 @@ def test_spawned_loader_workers_run_clean(tmp_path):
     script = write(tmp_path / "workers.py", TRAIN + textwrap.dedent("""
         def report(worker_id):
             import os
-            print(f"worker {worker_id} PYTHONPATH={os.environ.get('PYTHONPATH')}", flush=True)
+            # One write a line: two workers' print()s (text, then newline) interleaved in the pipe.
+            os.write(1, f"worker {worker_id} PYTHONPATH={os.environ.get('PYTHONPATH')}\\n".encode())
 
         if __name__ == "__main__":
             train(num_workers=2, multiprocessing_context="spawn", worker_init_fn=report)
