@@ -151,7 +151,7 @@ class LoaderProbe:
         workers = getattr(iterator, "_num_workers", 1)
         if not workers:
             self._looked = (perf_counter(), thread_time())
-        elif getattr(iterator, "_num_yielded", 0) >= workers:
+        elif getattr(iterator, "_num_yielded", 0) >= workers and not self._after_own_work():
             try:  # multiprocessing.Queue.qsize: its semaphore's count (Linux); queue.Queue's too
                 ready = iterator._data_queue.qsize() > 0
             except Exception:  # NotImplementedError on macOS
@@ -160,6 +160,14 @@ class LoaderProbe:
                 self.ready_checked += 1
                 self.ready_found += ready
         return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
+
+    def _after_own_work(self) -> bool:
+        """Whether tuneup's own listeners took time at the close since the last fetch (a
+        one-off measurement): the workers had that time to get ahead, so a batch waiting now
+        says nothing of the job's own pace (a loop always behind its one worker read 1 in 7
+        ready beside busy processes)."""
+        ring = self.timeline.ring
+        return ring.side("own_seconds", ring.count + 1) > 0.0
 
     def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
         """After that fetch was counted: the RNG compared, the batch inspected where due."""

@@ -109,6 +109,13 @@ class StepRing:
             values[slot] = value
             owners[slot] = step
 
+    def side(self, name: str, step: int, default: float = 0.0) -> float:
+        """A side value of `step` (`default` where it has none, or its slot was reused)."""
+        if not self.holds(step):
+            return default
+        slot = (step - 1) % self.capacity
+        return getattr(self, name)[slot] if getattr(self, name + "_step")[slot] == step else default
+
     def recent_step_seconds(self, steps: int) -> float:
         """The mean time of the last `steps` closed steps (fewer where fewer are held); 0.0
         before two steps closed."""
