@@ -35,6 +35,21 @@ def run_example(name, *args, timeout=180):
     return result
 
 
+def run_program(*command, env, run_dir=None, timeout=180):
+    """`python *command` from the repository root (a program of tests/programs, under `-m tuneup
+    run` or not), with TUNEUP_RUN_DIR where `run_dir` is given; it must exit 0."""
+    extra = {"TUNEUP_RUN_DIR": str(run_dir)} if run_dir else {}
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                            env={**env, **extra})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def digest(result):
+    """The lines a program prints its parameters' digest on."""
+    return [line for line in result.stdout.splitlines() if line.startswith("digest")]
+
+
 def report(run_dir):
     result = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir), "--format", "json"],
                             capture_output=True, text=True, timeout=60)
@@ -264,11 +279,7 @@ def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_chang
     env = child_env(OMP_NUM_THREADS="1")
 
     def run(*command, run_dir=None):
-        extra = {"TUNEUP_RUN_DIR": str(run_dir)} if run_dir else {}
-        result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=180, cwd=ROOT,
-                                env={**env, **extra})
-        assert result.returncode == 0, result.stderr[-3000:]
-        return [line for line in result.stdout.splitlines() if line.startswith("digest")]
+        return digest(run_program(*command, env=env, run_dir=run_dir))
 
     plain = run(script)
     under_run = run("-m", "tuneup", "run", script, run_dir=tmp_path / "run")
@@ -296,12 +307,9 @@ def test_an_hf_trainer_with_accumulation_evaluation_and_a_cosine_schedule_under_
     env = child_env(OMP_NUM_THREADS="1", TUNEUP_CPU_BF16="0")
 
     def run(*command, run_dir=None):
-        extra = {"TUNEUP_RUN_DIR": str(run_dir)} if run_dir else {}
-        result = subprocess.run([sys.executable, *command, "--out", str(tmp_path / "out")], capture_output=True,
-                                text=True, timeout=240, cwd=ROOT, env={**env, **extra})
-        assert result.returncode == 0, result.stderr[-3000:]
+        result = run_program(*command, "--out", str(tmp_path / "out"), env=env, run_dir=run_dir, timeout=240)
         train, evaluation = map(float, re.search(r"reads train ([\d.]+) eval ([\d.]+)", result.stderr).groups())
-        return [line for line in result.stdout.splitlines() if line.startswith("digest")], train, evaluation
+        return digest(result), train, evaluation
 
     plain, _, _ = run(script)
     under_run, *run_reads = run("-m", "tuneup", "run", script, run_dir=tmp_path / "run")

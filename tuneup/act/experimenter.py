@@ -109,6 +109,15 @@ class _Trial:
         return ran >= MIN_TRIAL_STEPS and time.monotonic() >= self.deadline
 
 
+def _trial_cost(record: dict[str, Any]) -> float:
+    """Seconds a judged trial cost the job: its window's and its settle steps' time over what
+    the same steps took at the baseline's mean (none where they were faster)."""
+    base = record["baseline"]["mean_step_seconds"]
+    settle = record.get("settle") or {"steps": 0, "seconds": 0.0}
+    return (max(0.0, record["trial"]["mean_step_seconds"] - base) * record["trial"]["steps"]
+            + max(0.0, settle["seconds"] - settle["steps"] * base))
+
+
 class _Energy:
     """NVML's energy counters read at step closes while apply mode works (at its looks, at a
     change, at a trial's first step and at its verdict), so that a change's row can say what a
@@ -309,10 +318,7 @@ class Experimenter:
         undone = [r for r in judged if r["decision"] != "kept"]
         if len(undone) < MIN_UNDONE_TO_STOP or not gain or not step_seconds:
             return None
-        cost = sum(max(0.0, r["trial"]["mean_step_seconds"] - r["baseline"]["mean_step_seconds"]) * r["trial"]["steps"]
-                   + max(0.0, (r.get("settle") or {}).get("seconds", 0.0)
-                         - (r.get("settle") or {}).get("steps", 0) * r["baseline"]["mean_step_seconds"])
-                   for r in undone)
+        cost = sum(_trial_cost(r) for r in undone)
         chance = (len(judged) - len(undone) + 1) / (len(judged) + 2)
         may_save = gain * step_seconds * steps * chance
         expected_cost = (1 - chance) * cost / len(undone)

@@ -266,9 +266,8 @@ class AmpChange(Change):
         """A non-finite loss read by the agent (inline on CPU, asynchronously on CUDA)."""
         ring = self.job.timeline.ring
         for earlier in range(max(self.applied_step + 1, step - LOSS_LOOKBACK), step + 1):
-            slot = (earlier - 1) % ring.capacity
-            if ring.loss_step[slot] == earlier and not math.isfinite(ring.loss[slot]) \
-                    and earlier not in self.reported_losses:
+            # (a step whose loss was not read gives 0.0: finite)
+            if not math.isfinite(ring.side("loss", earlier, 0.0)) and earlier not in self.reported_losses:
                 self.reported_losses.add(earlier)
                 return f"non-finite loss at step {earlier}"
         return None

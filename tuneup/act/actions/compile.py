@@ -158,4 +158,3 @@ def why_not(model: nn.Module, job: LiveJob) -> str | None:
     if hooked or global_hooks:
         return f"{name} has module hooks the job registered (dynamo would trace them into the graph)"
     return None
-
