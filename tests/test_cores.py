@@ -1078,15 +1078,15 @@ def test_the_detail_rate_is_paced_by_the_step_time_unless_set():
     """Unset, one detail step in 4, fewer on steps under DETAIL_SPACING / 4 (a detail step every
     DETAIL_SPACING of training), never fewer than one in MAX_DETAIL_EVERY, and not before
     PACED_FROM_STEP steps; a rate the job set stays as set."""
-    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.004, 32, 1000)
+    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.010, 64, 1000)
     tl = timeline(capacity=2048)
     for step in range(1, PACED_FROM_STEP):
         tl.manual_step(now=float(step))
     tl.pace(0.0001)
     assert tl.detail_every == 4  # a short run: not yet
     tl.manual_step(now=float(PACED_FROM_STEP))
-    for median, every in ((0.005, 4), (0.001, 4), (0.0009, 5), (0.0004, 10), (0.00036, 12), (0.0001, 32),
-                          (1e-6, 32), (2.0, 4), (0.0, 4)):  # (no median: as it was)
+    for median, every in ((0.005, 4), (0.0025, 4), (0.002, 5), (0.001, 10), (0.0004, 25), (0.00036, 28),
+                          (0.0001, 64), (1e-6, 64), (2.0, 4), (0.0, 4)):  # (no median: as it was)
         tl.pace(median)
         assert tl.detail_every == every, (median, tl.detail_every)
     for chosen in (1, 4, 7):
@@ -1101,7 +1101,7 @@ def test_paced_detail_steps_stay_drawn_from_blocks():
     tl = timeline(capacity=2048)
     for step in range(1, 1001):
         tl.manual_step(now=float(step))
-    tl.pace(0.0004)  # one in 10 from here
+    tl.pace(0.001)  # one in 10 from here
     for step in range(1001, 1901):
         tl.manual_step(now=float(step))
     detailed = tl.ring.columns(1001, 1900)["detailed"]

@@ -200,8 +200,8 @@ class Options:
     log_max_bytes: int = 64 * 1024 * 1024
     log_shared: bool = False  # run directories 0750 and logs 0640 (the group reads them) instead of 0700/0600
     interval: float = 1.0
-    sync_sample_every: int = 20
-    detail_every: int | None = None  # None: 4, further apart on steps under a millisecond (hotpath.py pace)
+    sync_sample_every: int | None = None  # None: 20, or every detail step where those come further apart (syncs.py sample_after)
+    detail_every: int | None = None  # None: 4, further apart on steps under 2.5 ms (hotpath.py pace)
     window_steps: int = 1000
     gpu: bool = True
     nvml_module: str = "pynvml"

@@ -66,8 +66,8 @@ from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
-DETAIL_SPACING = 0.004  # seconds of training, at least, between paced detail steps
-MAX_DETAIL_EVERY = 32
+DETAIL_SPACING = 0.010  # seconds of training, at least, between paced detail steps
+MAX_DETAIL_EVERY = 64
 OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
 PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
 
@@ -434,7 +434,12 @@ class StepTimeline:
         # events; 0 when a step's loss waits to be read). A listener that raises is dropped
         # and reported through `fail`.
         self.on_close: tuple[tuple[str, Callable[[int], None]], ...] = ()
-        self.wake_at = 1
+        self._wake_at = 1
+        # The first step whose close has more to do than write its record (`close`): the
+        # earliest of wake_at, the step before the next detail step, and while a detail step
+        # is open, 0. Lowered by every writer of wake_at and next_detail, so one comparison
+        # tells the common close from the others.
+        self.due = 0
         # Running totals since attach (never reset: see the module docstring).
         self.data_wait = 0.0
         self.forward = 0.0
@@ -567,22 +572,47 @@ class StepTimeline:
 
     # --- closing ------------------------------------------------------------------------
 
+    @property
+    def wake_at(self) -> int:
+        """The next step whose close runs the listeners even off detail steps (0: the next one)."""
+        return self._wake_at
+
+    @wake_at.setter
+    def wake_at(self, step: int) -> None:
+        # Another thread may set it (a revert asked for from the sampler): `_close_due`
+        # re-reads it after writing `due`, so a wake-up set meanwhile is never lost.
+        self._wake_at = step
+        if step < self.due:
+            self.due = step
+
     def close(self, now: float) -> float:
         """Close the open step at `now`; returns the seconds its listeners took (tuneup's own
-        time, kept out of the next step's: steps.py own_seconds)."""
+        time, kept out of the next step's: steps.py own_seconds). Most closes write the
+        record and publish it; the rest (`due`) go on in `_close_due`."""
         ring = self.ring
         step = ring.count + 1
-        if step == 1:
-            start = self.step_start if self.step_start is not None else self.attached_at
-            ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
         ring.records[ring.count % ring.capacity] = (
             now, self.data_wait, self.forward, self.backward, self.optimizer, self.input, self.samples,
             self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
             self.evaluations, self.detail,
         )
-        own = self._notify(step) if self.detail or step >= self.wake_at else 0.0  # (a loss to read: wake_at 0)
-        self.step_loss = None  # a loss belongs to the step whose update consumed it
         self.group.clear()
+        if step < self.due:
+            ring.count = step  # publish last: readers only see complete records
+            return 0.0
+        return self._close_due(step, now)
+
+    def _close_due(self, step: int, now: float) -> float:
+        """The rest of a close that is due: the first step's origin, the listeners (on detail
+        steps and those asked for through `wake_at`), the detail steps' turns, `due` anew."""
+        ring = self.ring
+        if step == 1:
+            start = self.step_start if self.step_start is not None else self.attached_at
+            ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
+        own = 0.0
+        if self.detail or step >= self._wake_at:  # (a loss to read: wake_at 0)
+            own = self._notify(step)
+            self.step_loss = None  # a loss belongs to the step whose update consumed it
         if step + 1 >= self.next_detail:
             self.detail = self.hooked = self.in_input = True
             # The loop's input starts after tuneup's listeners: their time is neither its wait nor its input.
@@ -591,6 +621,10 @@ class StepTimeline:
         elif self.detail:  # (after a step that was not one, these are as they should be)
             self.detail = self.in_input = False
             self.hooked = self.by_hand or self.evaluating
+        due = 0 if self.detail else min(self._wake_at, self.next_detail - 1)
+        self.due = due
+        if self._wake_at < due:  # set by another thread since it was read
+            self.due = self._wake_at
         ring.count = step  # publish last: readers only see complete records
         if own:
             ring.put("own_seconds", step + 1, own, add=True)  # the open step's time holds it
@@ -609,9 +643,11 @@ class StepTimeline:
         DETAIL_EVERY, or more on short steps, so that detail steps come at most once every
         DETAIL_SPACING of training. A detail step costs about 1,000 Python operations more than
         another (70,000 instructions: benchmarks/bench_instructions.py, TUNEUP_DETAIL_EVERY=1
-        against 1000000), some 35 µs in place: one in 4 on a 0.4 ms step is 9 µs a step, one
-        every 4 ms is under 1% of any step. At most one in MAX_DETAIL_EVERY, so the split and
-        the loss keep coming on the shortest steps (still hundreds a second there). Not before
+        against 1000000), some 35 µs in place, and its closes run the listeners (the loss read,
+        a sync-sampled step's start and end: syncs.py sample_after puts those on detail steps):
+        one in 4 on a 0.2 ms step is over 10 µs a step, one every 10 ms well under 1% of any
+        step. At most one in MAX_DETAIL_EVERY, so the split and the loss keep coming on the
+        shortest steps (still a hundred a second there, thousands a minute). Not before
         PACED_FROM_STEP: a short run's estimates (the input share that starts the stack
         sampler, a rank's backward median) rest on few detail steps as it is."""
         if self.paced and step_seconds > 0.0 and self.ring.count >= PACED_FROM_STEP:
@@ -622,6 +658,7 @@ class StepTimeline:
         one after the open step on (the open one is measured as it began)."""
         self.detail_until = max(self.detail_until, step)
         self.next_detail = min(self.next_detail, self.ring.count + 2)
+        self.due = min(self.due, self.next_detail - 1)
 
     def _notify(self, step: int) -> float:
         """Run the close listeners; returns the seconds they took where that is OWN_MIN or more

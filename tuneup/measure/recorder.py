@@ -72,7 +72,7 @@ class Recorder:
         self.model = ModelProbe(self.timeline, kinds["models"] or None)
         self.optimizer = OptimizerProbe(self.timeline, tracked.optimizers, self._new_optimizer)
         self.scaler = ScalerProbe(self.timeline, tracked.scalers, self.optimizer, self.values)
-        self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())
+        self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())  # (None: paced)
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once

@@ -63,6 +63,7 @@ WATCHED_KINDS = frozenset({"torch.nonzero", *EXPLICIT_SYNC_KINDS})  # seen by th
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
+SAMPLE_EVERY = 20  # sync_sample_every unset: one step drawn from every 20, or from each detail step's block where larger
 
 # Frames of these modules are library code, not the line the user should change. The demo
 # job ships inside tuneup but is user code as far as its advice is concerned. The warnings
@@ -166,7 +167,11 @@ def format_location(filename: str, lineno: int) -> str:
 class SyncCounter:
     name = "syncs"
 
-    def __init__(self, timeline: StepTimeline, sample_every: int, thread_id: int) -> None:
+    def __init__(self, timeline: StepTimeline, sample_every: int | None, thread_id: int) -> None:
+        # None: SAMPLE_EVERY, or paced with the detail steps where those come further apart (sample_after).
+        self.paced = sample_every is None
+        if sample_every is None:
+            sample_every = SAMPLE_EVERY
         self.on = sample_every > 0
         self.timeline = timeline
         self.sample_every = sample_every
@@ -225,7 +230,12 @@ class SyncCounter:
         block of `sample_every` (steps.py sampled_after: no loop period aliases with it), moved
         on to the first detail step from there (also drawn at random): a sampled step is a
         detail step, so the two share their wake-ups (apart, they cost 3,000 instructions a
-        step more on the 0.4 ms step: benchmarks/bench_instructions.py)."""
+        step more on the 0.4 ms step: benchmarks/bench_instructions.py). With sync_sample_every
+        unset (`paced`), where detail steps come further apart than that (hotpath.py
+        StepTimeline.pace, on short steps), every detail step is sampled and no other: a loop
+        running thousands of steps a second needs no more of them, and each sampled step costs
+        a close of its own (the one that starts it), some 40 Python operations a step on the
+        0.2 ms step at one in 20."""
         for early in EARLY_SAMPLES:
             if early > step:
                 return early
@@ -233,7 +243,7 @@ class SyncCounter:
             return -1
         drawn = sampled_after(step, self.sample_every)
         every = self.timeline.detail_every  # (sampling more often than detail steps come: as drawn)
-        return sampled_after(drawn - 1, every) if 1 < every <= self.sample_every else drawn
+        return sampled_after(drawn - 1, every) if 1 < every and (every <= self.sample_every or self.paced) else drawn
 
     def turn_off(self, reason: str) -> None:
         """Stop sampling for a reason that is not a failure (e.g. torch.compile in use)."""
