@@ -1,11 +1,13 @@
 """The hot path: everything tuneup runs on every training step, in one place.
 
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
-opt.step()` calls, in order (all of it together: about 39,000 instructions per step on the
-~0.2 ms CPU step, 4.5% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
-gradient norms' share, paced to 0.5% of the step; about 400 Python
-operations and 11 calls of tuneup's own off detail steps, each operation costing 60-90 ns in
-place there, and a detail step 1,000 operations more, paced to one in 20 there):
+opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
+~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
+gradient norms' share, paced to 0.5% of the step; about 360 Python operations and 9 calls
+of tuneup's own off detail steps, 405 a step with the detail steps' share (counted by a
+sys.settrace opcode tracer on that loop), each operation costing some 60 ns in place there,
+and a detail step 1,000 operations more, paced to one every 10 ms of training, one in 64
+there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
                         └ when an optimizer stepped since the last fetch: StepTimeline.close
