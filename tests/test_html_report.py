@@ -133,7 +133,7 @@ def test_real_run_renders_findings_tables_and_plots(document):
     text = to_html(document)
     page = Page(text)
     assert html.escape(findings["data-stall"]["observed"]) in text
-    assert "tuneup's apply mode can make it as a measured experiment" in text  # data-stall can be applied
+    assert "tuneup's apply mode can make it as a measured experiment" in text, findings["data-stall"]  # can be applied
     assert text.count('<pre><code class="language-python">') == len(findings)
 
     for ident in PLOT_IDS[:3]:
