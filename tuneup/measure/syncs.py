@@ -242,7 +242,7 @@ class SyncCounter:
         if self.sample_every <= 0:
             return -1
         drawn = sampled_after(step, self.sample_every)
-        every = self.timeline.detail_every  # (sampling more often than detail steps come: as drawn)
+        every = self.timeline.detail_every  # (sampling more often than detail steps come: as drawn, unless paced)
         return sampled_after(drawn - 1, every) if 1 < every and (every <= self.sample_every or self.paced) else drawn
 
     def turn_off(self, reason: str) -> None:
