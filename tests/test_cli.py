@@ -170,7 +170,10 @@ def test_report_without_a_target_reads_the_newest_run_and_says_which(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120, env=child_env())
     assert result.returncode == 0, result.stderr
-    assert "the newest run, tuneup-runs/older" in result.stdout and "tuneup measured 12 steps" in result.stdout
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("tuneup report: tuneup-runs/older") and first.endswith("(the newest run)"), first
+    assert result.stdout.count("tuneup report:") == 1  # the run named once, in the report's own first line
+    assert "tuneup measured 12 steps" in result.stdout
     empty = tmp_path / "elsewhere"
     empty.mkdir()
     result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=empty, capture_output=True, text=True,

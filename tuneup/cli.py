@@ -178,9 +178,11 @@ def report(
     if format not in FORMATS:
         raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
     silenced = _check_rules(silence)
-    if not targets:
+    newest = not targets
+    if newest:
         targets = [str(_newest_run())]
-        console.print(f"tuneup report: the newest run, {targets[0]}", style="dim", soft_wrap=True)
+        if output is not None or format != "text":  # (the text report's own first line names it)
+            console.print(f"tuneup report: the newest run, {targets[0]}", style="dim", soft_wrap=True)
     try:
         jobs = load_merged(targets)
     except ReportSourceError as exc:
@@ -196,6 +198,8 @@ def report(
         for index, document in enumerate(documents, start=1):
             if len(documents) > 1:
                 console.rule(f"job {index} of {len(documents)}: {document['source']}", style="bold")
+            if newest:
+                document = dict(document, source=f"{document['source']} (the newest run)")
             render_text(document, console)
         return
     if len(documents) == 1:
