@@ -357,6 +357,23 @@ SCRIPTS = {
 
         print(shifted(torch.arange(4.0)).tolist())
     """,
+    "trains a scripted module": """
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        encoder = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))  # a root tuneup cannot hook
+        head = nn.Linear(8, 1)
+        optimizer = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
+        data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(8)]
+        for step in range(40):
+            x, y = data[step % 8]
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(head(encoder(x)), y)
+            loss.backward()
+            optimizer.step()
+        print(f"{loss.item():.6f}", sum(p.sum().item() for p in head.parameters()))
+    """,
 }
 
 

@@ -188,6 +188,12 @@ class ModelProbe:
         key = id(model)
         if key in self.roots or self._patches is None:
             return
+        if isinstance(model, torch.jit.ScriptModule):
+            # TorchScript runs its forward; no Python wrapper reaches it, and its class refuses
+            # module hooks (torch/jit/_script.py: RecursiveScriptModule's register_forward_pre_hook
+            # and the like raise "... is not supported on ScriptModules"). Not a root: the step's
+            # eager roots are timed as ever, the scripted part's time falls in the step's other time.
+            return
         self.roots[key] = weakref.ref(model)
         if self.explicit:
             self.trained.add(key)
