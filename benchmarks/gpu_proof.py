@@ -1,6 +1,6 @@
 """The GPU proof, in one command: every `gpu`-marked test and the CUDA benchmarks, one report.
 
-    python benchmarks/gpu_proof.py [--out gpu-proof.md] [--budget 540]
+    python benchmarks/gpu_proof.py [--out gpu-proof.md] [--budget 540] [--logs DIR]
 
 On a CUDA machine this runs, each in its own process with its share of the time budget:
   1. `python -m pytest -m gpu`: the real CUDA and NVML paths (sync counting, GPU time per step,
@@ -11,14 +11,20 @@ On a CUDA machine this runs, each in its own process with its share of the time 
   3. benchmarks/bench_overhead.py --device cuda: tuneup's overhead on a real CUDA loop;
   4. benchmarks/bench_apply_cuda.py: apply mode's decisions and speed-ups.
 It writes one markdown report (the device, driver, CUDA, torch and Python versions, then each
-part's outcome and figures as printed) and prints where. Exit status 0 when every test passed
-and every part finished, 1 otherwise; 2 without a GPU (nothing run). The default budget fits
-the device tool's 10-minute limit on one H100.
+part's outcome and the end of its output) and prints where; `--logs DIR` also keeps each part's
+whole output there. The tests run four at a time where pytest-xdist is installed (one at a
+time, the apply-mode tests alone took over 200 s on an H100), each failure's traceback is
+printed as it happens, with the figures the tests print (benchmarks/live_report.py: a part
+cut short by its budget still says why), and a test that runs past 150 s fails alone
+(pytest-timeout, where installed). Exit status 0 when every test passed and every part
+finished, 1 otherwise; 2 without a GPU (nothing run). The default budget fits the device
+tool's 10-minute limit on one H100.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import re
 import subprocess
@@ -31,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (title, command, share of the budget)
 PARTS = (
     ("gpu-marked tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs",
-                          "-s"], 0.45),
+                          "-p", "benchmarks.live_report", "--durations=0"], 0.45),
     ("sync tracing mechanisms", [sys.executable, "benchmarks/bench_cuda_sync_tracing.py"], 0.10),
     ("overhead on a CUDA loop", [sys.executable, "benchmarks/bench_overhead.py", "--device", "cuda", "--rounds", "7",
                                  "--startup-rounds", "0"], 0.20),
@@ -82,6 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-proof.md"))
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for all parts together")
+    parser.add_argument("--logs", type=Path, default=None, help="a folder for each part's whole output")
     args = parser.parse_args()
     import torch
 
@@ -91,8 +98,17 @@ def main() -> int:
     lines = ["# tuneup GPU proof", "", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "", "| | |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in environment()]
     ok = True
-    for title, command, share in PARTS:
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    for number, (title, command, share) in enumerate(PARTS, 1):
+        if title == "gpu-marked tests":
+            if importlib.util.find_spec("pytest_timeout") is not None:
+                command = [*command, "--timeout", "150"]
+            if importlib.util.find_spec("xdist") is not None:  # one at a time they took > 200 s on an H100
+                command = [*command, "-n", "4"]
         status, output, seconds = run(command, args.budget * share)
+        if args.logs is not None:
+            (args.logs / f"part{number}.log").write_text(output, encoding="utf-8")
         finished = status is not None
         if title == "gpu-marked tests":
             outcome = pytest_counts(output) + ("" if finished else " (ran out of time)")

@@ -19,11 +19,33 @@ def decisions(records, action):
     return [record for record in records if record["action"] == action and record["decision"] in DECIDED]
 
 
+def keep_agent(agents):
+    def on_step(step, loss, model, agent):
+        if not agents:
+            agents.append(agent)
+        return loss
+
+    return on_step
+
+
+def amp_decided_or_measured_not_worth_it(records, agent) -> None:
+    """AMP is tried where the amp-off rule found autocast measurably faster on the job's model
+    (measure/precision.py); where it did not (on an H100 this conv net ran 0.99x in bf16: its
+    fp32 convolutions already use TF32), no trial, but a measured reason."""
+    if decisions(records, "amp"):
+        return
+    assert "amp-off" not in {f["rule"] for f in agent.findings()}, records
+    trial = agent.snapshot()["habits"]["amp_trial"]
+    assert trial and trial.get("fp32_seconds") and trial.get("pairs"), trial
+
+
 def test_a_conv_net_gets_amp_pinned_memory_and_cudnn_benchmark_decided(run_dir):
     torch.backends.cudnn.benchmark = False
-    _, records, model = run_job("conv net", 1500, "apply", run_dir)
+    agents = []
+    _, records, model = run_job("conv net", 1500, "apply", run_dir, on_step=keep_agent(agents))
     assert not [r for r in records if r["decision"] == "failed"], records
-    assert decisions(records, "amp") and decisions(records, "cudnn-benchmark"), records
+    assert decisions(records, "cudnn-benchmark"), records
+    amp_decided_or_measured_not_worth_it(records, agents[0])
     pinned = [r for r in decisions(records, "dataloader") if r["after"].get("pin_memory")]
     assert pinned, records
     assert all(torch.isfinite(p).all() for p in model.parameters())

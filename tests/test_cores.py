@@ -317,6 +317,16 @@ def test_judge_not_slower_rejects_a_clearly_slower_trial():
     assert judge(make_columns([50.0] * 12), make_columns([51.0] * 12), NOT_SLOWER)["keep"] is False
 
 
+def test_judge_not_slower_rejects_a_trial_much_slower_on_average_though_not_certainly():
+    # One slow block among faster ones: the rank test cannot call it slower, but the mean
+    # step grew from 0.100 to 0.125 s (0.80x): kept for "not slower", it would not be.
+    trial = [0.09] * 10 + [0.3] * 2
+    verdict = judge(make_columns(BASE), make_columns(trial), NOT_SLOWER)
+    assert verdict["p_slower"] > 0.05 and verdict["speedup"] < 0.95
+    assert verdict["keep"] is False
+    assert verdict["reason"].startswith("0.80x: slower on average by more than the 5%")
+
+
 def test_judge_not_slower_keeps_a_faster_trial():
     assert judge(make_columns(BASE), make_columns(FAST), NOT_SLOWER)["keep"] is True
 

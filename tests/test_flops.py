@@ -337,6 +337,6 @@ def test_mfu_of_a_bf16_transformer_block_on_cuda_matches_the_figure_by_hand(run_
     if device_peak is None:
         pytest.skip(f"no peak for {torch.cuda.get_device_name()}: MFU unknown (achieved FLOP/s only)")
     by_hand = by_hand_flops / seconds / device_peak["flops_per_second"]
-    print(f"\nMFU on {torch.cuda.get_device_name()}: tuneup {figures['mfu']:.1%}, by hand {by_hand:.1%} "
+    print(f"\nfigure: MFU on {torch.cuda.get_device_name()}: tuneup {figures['mfu']:.1%}, by hand {by_hand:.1%} "
           f"({by_hand_flops / 1e9:.1f} GFLOP a step, {seconds * 1e3:.2f} ms a step)")
     assert figures["mfu"] == pytest.approx(by_hand, rel=0.15)

@@ -180,6 +180,34 @@ def test_accelerate_prepared_objects_work_with_the_plain_attach(run_dir):
     assert "data-stall" in [f["rule"] for f in agent.findings()]
 
 
+def test_accelerate_mixed_precision_is_seen_though_it_starts_inside_the_forward(run_dir):
+    # Ground truth: Accelerate's prepare() sets model.forward to the forward decorated by
+    # torch.autocast(cpu, bfloat16): every forward runs under bf16 autocast, entered after any
+    # forward pre-hook has run. The job is on AMP: amp-off must not fire.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # Accelerate keeps one state per process: another test's Accelerator(cpu=True) refuses a
+    # new precision unless it is reset (and this one's is reset after, for the next).
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=16)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        with tuneup.attach(run_dir=run_dir, cpu_bf16=True) as agent:
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                accelerator.backward(loss)
+                optimizer.step()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert agent.snapshot()["config"]["autocast"]["cpu"] == "bfloat16"
+    assert "amp-off" not in [f["rule"] for f in agent.findings()]
+
+
 def regressor(L, progress_bar=None):
     """A LightningModule as Lightning's docs write one: a linear regressor, MSE, SGD. With
     `progress_bar` set, training_step logs its loss through self.log(..., prog_bar=progress_bar)."""

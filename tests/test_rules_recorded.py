@@ -307,6 +307,21 @@ def test_compile_off_on_an_eager_cuda_model_whose_gpu_idles_for_no_other_reason(
     assert "compile-off" not in fired(gpu_busy(copy.deepcopy(cpu_snapshot), 0.3))  # a CPU job
 
 
+def test_compile_off_when_the_gpus_span_is_the_hosts_launching_time(cpu_snapshot):
+    """Recorded on an H100: a launch-bound eager transformer whose CUDA-event span (first kernel
+    to last) was 96% of its step, because each kernel waited for its launch, while NVML saw a
+    kernel running 32% of the time. The span alone calls that GPU busy; the utilization does not."""
+    s = gpu_busy(on_cuda(cpu_snapshot), 0.96)
+    s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.32)]
+    found = fired(s)
+    assert found["compile-off"].gain == pytest.approx(0.68)
+    assert "gpu-launch-bound" not in found
+    # Busy by both measures: neither finding.
+    busy = gpu_busy(on_cuda(cpu_snapshot), 0.96)
+    busy["gpu_history"]["devices"] = [gpu(utilization_ratio=0.95)]
+    assert not {"compile-off", "gpu-launch-bound"} & set(fired(busy))
+
+
 def test_memory_pressure(cpu_snapshot):
     s = on_cuda(cpu_snapshot)
     s["system"]["memory"]["devices"] = [allocator(alloc_retries=3)]
@@ -443,7 +458,7 @@ def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
     loader = DataLoader(data, batch_size=64, drop_last=True)
     model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 30 * 30, 10)).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
-    with tuneup.attach(run_dir=tmp_path / "run", interval=0.1):
+    with tuneup.attach(run_dir=tmp_path / "run", interval=0.1) as agent:
         for _ in range(3):
             for x, y in loader:
                 loss = nn.functional.cross_entropy(model(x.cuda()), y.cuda())
@@ -452,7 +467,16 @@ def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
                 optimizer.zero_grad()
     histories, source = load(str(tmp_path / "run"))
     rules = {f["rule"] for f in build(histories, source=source)["findings"]}
-    assert {"pageable-copies", "cudnn-benchmark-off", "amp-off", "single-tensor-optimizer"} <= rules
+    assert {"pageable-copies", "cudnn-benchmark-off", "single-tensor-optimizer"} <= rules
+    # amp-off stands on autocast timed faster on this model (on an H100 this small conv net was
+    # not: its fp32 convolutions use TF32 already): in the report where the timing was clearly
+    # faster, not where it was slower.
+    trial = agent.snapshot()["habits"]["amp_trial"]
+    assert trial and trial.get("pairs"), trial
+    if trial["speedup"] > 1.1 and trial["faster_pairs"] >= 0.9 * trial["pairs"]:
+        assert "amp-off" in rules, trial
+    elif trial["speedup"] < 1.0:
+        assert "amp-off" not in rules, trial
 
 
 def on_host(snapshot, cores=2, threads=2, own=0.3, workers=(), busy=None, waited=0.0, workers_waited=0.0):

@@ -15,6 +15,7 @@ steps in all; one `loss.item()` per step (the print); the data is in memory (no 
 import argparse
 import json
 import logging
+import re
 import warnings
 
 import torch
@@ -31,7 +32,9 @@ args = parser.parse_args()
 
 seen_warnings = []
 warnings.simplefilter("always")
-warnings.showwarning = lambda message, category, *rest, **kw: seen_warnings.append(f"{category.__name__}: {message}")
+# (A process id in a message, as in fork()'s DeprecationWarning, differs run to run: made one.)
+warnings.showwarning = lambda message, category, *rest, **kw: seen_warnings.append(
+    re.sub(r"pid=\d+", "pid=N", f"{category.__name__}: {message}"))
 torch_log_records = []
 
 

@@ -458,18 +458,29 @@ class Experimenter:
     def _energy_change(self, trial: _Trial, step: int) -> None:
         """The GPUs' joules a step (and watts) in the baseline and the trial, where NVML's energy
         counters were read at both ends of each: a faster step at the same power costs fewer
-        joules; a change can also raise the power (more workers, a busier GPU)."""
+        joules; a change can also raise the power (more workers, a busier GPU).
+
+        The power is the counter's joules over the seconds between its marks; a step's joules
+        are that power times the judged window's mean step (the step time the speed-up is
+        judged on). Joules over the marks' steps alone would be a different mean: the marks
+        span only part of a window (on an H100 conv net with 1 s stalls among 10 ms steps they
+        said 3.8 J a step where the window's power and mean step made 2.5)."""
         if trial.baseline_energy is None or trial.energy_start is None:
             return
         after = _Energy.between(trial.energy_start, self.energy.mark(step))
         before = trial.baseline_energy
-        if after is None or not before["joules_per_step"]:
+        if after is None or not before["watts"]:
             return
-        trial.record["energy"] = {
-            "before_joules_per_step": before["joules_per_step"], "after_joules_per_step": after["joules_per_step"],
-            "ratio": after["joules_per_step"] / before["joules_per_step"],
+        record = trial.record
+        joules = {}
+        for side, power, window in (("before", before, record.get("baseline")), ("after", after, record.get("trial"))):
+            mean_step = (window or {}).get("mean_step_seconds")
+            joules[side] = power["watts"] * mean_step if mean_step else power["joules_per_step"]
+        record["energy"] = {
+            "before_joules_per_step": joules["before"], "after_joules_per_step": joules["after"],
+            "ratio": joules["after"] / joules["before"] if joules["before"] else None,
             "before_watts": before["watts"], "after_watts": after["watts"],
-            "steps": [before["steps"], after["steps"]], "source": "NVML energy counter"}
+            "power_steps": [before["steps"], after["steps"]], "source": "NVML energy counter"}
 
     def _roll_back(self, change: Change, action: Action, record: dict[str, Any], reason: str, step: int) -> None:
         trial = self.trial

@@ -2,7 +2,7 @@
 
 `torch.tensor(ndarray)` copies (the numpy-copies rule), `torch.nonzero(...)` host reads (the
 syncs probe's CPU backend), explicit syncs (`torch.cuda.synchronize()`, `Event.synchronize()`,
-`Stream.synchronize()`: sync debug mode never reports them; dynamo resolves the first by
+`Stream.synchronize()`: sync debug mode misses most of them; dynamo resolves the first by
 identity) and gradient clipping (`clip_grad_norm_`/`clip_grad_value_`, the
 no-grad-clipping rule) happen in calls of torch functions that torch's own front-ends resolve
 by identity or compile from source, so no wrapper may stand in for them:
@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .._patching import dynamo_skips
 from .hotpath import StepTimeline
-from .syncs import EXPLICIT_SYNC_KINDS, MAX_SOURCES, SyncCounter, format_location, user_frame
+from .syncs import MAX_SOURCES, SyncCounter, explicit_sync_codes, format_location, user_frame
 
 EARLY_WATCHES = (3, 4, 5)  # steps 1-2 carry one-off start-up work
 WATCH_BUDGET = 0.001  # the watched steps' extra time, as a share of the training time
@@ -60,17 +60,6 @@ COPY_STEPS = 64  # the latest watched steps whose copy time gives the typical st
 RECENT_STEPS = 16  # unwatched steps whose mean is a step's usual time
 _TENSOR = torch.tensor
 _NONZERO = torch.nonzero
-
-
-def _sync_codes() -> dict[Any, str]:
-    """The code objects of the explicit syncs, each with its kind (syncs.py EXPLICIT_SYNC_KINDS, in order)."""
-    codes = {}
-    functions = (torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize)
-    for function, kind in zip(functions, EXPLICIT_SYNC_KINDS, strict=True):
-        code = getattr(inspect.unwrap(function), "__code__", None)
-        if code is not None:
-            codes[code] = kind
-    return codes
 
 
 # Functions that write a file or a figure: (module, attribute path). Only modules the job has
@@ -164,7 +153,7 @@ class CallWatch:
         self._profile = None
         self._handler_code = _ArrayData.__torch_function__.__code__
         self._clip = _clip_codes()
-        self._syncs = _sync_codes()
+        self._syncs = explicit_sync_codes()
 
     def install(self) -> None:
         try:

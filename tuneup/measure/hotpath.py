@@ -289,7 +289,7 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
             return None
         outermost = tl.forward_depth == 0
         if outermost and probe.read_config_next_forward:
-            probe.read_config()
+            probe.read_config(module)
         tl.forward_begin(clock())
         if outermost and module.training:
             if not tl.fetches:  # no DataLoader: the step's samples are the forward's batch

@@ -70,6 +70,31 @@ def read_autocast() -> dict[str, str | None]:
     return state
 
 
+def forward_autocast(module: nn.Module) -> dict[str, str]:
+    """{device: dtype name} of the autocast a module's own forward enters, where its forward is
+    set on the instance and decorated by torch.autocast: Accelerate's prepare_model with mixed
+    precision (the HF Trainer's fp16/bf16 too) sets `model.forward` to the forward under
+    `autocast(...)` used as a decorator, behind convert_outputs_to_fp32. The decorator keeps its
+    autocast in the closure of the function it returns (torch/amp/autocast_mode.py
+    autocast_decorator: `decorate_autocast`), reached through the wrappers' `__wrapped__`. A
+    forward pre-hook runs before that forward, so the thread's state read there shows none."""
+    forward = module.__dict__.get("forward")
+    function = getattr(forward, "__func__", forward)
+    found: dict[str, str] = {}
+    for _ in range(8):  # a few wrappers deep at most
+        if function is None:
+            break
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch.amp.autocast) and getattr(value, "_enabled", False):
+                found.setdefault(value.device, str(value.fast_dtype).replace("torch.", ""))
+        function = getattr(function, "__wrapped__", None)
+    return found
+
+
 def tracing() -> bool:
     """Whether torch.jit.trace, fx.symbolic_trace or torch.export is running the model rather
     than the job. fx's flag is read as is: its getter, is_fx_tracing(), logs a warning."""
@@ -295,7 +320,7 @@ class ModelProbe:
                 timeline.forward_begin(perf_counter())
             if id(module) not in self._candidates and id(module) not in self.roots:
                 self._candidates[id(module)] = module
-                self.read_config()
+                self.read_config(module)
                 if self.before_training is not None and not self._discovery_evaluation:
                     self.before_training(module)  # before the model's first module runs
         self._depth += 1
@@ -335,7 +360,7 @@ class ModelProbe:
                     return
             timeline.forward_begin(perf_counter())
             if self.read_config_next_forward:
-                self.read_config()
+                self.read_config(module)
         except Exception as exc:
             self.fail(exc)
 
@@ -397,9 +422,15 @@ class ModelProbe:
                 return  # accumulating
         self.timeline.hand_update(self.clock())
 
-    def read_config(self) -> None:
+    def read_config(self, module: nn.Module | None = None) -> None:
+        """The thread-local config (autocast) as the forward of `module` (a root, when known) sees it."""
         self.read_config_next_forward = False
-        self.autocast = read_autocast()
+        autocast = read_autocast()
+        if module is not None and "forward" in module.__dict__:
+            for device, dtype in forward_autocast(module).items():
+                if autocast.get(device) is None:
+                    autocast[device] = dtype
+        self.autocast = autocast
 
     def _wrap_backward(self, original):
         before, after = backward_hooks(self)  # hotpath.py

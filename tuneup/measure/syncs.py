@@ -28,6 +28,7 @@ torch compiles (_patching.COMPILING), so dynamo folds it away and never guards o
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -52,16 +53,32 @@ HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "numpy"),
     (torch.Tensor, "nonzero"),
 )
-# Explicit syncs: sync debug mode has no hook in them (it reports implicit syncs only:
-# c10/cuda/CUDAFunctions.h warn_or_error_on_sync is called from memcpy_and_sync and the like,
-# not from cudaDeviceSynchronize/cudaEventSynchronize/cudaStreamSynchronize). The three are
-# Python functions (torch/cuda/__init__.py, torch/cuda/streams.py): the call watch notes calls of
-# their code (calls.py), as it does torch.nonzero's, rather than replacing them: dynamo resolves
-# torch.cuda.synchronize by identity (torch/_dynamo/variables/torch.py handle_synchronize).
+# Explicit syncs: sync debug mode misses most of them (torch.cuda.synchronize goes to
+# c10::cuda::device_synchronize, Event.synchronize to cudaEventSynchronize, neither of which
+# calls warn_or_error_on_sync), but not all: Stream.synchronize reaches
+# c10::cuda::stream_synchronize (c10/cuda/CUDAFunctions.h), which does warn where the torch build
+# routes CUDAStream::synchronize through it (torch 2.11 on an H100 did: each counted twice). The
+# three are Python functions (torch/cuda/__init__.py, torch/cuda/streams.py): the call watch notes
+# calls of their code (calls.py), as it does torch.nonzero's, rather than replacing them: dynamo
+# resolves torch.cuda.synchronize by identity (torch/_dynamo/variables/torch.py
+# handle_synchronize); a debug-mode warning raised inside one of them is that same call, and
+# is not counted again.
 EXPLICIT_SYNC_KINDS = ("cuda.synchronize", "Event.synchronize", "Stream.synchronize")
 WATCHED_KINDS = frozenset({"torch.nonzero", *EXPLICIT_SYNC_KINDS})  # seen by the call watch only (calls.py)
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
+_DEBUG_MODE_QUIETED = False  # torch's one-time "prototype feature" warning: kept from the job's output
+
+
+def explicit_sync_codes() -> dict[Any, str]:
+    """The code objects of the explicit syncs, each with its kind (EXPLICIT_SYNC_KINDS, in order)."""
+    codes = {}
+    functions = (torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize)
+    for function, kind in zip(functions, EXPLICIT_SYNC_KINDS, strict=True):
+        code = getattr(inspect.unwrap(function), "__code__", None)
+        if code is not None:
+            codes[code] = kind
+    return codes
 EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
 SAMPLE_EVERY = 20  # sync_sample_every unset: one step drawn from every 20, or from each detail step's block where larger
 
@@ -202,6 +219,7 @@ class SyncCounter:
         self.off_reason: str | None = None
         self._busy = False
         self._cuda_state: tuple[Any, ...] | None = None
+        self._explicit = explicit_sync_codes()
 
     # --- step boundaries (a timeline listener) --------------------------------------
 
@@ -313,22 +331,35 @@ class SyncCounter:
     # --- CUDA: torch's sync debug mode -------------------------------------------------
 
     def _start_cuda(self) -> None:
+        global _DEBUG_MODE_QUIETED
         previous_mode = torch.cuda.get_sync_debug_mode()
+        if _DEBUG_MODE_QUIETED:
+            torch.cuda.set_sync_debug_mode(1)
+        else:
+            # The first switch in a process warns once that the mode is a prototype
+            # (torch/csrc/cuda/Module.cpp, TORCH_WARN_ONCE): a line in the job's output that
+            # tuneup put there (seen on an H100; the compiled-job tests compare warnings).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cuda.set_sync_debug_mode(1)
+            _DEBUG_MODE_QUIETED = True
         previous_show = warnings.showwarning
         warnings.filterwarnings("always", message=CUDA_SYNC_MESSAGE)
         added_filter = warnings.filters[0]
         counter = self
+        explicit = self._explicit
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if CUDA_SYNC_MESSAGE in str(message):
                 if threading.get_ident() == counter.thread_id and not counter.timeline.in_tuneup:
                     frame = past_warnings(sys._getframe(1))
-                    counter.record(BLOCKING_COPY_KIND if is_blocking_copy(user_frame(frame)) else "cuda_sync", frame)
+                    if frame is None or frame.f_code not in explicit:  # those are the call watch's
+                        kind = BLOCKING_COPY_KIND if is_blocking_copy(user_frame(frame)) else "cuda_sync"
+                        counter.record(kind, frame)
                 return None
             return previous_show(message, category, filename, lineno, file, line)
 
         warnings.showwarning = showwarning
-        torch.cuda.set_sync_debug_mode(1)
         self._cuda_state = (previous_mode, previous_show, added_filter, showwarning)
 
     def _stop_cuda(self) -> None:

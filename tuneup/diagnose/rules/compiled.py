@@ -10,6 +10,7 @@ RECOMPILES_PER_SITE = 2  # dynamo's automatic dynamic shapes recompile once by d
 GPU_BUSY_BELOW = 0.60  # of the step: below this, with no data wait or syncs, the host is what is slow
 LOW_STALL = 0.10
 FEW_SYNCS = 1.0  # per step (the host-syncs rule's threshold): more, and they are the GPU's idle time
+MIN_GPU_SAMPLES = 5  # NVML samples a GPU needs before its utilization is read
 
 
 def launch_bound_share(facts: Facts) -> float | None:
@@ -31,7 +32,24 @@ def launch_bound_share(facts: Facts) -> float | None:
     if not step or stall >= LOW_STALL or (syncs.get("per_step") or 0.0) >= FEW_SYNCS:
         return None
     busy = gpu / step
+    # The events' span runs from the step's first kernel to its last, gaps included: where the
+    # GPU waits for each launch, the span is the host's launching time, not the GPU's work (on
+    # an H100, a launch-bound transformer's span was 96% of its step while NVML saw kernels
+    # running 32% of the time). NVML's utilization, the share of time a kernel ran, is the lower
+    # bound the span cannot give.
+    utilization = nvml_utilization(facts)
+    if utilization is not None:
+        busy = min(busy, utilization)
     return 1 - busy if busy < GPU_BUSY_BELOW else None
+
+
+def nvml_utilization(facts: Facts) -> float | None:
+    """NVML's utilization of the job's GPUs, averaged over the window's samples (the share of
+    time a kernel was running); None with fewer than MIN_GPU_SAMPLES samples on a GPU."""
+    gpus = [gpu for gpu in facts.gpus if gpu.get("utilization_ratio") is not None]
+    if not gpus or min(gpu["samples"] for gpu in gpus) < MIN_GPU_SAMPLES:
+        return None
+    return sum(gpu["utilization_ratio"] for gpu in gpus) / len(gpus)
 
 
 def compile_fix(facts: Facts, graphs: bool = False) -> str:
@@ -134,8 +152,8 @@ def graph_breaks(facts: Facts) -> Evidence | None:
     id="compile-off",
     title="An eager model spends its CUDA steps launching kernels: torch.compile would fuse them",
     severity="medium",
-    inputs="GPU busy time per step (CUDA events around the step's work), step time, data wait, "
-           "host-device syncs per step, whether anything in the job is compiled",
+    inputs="GPU busy time per step (CUDA events around the step's work, bounded by NVML's utilization), "
+           "step time, data wait, host-device syncs per step, whether anything in the job is compiled",
     threshold=f"eager model on CUDA, GPU busy < {percent(GPU_BUSY_BELOW)} of the step with data wait < "
               f"{percent(LOW_STALL)} and < {FEW_SYNCS:g} sync per step",
     why="When neither the input pipeline nor a sync holds the GPU back, the time it sits idle is the "

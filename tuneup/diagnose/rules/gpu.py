@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from ...format import percent, size
 from ..rule import Evidence, Facts, Missing, rule
-from .compiled import LOW_STALL, compile_fix, launch_bound_share
+from .compiled import LOW_STALL, compile_fix, launch_bound_share, nvml_utilization
 
 CUDA_NOTES = "https://docs.pytorch.org/docs/stable/notes/cuda.html"
-MIN_GPU_SAMPLES = 5
 LAUNCH_BOUND_UTILIZATION = 0.70
 
 
 def _utilization(facts: Facts) -> float:
-    gpus = [gpu for gpu in facts.gpus if gpu.get("utilization_ratio") is not None]
-    if not gpus or min(gpu["samples"] for gpu in gpus) < MIN_GPU_SAMPLES:
+    utilization = nvml_utilization(facts)
+    if utilization is None:
         raise Missing("GPU utilization samples")
-    return sum(gpu["utilization_ratio"] for gpu in gpus) / len(gpus)
+    return utilization
 
 
 @rule(
