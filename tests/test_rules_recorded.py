@@ -537,6 +537,20 @@ def stall_finding(s):
     return next(f for f in evaluate(s).findings if f.rule == "data-stall")
 
 
+def test_data_stall_states_the_means_its_ratio_comes_from_and_a_median_far_from_them(cpu_snapshot):
+    # Recorded on an H100 conv net: a 1.5 ms median wait, but a few 1 s stalls made the waits
+    # 36% of the time (7 ms of a 19.5 ms mean step). Before, it read "waited 1.5 ms per step ...:
+    # 36% of a 9.3 ms step" (medians beside a ratio of sums).
+    s = stalled(cpu_snapshot, stall=0.36, wait=0.0015)
+    s["window"]["data_wait_seconds"]["mean"] = 0.00702
+    s["window"]["step_seconds"].update(median=0.0093, mean=0.0195)
+    observed = stall_finding(s).observed
+    assert observed.startswith("the loop waited 7.0 ms per step on average for its next batch: 36% of a 19.5 ms step")
+    assert "(the median wait 1.5 ms: a few long waits make most of it)" in observed
+    even = stalled(cpu_snapshot, stall=0.4, wait=0.004)  # median = mean: no median said
+    assert "median" not in stall_finding(even).observed
+
+
 def shipping(main_ms, worker_ms=0.05, tensors=2):
     return {"main_seconds": main_ms / 1e3, "worker_seconds": worker_ms / 1e3, "bytes": 8192, "tensors": tensors, "reps": 5}
 
