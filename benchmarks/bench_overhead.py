@@ -1,6 +1,6 @@
 """Overhead of tuneup in advise mode, against the bare loop and against torch.profiler.
 
-    python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5] [--device cuda]
+    python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5] [--device cuda] [--breakdown]
 
 Two CPU training loops (DataLoader, MLP, a loss.item() every 10 steps): one with a step of
 about 5 ms (AdamW), one of about 0.4 ms (SGD on pre-batched data: close to the smallest full
@@ -17,6 +17,10 @@ With --device cuda the same loops train on the GPU (data made on the device, a s
 before each run's end time): the overhead on a real CUDA loop, where tuneup's hooks are all
 host work and the GPU timing and sync counting run for real.
 
+After each table, where tuneup's own background thread spent its CPU (the snapshot's
+agent_cost: share of a core, and ms a second by part). --breakdown adds tuneup with one part
+of its work off at a time (sync sampling; detail steps; NVML) to tell where the rest goes.
+
 torch.profiler runs continuously with schedule(wait=5, warmup=1, active=3, repeat=0) and a
 trace handler that discards the trace: the cheapest way to keep it on for a whole run.
 
@@ -27,6 +31,7 @@ and detach() themselves (benchmarks/bench_startup.py, whose table this prints; 0
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -119,9 +124,37 @@ def bare(job, steps, _tmp):
     return loop(*job, steps, settle=SETTLE)
 
 
-def with_tuneup(job, steps, tmp):
-    with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
-        return loop(*job, steps, settle=SETTLE)
+AGENT_COSTS: list[dict] = []  # each tuneup run's agent_cost (measure/own_cost.py)
+
+
+def with_tuneup(job, steps, tmp, **options):
+    with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}", **options) as agent:
+        timed = loop(*job, steps, settle=SETTLE)
+    if not options:
+        AGENT_COSTS.append(agent.snapshot()["agent_cost"])
+    return timed
+
+
+# --breakdown: tuneup with one part of its work off at a time, to tell where its cost goes
+# (on an H100 it added 306 µs to a 4.4 ms step, where CPU runs had 1.025x: not yet located).
+BREAKDOWN = {
+    "tuneup, no sync sampling": dict(sync_sample_every=0),
+    "tuneup, few detail steps": dict(sync_sample_every=0, detail_every=1000),
+    "tuneup, no NVML": dict(gpu=False),
+}
+
+
+def print_agent_cost(costs: list[dict]) -> None:
+    """Where tuneup's own thread spent its CPU in these runs: the median share of a core, and
+    each part's CPU per second of the run (the CPU column above counts this thread too)."""
+    if not costs:
+        return
+    share = statistics.median(cost["cpu_share"] for cost in costs)
+    parts = {name for cost in costs for name in cost["parts"]}
+    per_second = {name: statistics.median((cost["parts"].get(name) or {}).get("cpu_seconds", 0.0) / cost["seconds"]
+                                          for cost in costs) for name in parts}
+    ranked = ", ".join(f"{name} {value * 1e3:.2f}" for name, value in sorted(per_second.items(), key=lambda i: -i[1]))
+    print(f"  tuneup's own thread: {share:.1%} of a core; ms of CPU a second by part: {ranked}")
 
 
 def with_profiler(job, steps, _tmp):
@@ -145,7 +178,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--startup-rounds", type=int, default=5, help="rounds of bench_startup.py after (0: none)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also tuneup with sync sampling off, with few detail steps, and without NVML")
     args = parser.parse_args()
+    configs = dict(CONFIGS)
+    if args.breakdown:
+        configs.update({name: functools.partial(with_tuneup, **options) for name, options in BREAKDOWN.items()})
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here")
     torch.set_num_threads(1)  # one core each for loop and agent thread: less noise on 2-core hosts
@@ -156,10 +194,11 @@ def main() -> None:
         for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
             job = make(features, hidden, depth, batch, optimizer_class, pre_batched, args.device)
             steps = WARMUP_STEPS + timed
-            per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
-            cpu_per_step: dict[str, list[float]] = {name: [] for name in CONFIGS}
+            per_step: dict[str, list[float]] = {name: [] for name in configs}
+            cpu_per_step: dict[str, list[float]] = {name: [] for name in configs}
+            AGENT_COSTS.clear()
             for _ in range(args.rounds):
-                order = list(CONFIGS.items())
+                order = list(configs.items())
                 random.shuffle(order)
                 for name, run in order:
                     wall, cpu = run(job, steps, tmp)
@@ -168,16 +207,17 @@ def main() -> None:
             print(f"\n{workload} (batch {batch}, {timed} timed steps per run{', on the GPU' if args.device == 'cuda' else ''})")
             for title, figures in (("wall time", per_step), ("CPU time", cpu_per_step)):
                 base = statistics.median(figures["bare loop"])
-                print(f"  {title:<18}{'median step':>14}{'ratio':>9}{'added/step':>13}"
+                print(f"  {title:<26}{'median step':>14}{'ratio':>9}{'added/step':>13}"
                       f"{'paired added/step (IQR)':>30}")
                 for name, values in figures.items():
                     median = statistics.median(values)
                     # Paired with the bare run of the same round: drifts of the machine cancel out.
                     added = [(v - b) * 1e6 for v, b in zip(values, figures["bare loop"])]
                     q1, _, q3 = statistics.quantiles(added, n=4)
-                    print(f"  {name:<18}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
+                    print(f"  {name:<26}{median * 1e3:>11.3f} ms{median / base:>9.3f}"
                           f"{(median - base) * 1e6:>10.1f} µs{statistics.median(added):>12.1f} µs"
                           f" ({q1:.1f} to {q3:.1f})")
+            print_agent_cost(AGENT_COSTS)
     if args.startup_rounds > 0:
         from benchmarks.bench_startup import report
 

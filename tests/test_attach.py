@@ -430,3 +430,28 @@ def test_every_option_is_documented_in_attach_and_the_readme():
     for name, variable in tuneup.ENVIRONMENT_VARIABLES.items():
         assert name in documented, f"attach()'s docstring does not name the option {name!r}"
         assert f"| `{name}` | `{variable}` |" in readme, f"the README's option table has no row for {name!r}"
+
+
+def test_the_agents_own_cost_is_kept_by_part(run_dir):
+    # Ground truth: a CPU loop of ~1 s with the agent ticking every 50 ms on a fake NVML (two
+    # GPUs): each tick drains the steps, samples the host, the GPUs and the allocator, and
+    # emits; its thread's CPU is split among those parts and adds up to the total.
+    from tests import fake_nvml
+
+    fake_nvml.reset()
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir, interval=0.05, nvml_module="tests.fake_nvml") as agent:
+        began = time.monotonic()
+        while time.monotonic() - began < 1.0:
+            optimizer.zero_grad()
+            model(torch.randn(16, 8)).sum().backward()
+            optimizer.step()
+        ticks = agent.ticker.ticks
+    cost = agent.snapshot()["agent_cost"]
+    parts = cost["parts"]
+    assert {"steps", "host", "gpu", "memory", "outputs"} <= set(parts), parts
+    assert parts["gpu"]["calls"] >= min(ticks, 5) and parts["steps"]["calls"] >= min(ticks, 5)
+    assert cost["cpu_seconds"] == pytest.approx(sum(part["cpu_seconds"] for part in parts.values()))
+    assert 0 < cost["cpu_share"] < 1 and cost["seconds"] >= 1.0
+    assert all(part["wall_seconds"] > 0 for part in parts.values())

@@ -64,15 +64,19 @@ class Ticker:
         """One tick (the caller need not hold the lock; it is re-entrant)."""
         with self.state.lock:
             self.ticks += 1
+            cost = self.recorder.cost  # each part's time: the snapshot's "agent_cost"
             self.recorder.sample(self.ticks, final)
-            self.outputs.tick()
+            with cost.part("outputs"):
+                self.outputs.tick()
             experimenter = self.experimenter
             if self.diagnosis.due(self.ticks, final, experimenter is not None and experimenter.accepting):
-                self.diagnosis.run()
+                with cost.part("rules"):
+                    self.diagnosis.run()
             if experimenter is not None:
-                experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)
-                for record in experimenter.drain():
-                    self.outputs.emit({"event": "action", **record})
+                with cost.part("apply"):
+                    experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)
+                    for record in experimenter.drain():
+                        self.outputs.emit({"event": "action", **record})
 
     def final_exchange(self) -> None:
         """Before the job destroys its process group: the steps so far into the history, then

@@ -36,6 +36,7 @@ from .memory import allocator_stats
 from .model import ModelProbe, is_compiled, tracing
 from .objects import Tracked
 from .optimizer import OptimizerProbe
+from .own_cost import OwnCost
 from .flops import FlopCount
 from .precision import PrecisionTrial
 from .scaler import ScalerProbe
@@ -63,6 +64,7 @@ class Recorder:
     def __init__(self, options: Any, kinds: dict[str, list[Any]], warn: Warn, fail: Fail, emit: Emit) -> None:
         self.options = options
         self.warn, self.fail, self.emit = warn, fail, emit
+        self.cost = OwnCost()  # the background thread's time, by part (own_cost.py)
         # The objects themselves are not kept: the job owns them (weak sets only).
         tracked = self.tracked = Tracked(kinds)
         self.timeline = StepTimeline(RING_CAPACITY, fail, options.detail_every)
@@ -261,17 +263,21 @@ class Recorder:
     def sample(self, tick: int, final: bool = False) -> None:
         """One background tick: the closed steps drained, the slow probes sampled, the
         configuration read when it may have changed; each as an event."""
-        self.compile.watch()  # torch._dynamo loaded since, or reset: its callbacks again
-        interval = self.drain(final)
-        self._watch_input(final)
+        cost = self.cost
+        with cost.part("steps"):
+            self.compile.watch()  # torch._dynamo loaded since, or reset: its callbacks again
+            interval = self.drain(final)
+            self._watch_input(final)
         self.system = self.sample_system(final)
         seen = self._config_inputs()
         if final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1:
             self._config_seen = seen
-            self.refresh_config()
-        self.emit({"event": "system", **self.system})
-        if interval is not None:
-            self.emit(self._steps_event(interval))
+            with cost.part("config"):
+                self.refresh_config()
+        with cost.part("outputs"):
+            self.emit({"event": "system", **self.system})
+            if interval is not None:
+                self.emit(self._steps_event(interval))
 
     def catch_up(self, refresh_config: bool = False) -> None:
         """Before a read (snapshot()): the closed steps into the history, a first system
@@ -392,12 +398,14 @@ class Recorder:
                 self.slow_probe_failed("host", exc)
         if on["host"] and self.host is not None:
             try:
-                system["host"] = self.host.sample(self.loader.worker_pids())
+                with self.cost.part("host"):
+                    system["host"] = self.host.sample(self.loader.worker_pids())
             except Exception as exc:
                 self.slow_probe_failed("host", exc)
         if on["gpu"]:
             try:
-                system["gpu"] = {"available": True, "devices": self.gpus.devices, "samples": self.gpus.sample()}
+                with self.cost.part("gpu"):
+                    system["gpu"] = {"available": True, "devices": self.gpus.devices, "samples": self.gpus.sample()}
             except Exception as exc:
                 self.slow_probe_failed("gpu", exc)
         if "gpu" not in system:
@@ -405,7 +413,8 @@ class Recorder:
             system["gpu"] = {"available": False, "reason": reason}
         if on["memory"]:
             try:
-                system["memory"] = allocator_stats()
+                with self.cost.part("memory"):
+                    system["memory"] = allocator_stats()
             except Exception as exc:
                 self.slow_probe_failed("memory", exc)
         if on["ddp"]:

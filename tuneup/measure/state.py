@@ -180,6 +180,7 @@ class RunState:
             "system": out["system"] or recorder.system,
             "config": recorder.config,
             "probes": self.probe_states(),
+            "agent_cost": recorder.cost.summary(),
             "warnings": list(self.warnings),
             "actions": self.actions(),
         })
