@@ -405,6 +405,12 @@ def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
     found = fired(s)["host-syncs"]
     assert found.severity == "high"
     assert found.gain == pytest.approx(0.4 - s["window"]["stall_ratio"])
+    # The span holds the gaps after each sync; where NVML saw kernels 30% of the time, the
+    # GPU idles 70% of the step, not 40%.
+    s["gpu_history"]["devices"] = [gpu(utilization_ratio=0.3)]
+    found = fired(s)["host-syncs"]
+    assert found.gain == pytest.approx(0.7 - s["window"]["stall_ratio"])
+    assert "the GPU idles 70% of a step" in found.gain_text
 
 
 def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):
@@ -434,6 +440,7 @@ def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):
     busy_gpu["window"]["stall_ratio"] = 0.0
     median = busy_gpu["window"]["step_seconds"]["median"]
     busy_gpu["window"]["gpu_seconds"] = {"median": median, "mean": median, "p90": median, "min": median, "max": median}
+    busy_gpu["gpu_history"]["devices"] = [gpu(utilization_ratio=1.0)]  # NVML: a kernel ran all the time too
     assert "host-syncs" not in fired(busy_gpu)
     assert evaluate(busy_gpu).slight == {"host-syncs": 0.0}
 

@@ -31,16 +31,20 @@ def launch_bound_share(facts: Facts) -> float | None:
     syncs = facts.snapshot.get("syncs") or {}
     if not step or stall >= LOW_STALL or (syncs.get("per_step") or 0.0) >= FEW_SYNCS:
         return None
-    busy = gpu / step
-    # The events' span runs from the step's first kernel to its last, gaps included: where the
-    # GPU waits for each launch, the span is the host's launching time, not the GPU's work (on
-    # an H100, a launch-bound transformer's span was 96% of its step while NVML saw kernels
-    # running 32% of the time). NVML's utilization, the share of time a kernel ran, is the lower
-    # bound the span cannot give.
-    utilization = nvml_utilization(facts)
-    if utilization is not None:
-        busy = min(busy, utilization)
+    busy = gpu_busy_share(facts, gpu, step)
     return 1 - busy if busy < GPU_BUSY_BELOW else None
+
+
+def gpu_busy_share(facts: Facts, gpu: float, step: float) -> float:
+    """The share of a step the GPU works: the CUDA events' span (`gpu` of `step`), bounded by
+    NVML's utilization where sampled. The span runs from the step's first kernel to its last,
+    gaps included: where the GPU waits for each launch (or for the host after a sync), the span
+    is the host's time, not the GPU's work (on an H100, a launch-bound transformer's span was 96%
+    of its step while NVML saw kernels running 32% of the time). NVML's utilization, the share
+    of time a kernel ran, is the bound the span cannot give."""
+    busy = gpu / step
+    utilization = nvml_utilization(facts)
+    return min(busy, utilization) if utilization is not None else busy
 
 
 def nvml_utilization(facts: Facts) -> float | None:

@@ -6,6 +6,7 @@ from ...measure.copies import BLOCKING_COPY_KIND
 from ...measure.syncs import DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ...format import read_rate
 from ..rule import Evidence, Facts, rule
+from .compiled import gpu_busy_share
 
 SYNCS_PER_STEP = 1.0
 
@@ -49,9 +50,10 @@ def host_syncs(facts: Facts) -> Evidence | None:
         gpu = (window.get("gpu_seconds") or {}).get("median")
         step = window["step_seconds"]["median"]
         if gpu is not None and step:
-            idle = max(0.0, 1 - gpu / step - (window.get("stall_ratio") or 0))
+            busy = gpu_busy_share(facts, gpu, step)
+            idle = max(0.0, 1 - busy - (window.get("stall_ratio") or 0))
             gain = idle
-            gain_text = f"up to {100 * idle:.0f}% shorter steps (the GPU idles {100 * (1 - gpu / step):.0f}% of a step)"
+            gain_text = f"up to {100 * idle:.0f}% shorter steps (the GPU idles {100 * (1 - busy):.0f}% of a step)"
     else:
         gain_text = "on a GPU: the host runs ahead of the GPU instead of waiting for it every step"
     meaning = "syncs" if on_gpu else "host reads that would sync on a GPU"
