@@ -318,13 +318,17 @@ def test_judge_not_slower_rejects_a_clearly_slower_trial():
 
 
 def test_judge_not_slower_rejects_a_trial_much_slower_on_average_though_not_certainly():
-    # One slow block among faster ones: the rank test cannot call it slower, but the mean
-    # step grew from 0.100 to 0.125 s (0.80x): kept for "not slower", it would not be.
-    trial = [0.09] * 10 + [0.3] * 2
+    # As on an H100 (bf16 autocast at 0.88x, p=0.09): most blocks slower, the rank test not
+    # sure (p = 0.09), the mean step 0.100 -> 0.108 s (0.93x): kept for "not slower", it would not be.
+    trial = [0.13, 0.10] * 3 + [0.09, 0.11] * 3
     verdict = judge(make_columns(BASE), make_columns(trial), NOT_SLOWER)
-    assert verdict["p_slower"] > 0.05 and verdict["speedup"] < 0.95
+    assert 0.05 < verdict["p_slower"] < 0.5 and verdict["speedup"] < 0.95
     assert verdict["keep"] is False
-    assert verdict["reason"].startswith("0.80x: slower on average by more than the 5%")
+    assert verdict["reason"].startswith("0.93x: slower on average by more than the 5%")
+    # One slow block (two 0.3 s steps: a checkpoint) among faster ones: the mean says 0.80x,
+    # the blocks do not lean slower (p = 0.98): kept.
+    outlier = judge(make_columns(BASE), make_columns([0.09] * 10 + [0.3] * 2), NOT_SLOWER)
+    assert outlier["speedup"] < 0.95 and outlier["p_slower"] > 0.5 and outlier["keep"] is True
 
 
 def test_judge_not_slower_keeps_a_faster_trial():

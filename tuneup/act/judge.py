@@ -8,9 +8,10 @@ test: rank-based (one outlier block cannot decide), free of any distribution ass
 and exact for the small samples a window gives. A change is kept only when the test says
 the trial is faster (p < ALPHA) and the speed-up in mean step time, which is what
 throughput is, reaches MIN_SPEEDUP; NOT_SLOWER changes are kept unless the same test says
-they are slower, or their mean step time grew by more than NOT_SLOWER_MARGIN whatever the test
-says (on an H100, bf16 autocast proposed from a 1.21x gain measured off the step ran the job's
-own launch-bound steps at 0.88x, p=0.09: not a change to leave in place).
+they are slower, or their mean step time grew by more than NOT_SLOWER_MARGIN with their blocks
+leaning slower (on an H100, bf16 autocast proposed from a 1.21x gain measured off the step ran
+the job's own launch-bound steps at 0.88x, p=0.09: not a change to leave in place; one slow
+block among faster ones, a checkpoint say, is not such a lean).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .action import FASTER
 BLOCKS = 6
 ALPHA = 0.05
 MIN_SPEEDUP = 1.02  # below 2% a change is not worth its risk, whatever the test says
-NOT_SLOWER_MARGIN = 0.05  # a NOT_SLOWER change whose steps take this much longer on average is undone
+NOT_SLOWER_MARGIN = 0.05  # a NOT_SLOWER change whose steps take this much longer on average is undone,
+LEANS_SLOWER = 0.5  # where its blocks lean slower too (p_slower under a half): not for one slow block
 LOSS_BAND = 0.10  # the trial's median loss may exceed the baseline's by 10% (or 3 MADs)
 MIN_LOSSES = 3
 
@@ -143,7 +145,7 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -
             verdict.update(keep=False, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
     elif slower:
         verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
-    elif speedup < 1 - NOT_SLOWER_MARGIN:
+    elif speedup < 1 - NOT_SLOWER_MARGIN and p_slower < LEANS_SLOWER:
         verdict.update(keep=False, reason=f"{speedup:.2f}x: slower on average by more than the "
                                           f"{NOT_SLOWER_MARGIN:.0%} a change kept for not being slower may cost "
                                           f"(p={p_slower:.2f} that it is)")
