@@ -188,9 +188,13 @@ def test_gpu_time_excludes_the_wait_for_data(run_dir):
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
         settle(agent)
-    window = agent.snapshot()["window"]
+    snapshot = agent.snapshot()
+    window = snapshot["window"]
     assert window["step_seconds"]["median"] >= 0.03
     assert window["gpu_seconds"]["median"] < 0.01  # was ≈ the whole step while the end event followed the wait
+    from tuneup.report.summary import gpu_work_line
+
+    assert gpu_work_line(snapshot).startswith("GPU work: the step's kernels span ")  # in every report format
 
 
 def test_explicit_synchronize_calls_are_counted(run_dir):

@@ -340,3 +340,20 @@ def test_mfu_of_a_bf16_transformer_block_on_cuda_matches_the_figure_by_hand(run_
     print(f"\nfigure: MFU on {torch.cuda.get_device_name()}: tuneup {figures['mfu']:.1%}, by hand {by_hand:.1%} "
           f"({by_hand_flops / 1e9:.1f} GFLOP a step, {seconds * 1e3:.2f} ms a step)")
     assert figures["mfu"] == pytest.approx(by_hand, rel=0.15)
+
+
+def test_the_gpu_work_line_says_the_span_and_what_nvml_saw_run():
+    # Recorded on an H100: a launch-bound transformer's kernels spanned 20.8 ms of a 21.7 ms
+    # step while NVML saw a kernel running 32% of the time.
+    from tuneup.report.summary import gpu_work_line, work_lines
+
+    step = {"median": 0.0217}
+    snapshot = {"window": {"gpu_seconds": {"median": 0.0208}, "step_seconds": step},
+                "gpu_history": {"devices": [{"gpu": 0, "utilization_ratio": 0.32}]}}
+    line = gpu_work_line(snapshot)
+    assert line == ("GPU work: the step's kernels span 20.8 ms of a 21.7 ms step (96%); NVML saw a kernel running "
+                    "32% of the time: the rest of the span is the GPU waiting for the host (launches, syncs)")
+    assert line in work_lines(snapshot)
+    snapshot["gpu_history"]["devices"][0]["utilization_ratio"] = 0.93  # busy by both: no gaps said
+    assert gpu_work_line(snapshot).endswith("NVML saw a kernel running 93% of the time")
+    assert gpu_work_line({"window": {"step_seconds": step}}) is None  # a CPU job: no line

@@ -238,10 +238,34 @@ def energy_line(spent: dict[str, Any] | None) -> str | None:
 
 
 def work_lines(snapshot: dict[str, Any]) -> list[str]:
-    """What a step does and costs, for every report format: compute_lines, then energy_line."""
-    energy = energy_line(snapshot.get("energy"))
+    """What a step does and costs, for every report format: compute_lines, gpu_work_line, energy_line."""
+    extra = [line for line in (gpu_work_line(snapshot), energy_line(snapshot.get("energy"))) if line]
     counted = (snapshot.get("habits") or {}).get("flops")
-    return compute_lines(snapshot.get("flops"), counted) + ([energy] if energy else [])
+    return compute_lines(snapshot.get("flops"), counted) + extra
+
+
+GAPS = 0.1  # NVML's busy share this far under the events' span: the span holds the GPU's waits
+
+
+def gpu_work_line(snapshot: dict[str, Any]) -> str | None:
+    """The GPU's part of a CUDA step: the span of its kernels (CUDA events, median) and, where
+    NVML sampled, the share of time a kernel ran. The span runs from the step's first kernel to
+    its last, gaps included: on an H100, a launch-bound job's span was 96% of its step while a
+    kernel ran 32% of the time. The lower figure is the GPU's busy share (the rules' too)."""
+    window = snapshot.get("window") or {}
+    gpu = (window.get("gpu_seconds") or {}).get("median")
+    step = (window.get("step_seconds") or {}).get("median")
+    if gpu is None or not step:
+        return None
+    line = f"GPU work: the step's kernels span {seconds(gpu)} of a {seconds(step)} step ({percent(gpu / step)})"
+    devices = ((snapshot.get("gpu_history") or {}).get("devices")) or []
+    shares = [device["utilization_ratio"] for device in devices if device.get("utilization_ratio") is not None]
+    if shares:
+        busy = sum(shares) / len(shares)
+        line += f"; NVML saw a kernel running {percent(busy)} of the time"
+        if busy < gpu / step - GAPS:
+            line += ": the rest of the span is the GPU waiting for the host (launches, syncs)"
+    return line
 
 
 def scaler_line(scaler: dict[str, Any]) -> str:
