@@ -349,7 +349,7 @@ def test_the_gpu_work_line_says_the_span_and_what_nvml_saw_run():
 
     step = {"median": 0.0217}
     snapshot = {"window": {"gpu_seconds": {"median": 0.0208}, "step_seconds": step},
-                "gpu_history": {"devices": [{"gpu": 0, "utilization_ratio": 0.32}]}}
+                "gpu_history": {"devices": [{"gpu": 0, "samples": 30, "utilization_ratio": 0.32}]}}
     line = gpu_work_line(snapshot)
     assert line == ("GPU work: the step's kernels span 20.8 ms of a 21.7 ms step (96%); NVML saw a kernel running "
                     "32% of the time: the rest of the span is the GPU waiting for the host (launches, syncs)")

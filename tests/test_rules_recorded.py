@@ -316,6 +316,11 @@ def test_compile_off_when_the_gpus_span_is_the_hosts_launching_time(cpu_snapshot
     found = fired(s)
     assert found["compile-off"].gain == pytest.approx(0.68)
     assert "gpu-launch-bound" not in found
+    # Without NVML samples the span alone, as before: busy at 96%, no compile-off, still checked.
+    bare = gpu_busy(on_cuda(cpu_snapshot), 0.96)
+    bare["gpu_history"] = None
+    assert "compile-off" not in fired(bare) and "compile-off" in evaluate(bare).passed
+    assert fired(gpu_busy(bare, 0.3))["compile-off"].gain == pytest.approx(0.7)
     # Busy by both measures: neither finding.
     busy = gpu_busy(on_cuda(cpu_snapshot), 0.96)
     busy["gpu_history"]["devices"] = [gpu(utilization_ratio=0.95)]
@@ -411,6 +416,9 @@ def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
     found = fired(s)["host-syncs"]
     assert found.gain == pytest.approx(0.7 - s["window"]["stall_ratio"])
     assert "the GPU idles 70% of a step" in found.gain_text
+    # Without NVML samples (no driver library in a container, say) the span alone: still checked.
+    s["gpu_history"] = None
+    assert fired(s)["host-syncs"].gain == pytest.approx(0.4 - s["window"]["stall_ratio"])
 
 
 def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):

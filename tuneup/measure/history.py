@@ -386,6 +386,20 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+MIN_GPU_SAMPLES = 5  # NVML samples a GPU needs before its mean utilization is read
+
+
+def nvml_utilization(snapshot: dict[str, Any]) -> float | None:
+    """NVML's utilization of the job's GPUs (the share of time a kernel was running), the mean of
+    `gpu_history`'s per-device means; None without it or with fewer than MIN_GPU_SAMPLES samples
+    on a GPU (what the rules and the reports read)."""
+    devices = (snapshot.get("gpu_history") or {}).get("devices") or []
+    gpus = [gpu for gpu in devices if gpu.get("utilization_ratio") is not None]
+    if not gpus or min(gpu["samples"] for gpu in gpus) < MIN_GPU_SAMPLES:
+        return None
+    return sum(gpu["utilization_ratio"] for gpu in gpus) / len(gpus)
+
+
 def _gpu_history(samples: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """Per-device means over the recent GPU samples (utilization is bursty: one sample says
     little), with the throttle reasons seen among them."""

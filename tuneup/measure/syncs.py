@@ -68,6 +68,8 @@ WATCHED_KINDS = frozenset({"torch.nonzero", *EXPLICIT_SYNC_KINDS})  # seen by th
 CUDA_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 MAX_SOURCES = 256
 _DEBUG_MODE_QUIETED = False  # torch's one-time "prototype feature" warning: kept from the job's output
+EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
+SAMPLE_EVERY = 20  # sync_sample_every unset: one step drawn from every 20, or from each detail step's block where larger
 
 
 def explicit_sync_codes() -> dict[Any, str]:
@@ -79,8 +81,7 @@ def explicit_sync_codes() -> dict[Any, str]:
         if code is not None:
             codes[code] = kind
     return codes
-EARLY_SAMPLES = (3, 4, 5)  # step 1-2 carry one-off start-up work
-SAMPLE_EVERY = 20  # sync_sample_every unset: one step drawn from every 20, or from each detail step's block where larger
+
 
 # Frames of these modules are library code, not the line the user should change. The demo
 # job ships inside tuneup but is user code as far as its advice is concerned. The warnings

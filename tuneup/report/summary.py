@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..format import flops as flop_text, percent, read_rate, seconds, size
+from ..measure.history import nvml_utilization
 
 
 def _rate(value: float | None, unit: str) -> str:
@@ -258,10 +259,8 @@ def gpu_work_line(snapshot: dict[str, Any]) -> str | None:
     if gpu is None or not step:
         return None
     line = f"GPU work: the step's kernels span {seconds(gpu)} of a {seconds(step)} step ({percent(gpu / step)})"
-    devices = ((snapshot.get("gpu_history") or {}).get("devices")) or []
-    shares = [device["utilization_ratio"] for device in devices if device.get("utilization_ratio") is not None]
-    if shares:
-        busy = sum(shares) / len(shares)
+    busy = nvml_utilization(snapshot)
+    if busy is not None:
         line += f"; NVML saw a kernel running {percent(busy)} of the time"
         if busy < gpu / step - GAPS:
             line += ": the rest of the span is the GPU waiting for the host (launches, syncs)"

@@ -4,13 +4,13 @@ an eager CUDA model whose steps go to launching kernels rather than running them
 from __future__ import annotations
 
 from ...format import percent
+from ...measure.history import nvml_utilization
 from ..rule import Evidence, Facts, Missing, rule
 
 RECOMPILES_PER_SITE = 2  # dynamo's automatic dynamic shapes recompile once by design
 GPU_BUSY_BELOW = 0.60  # of the step: below this, with no data wait or syncs, the host is what is slow
 LOW_STALL = 0.10
 FEW_SYNCS = 1.0  # per step (the host-syncs rule's threshold): more, and they are the GPU's idle time
-MIN_GPU_SAMPLES = 5  # NVML samples a GPU needs before its utilization is read
 
 
 def launch_bound_share(facts: Facts) -> float | None:
@@ -43,17 +43,8 @@ def gpu_busy_share(facts: Facts, gpu: float, step: float) -> float:
     of its step while NVML saw kernels running 32% of the time). NVML's utilization, the share
     of time a kernel ran, is the bound the span cannot give."""
     busy = gpu / step
-    utilization = nvml_utilization(facts)
+    utilization = nvml_utilization(facts.snapshot)  # None without NVML samples: the span alone
     return min(busy, utilization) if utilization is not None else busy
-
-
-def nvml_utilization(facts: Facts) -> float | None:
-    """NVML's utilization of the job's GPUs, averaged over the window's samples (the share of
-    time a kernel was running); None with fewer than MIN_GPU_SAMPLES samples on a GPU."""
-    gpus = [gpu for gpu in facts.gpus if gpu.get("utilization_ratio") is not None]
-    if not gpus or min(gpu["samples"] for gpu in gpus) < MIN_GPU_SAMPLES:
-        return None
-    return sum(gpu["utilization_ratio"] for gpu in gpus) / len(gpus)
 
 
 def compile_fix(facts: Facts, graphs: bool = False) -> str:

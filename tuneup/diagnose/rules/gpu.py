@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from ...format import percent, size
 from ..rule import Evidence, Facts, Missing, rule
-from .compiled import LOW_STALL, compile_fix, launch_bound_share, nvml_utilization
+from ...measure.history import nvml_utilization
+from .compiled import LOW_STALL, compile_fix, launch_bound_share
 
 CUDA_NOTES = "https://docs.pytorch.org/docs/stable/notes/cuda.html"
 LAUNCH_BOUND_UTILIZATION = 0.70
 
 
 def _utilization(facts: Facts) -> float:
-    utilization = nvml_utilization(facts)
+    # facts.gpus raises Missing("NVML GPU samples") where none were taken; too few: below.
+    utilization = nvml_utilization(facts.snapshot) if facts.gpus else None
     if utilization is None:
         raise Missing("GPU utilization samples")
     return utilization
