@@ -125,7 +125,7 @@ class Truth:
     """What the loop measured of itself past the warm-up, by its own clock: the ground truth
     for the findings whose premise a machine's load can change (_premises)."""
     stall: float  # the wait for the next batch (end of one step's body to the start of the next) over the
-    # steps, one-off waits left out (run_job)
+    # steps, one-off waits left out (run_job; over tuneup's window's steps: run_scenario, `over`)
     stall_all: float  # the same with every wait: what the loop's clock says (tuneup's own work at a close too)
     copy_share: float  # the torch.tensor(ndarray) copies' time over the steps'
     step_seconds: float  # the steps' mean time
@@ -141,6 +141,28 @@ class Truth:
     # reports it, totals.tuneup_seconds, and keeps it out of the job's wait; test_steps checks
     # the two add up to the loop's clock): the loop's stall holds it, the job's does not.
     own_share: float = 0.0
+    # (step, the wait before it, its time with the wait) for each step past the warm-up: the loop's step k
+    # is tuneup's step k (both begin at the k-th fetch)
+    waits: tuple[tuple[int, float, float], ...] = ()
+
+    def over(self, first: int, last: int) -> Truth:
+        """The stalls over steps first..last alone: those tuneup's window judged. On a machine whose
+        load changes within the run, the steps a window leaves out (its whole intervals begin a few
+        steps from the warm-up's end) can move a stall near the threshold by more than the margin."""
+        chosen = [(wait, seconds) for step, wait, seconds in self.waits if first <= step <= last]
+        return replace(self, **_stalls(chosen)) if chosen else self
+
+
+def _stalls(waits: list[tuple[float, float]]) -> dict[str, float]:
+    """The two stalls that bound the truth: with every wait, and without one-off waits (over 10x
+    the median wait and a millisecond), which may be the loader's (a fetch descheduled on a busy
+    machine) or not (tuneup's own work at a close, which it leaves out; a collector pause)."""
+    total = sum(seconds for _, seconds in waits)
+    typical = max(10 * statistics.median(wait for wait, _ in waits), 1e-3) if waits else 0.0
+    steady = [(wait, seconds) for wait, seconds in waits if wait <= typical]
+    steady_total = sum(seconds for _, seconds in steady)
+    return {"stall": sum(wait for wait, _ in steady) / steady_total if steady_total else 0.0,
+            "stall_all": sum(wait for wait, _ in waits) / total if total else 0.0}
 
 
 def run_job(job: Job) -> Truth:
@@ -171,7 +193,7 @@ def _train(job: Job) -> Truth:
         table = numpy.random.default_rng(0).standard_normal((job.batch_size, 128 * FEATURES)).astype("float32")
     step, copying = 0, 0.0
     norms: list[torch.Tensor] = []  # the loop's own gradient norms (job.spike_every), read after the run
-    waits: list[tuple[float, float]] = []  # (the wait before a step, its time with the wait), past the warm-up
+    waits: list[tuple[int, float, float]] = []  # (step, the wait before it, its time with the wait), past the warm-up
     ended = time.perf_counter()
     while step < job.steps:
         for x, y in loader:
@@ -213,24 +235,17 @@ def _train(job: Job) -> Truth:
                 net.train()
             now = time.perf_counter()
             if step > WARMUP:
-                waits.append((began - ended, now - ended))
+                waits.append((step, began - ended, now - ended))
             ended = now
             if step >= job.steps:
                 break
         ended = time.perf_counter()  # a new epoch's workers start: not the steady state's wait
     counted = max(1, job.steps - WARMUP)
-    total = sum(seconds for _, seconds in waits)
-    # Two stalls bound the truth: with every wait, and without one-off waits (over 10x the median
-    # wait and a millisecond), which may be the loader's (a fetch descheduled on a busy machine)
-    # or not (tuneup's own work at a close, which it leaves out; a collector pause).
-    typical = max(10 * statistics.median(wait for wait, _ in waits), 1e-3) if waits else 0.0
-    steady = [(wait, seconds) for wait, seconds in waits if wait <= typical]
-    steady_total = sum(seconds for _, seconds in steady)
+    total = sum(seconds for _, _, seconds in waits)
     spikes = _spikes([norm.item() for norm in norms])
-    return Truth(stall=sum(wait for wait, _ in steady) / steady_total if steady_total else 0.0,
-                 stall_all=sum(wait for wait, _ in waits) / total if total else 0.0,
+    return Truth(**_stalls([(wait, seconds) for _, wait, seconds in waits]),
                  copy_share=copying / total if total else 0.0, step_seconds=total / counted,
-                 spike_steps=spikes, judged_steps=max(0, len(norms) - SPIKE_HISTORY))
+                 spike_steps=spikes, judged_steps=max(0, len(norms) - SPIKE_HISTORY), waits=tuple(waits))
 
 
 def _spikes(norms: list[float]) -> frozenset[int]:
@@ -420,7 +435,10 @@ def run_scenario(scenario: Scenario, run_dir: Path, cpu_bf16: bool | None = Fals
             restore()
     histories, source = load(str(run_dir))
     document = build(histories, source=source)
-    totals = document["runs"][0]["snapshot"]["totals"]
+    snapshot = document["runs"][0]["snapshot"]
+    window, totals = snapshot.get("window") or {}, snapshot["totals"]
+    if window.get("first_step") is not None:
+        truth = truth.over(window["first_step"], window["last_step"])
     own = totals.get("tuneup_seconds") or 0.0
     if totals["seconds"] + own > 0:
         truth = replace(truth, own_share=own / (totals["seconds"] + own))

