@@ -587,6 +587,23 @@ def test_data_stall_without_workers_predicts_from_making_and_shipping_a_batch(cp
     assert unknown.gain == pytest.approx(0.4) and "an estimate" in unknown.gain_text
 
 
+def test_data_stall_without_workers_plans_from_the_mean_wait_where_a_few_long_waits_make_most_of_it(cpu_snapshot):
+    # The H100 conv net's figures, main-process loading: a 1.5 ms median wait, a 7 ms mean (a few
+    # 1 s reads), 36% of a 19.5 ms mean step, 16 cores, shipping a batch 1.6 ms. From the median,
+    # workers "would not recover the wait" (a batch cheaper to make than to ship); 0 -> 3 workers
+    # then measured 1.98x. Workers take over all of the making: its mean is the cost.
+    s = stalled(cpu_snapshot, stall=0.36, wait=0.0015, cores=16, own=1.0, transfer=shipping(1.6),
+                fetched={"timed": 10, "cpu_share": 0.5})
+    s["window"]["data_wait_seconds"]["mean"] = 0.00702
+    s["window"]["step_seconds"].update(median=0.0093, mean=0.0195)
+    finding = stall_finding(s)
+    assert "num_workers=8" in finding.fix and finding.can_apply, finding.observed
+    # 8 workers make a batch every (7.02 + 0.05) / 8 ms, well inside 12.5 ms of compute: the wait
+    # left is the shipping.
+    assert finding.evidence["make_seconds"] == pytest.approx(0.00702)
+    assert finding.gain == pytest.approx(0.36 * (1 - 1.6 / 7.02))
+
+
 def test_data_stall_asks_for_fewer_workers_where_a_batch_costs_less_to_make_than_to_ship(cpu_snapshot):
     # 5 workers on 2 cores, wanting 3.5 (0.3 used, 3.2 waited for: the loop and other work hold
     # the cores): 1.15 ms of CPU a batch (0.3 cores x a 4 ms step, less 0.05 ms shipping),

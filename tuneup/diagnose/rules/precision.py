@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...format import percent, seconds
 from ...measure.config import amp_refusal
-from ...measure.precision import shadow_refusal
+from ...measure.precision import CONSISTENT, shadow_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
@@ -17,7 +17,7 @@ AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
 # measured gain there.
 AMP_SPEEDUP_SHARE = 0.5
 AMP_MIN_GAIN = 0.05  # of a step, measured: less is not worth autocast's numerics (and is noise)
-AMP_CONSISTENT = 0.75  # of the trial's interleaved pairs, those where autocast was faster (9 of 12 by chance: 7%)
+AMP_CONSISTENT = CONSISTENT  # of the trial's interleaved pairs, those where autocast was faster (measure/precision.py)
 AMP_MIN_PAIRS = 3
 # TF32 runs fp32 matmuls on Tensor Cores: conservatively a third of forward + backward.
 TF32_SPEEDUP_SHARE = 1 / 3
