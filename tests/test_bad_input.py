@@ -196,3 +196,64 @@ def test_whatever_an_endpoint_answers_watch_and_report_say_one_line(endpoint, pa
     argv = tuneup(command, url, *(["--once"] if command == "watch" else []))
     code, _, stderr, rss = run_measured(argv, env=child_env(), timeout=60)
     assert_clear(code, stderr, rss, (command, payload))
+
+
+LONG = "a" * 5000  # over any file system's name limit (ENAMETOOLONG where the OS looks it up)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["report", "http://[::1"], "is not a URL tuneup can read"),
+    (["report", LONG], "File name too long"),
+    (["run", LONG], "File name too long"),
+    (["daemon", "--port", "0", "--no-gpu", "--registry-dir", LONG], "File name too long"),
+    (["run", "--bogus", "train.py"], "no option --bogus for tuneup run"),
+    (["report", "http://user:secret@127.0.0.1:9/"], "<redacted>@"),
+])
+def test_paths_and_urls_the_os_or_the_parser_refuse_are_one_short_line(args, says, tmp_path):
+    """Paths drawn above seldom reach these (the audit found each by hand): a name too long for
+    the file system, a URL urllib cannot parse, an option `run` does not have; the line quotes
+    the user's text cut short and without a URL's password."""
+    code, _, stderr, rss = run_measured(tuneup(*args), env=child_env(), cwd=tmp_path)
+    assert code == 2 and says in stderr, stderr
+    assert_clear(code, stderr, rss, args)
+    assert len(stderr) < 800 and "secret" not in stderr, stderr
+
+
+def test_a_registry_dir_too_long_for_the_os_is_named_by_watch(tmp_path):
+    code, _, stderr, rss = run_measured(tuneup("watch", "--once"), env=child_env(TUNEUP_REGISTRY_DIR=LONG), cwd=tmp_path)
+    assert code == 2 and "(TUNEUP_REGISTRY_DIR) cannot be read: File name too long" in stderr, stderr
+    assert_clear(code, stderr, rss, "watch")
+
+
+def as_another_user(argv):
+    """argv run by a user who is not root (root reads whatever the mode bits say), or None."""
+    if os.getuid() != 0:
+        return argv
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--user", "--map-user=1000", "--map-group=1000", "true"],
+                                         capture_output=True).returncode != 0:
+        return None
+    return [unshare, "--user", "--map-user=1000", "--map-group=1000", *argv]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "{locked}/train.py"], "cannot open the script"),
+    (["report", "{locked}/run/x"], "cannot read"),
+    (["daemon", "--port", "0", "--no-gpu", "--registry-dir", "{locked}/agents"], "cannot be read"),
+])
+def test_a_path_behind_a_folder_this_user_may_not_search_is_permission_denied(args, says, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "train.py").write_text("print('trained')\n")
+    locked.chmod(0)
+    try:
+        argv = as_another_user(tuneup(*(arg.format(locked=locked) for arg in args)))
+        if argv is None:
+            pytest.skip("root, and no user namespace to drop it in")
+        code, _, stderr, rss = run_measured(argv, env=child_env(), cwd=tmp_path)
+    finally:
+        locked.chmod(0o755)
+    assert code == 2 and says in stderr and "Permission denied" in stderr, stderr
+    assert_clear(code, stderr, rss, args)

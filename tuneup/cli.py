@@ -262,6 +262,9 @@ def run(
     from .launch import LaunchError, exec_script
     from .launch.command import run_environment
 
+    if target.startswith("-") and not os.path.lexists(target):  # an option this command does not have
+        raise UserError(f"no option {target} for tuneup run: its options are -m, --apply and --actions, before "
+                        "the script (see 'tuneup run --help'); the script's own options go after it")
     try:
         overrides = run_environment(apply, actions)
     except ValueError as exc:
@@ -298,9 +301,9 @@ def daemon(
         host = parse_host(host)  # the agent's TUNEUP_HOST rule: empty is not "every interface"
     except ValueError as exc:
         raise UserError(f"--host is empty: {exc}") from None
-    if registry_dir is not None and registry_dir.exists() and not registry_dir.is_dir():
-        raise UserError(f"--registry-dir {registry_dir} is not a directory: give the directory agents announce "
-                        "themselves in")
+    problem = discovery.folder_problem(registry_dir) if registry_dir is not None else None
+    if problem:
+        raise UserError(f"--registry-dir {registry_dir} {problem}: give the directory agents announce themselves in")
     try:
         nvml_module = parse_nvml_module(os.environ.get("TUNEUP_NVML_MODULE", "pynvml"))
     except ValueError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def seconds(value: float | None) -> str:
     if value is None:
@@ -52,7 +54,16 @@ def read_rate(source: dict) -> str:
     return f"{reads:g} read{'s' if reads != 1 else ''} on {steps} of {out_of} sampled steps"
 
 
+LONGEST_QUOTED = 200  # characters of one unbroken run of what the user typed, quoted in an error
+
+
 def one_line(text: str) -> str:
-    """`text` with control characters (newlines, escapes, separators) written as escapes: a
-    message quoting what the user typed stays one line and cannot drive the terminal."""
-    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+    """`text` as one line of an error that quotes what the user typed: control characters
+    (newlines, escapes, separators) written as escapes, so it stays one line and cannot drive
+    the terminal; the user information of any URL in it hidden (redact.url); an unbroken run
+    over LONGEST_QUOTED characters (a 5,000-character path, a 100 KB URL) cut in the middle."""
+    from .redact import url
+
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in url(text))
+    return re.sub(r"\S{%d,}" % (LONGEST_QUOTED + 1),
+                  lambda match: f"{match[0][:80]}…[{len(match[0]):,} characters]…{match[0][-80:]}", text)

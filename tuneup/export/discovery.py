@@ -116,12 +116,28 @@ def _read_entry(path: Path) -> tuple[dict[str, Any], float] | None:
     return entry, info.st_mtime
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why `folder` cannot serve as the registry (a path too long, a parent this user may not
+    search, a file), or None: it is a directory, or does not exist yet (agents create it)."""
+    try:
+        if folder.is_dir() or not folder.exists():
+            return None
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    return "is not a directory"
+
+
 def live_agents(folder: Path | None = None) -> list[dict[str, Any]]:
-    """Entries of the agents still running, oldest first."""
+    """Entries of the agents still running, oldest first (none where the folder cannot be read:
+    folder_problem says why)."""
     entries = []
     folder = directory() if folder is None else folder
     namespace = pid_namespace()
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+    try:
+        paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    except OSError:
+        paths = []
+    for path in paths:
         found = _read_entry(path)
         if found is None:
             continue

@@ -185,6 +185,13 @@ def _regular(path: Path) -> Path:
 
 def log_files(target: Path) -> list[Path]:
     """The live log files of a run directory (or the file itself)."""
+    try:
+        return _log_files(target)
+    except OSError as exc:  # a name too long, a parent this user may not search
+        raise RunLogError(f"cannot read {target}: {exc.strerror or exc}") from None
+
+
+def _log_files(target: Path) -> list[Path]:
     if target.exists() and not target.is_dir():
         return [_regular(target)]
     if not target.exists():

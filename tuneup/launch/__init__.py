@@ -70,6 +70,13 @@ def _check_script(target: str) -> None:
     path = Path(target)
     if not target.strip():
         raise LaunchError("the script's path is empty: give it as `tuneup run train.py`")
+    try:
+        _check_script_path(target, path)
+    except OSError as exc:  # a name too long, a folder this user may not search (python: "can't open file")
+        raise LaunchError(f"cannot open the script {target!r}: {exc.strerror or exc}") from None
+
+
+def _check_script_path(target: str, path: Path) -> None:
     if not path.exists():
         raise LaunchError(f"no script at {target!r}; check the path (for a module, use -m package.module)")
     if path.is_dir() and not (path / "__main__.py").is_file():

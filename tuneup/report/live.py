@@ -21,7 +21,12 @@ from .text import findings_group
 
 def choose_agent() -> str:
     """The URL of the one live agent on this machine; a clear error otherwise."""
-    agents = [entry for entry in discovery.live_agents() if entry.get("url")]
+    folder = discovery.directory()
+    problem = discovery.folder_problem(folder)
+    if problem:
+        raise ReportSourceError(f"the agents' registry {folder} (TUNEUP_REGISTRY_DIR) {problem}: unset it, or "
+                                "give the directory the jobs announce themselves in, or pass the agent's URL")
+    agents = [entry for entry in discovery.live_agents(folder) if entry.get("url")]
     if not agents:
         raise ReportSourceError(
             "no tuneup agent is running on this machine: start a job with tuneup (e.g. `tuneup demo`) "

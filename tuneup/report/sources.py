@@ -22,7 +22,13 @@ class ReportSourceError(Exception):
 
 
 def is_url(target: str) -> bool:
-    return urlparse(target).scheme in ("http", "https")
+    """Whether `target` is an agent's or a daemon's URL (http or https); one that names either
+    scheme but does not parse (`http://[::1`) is refused by name."""
+    try:
+        return urlparse(target).scheme in ("http", "https")
+    except ValueError as exc:
+        raise ReportSourceError(f"{target} is not a URL tuneup can read ({exc}): give the one the job printed, "
+                                "e.g. http://127.0.0.1:9477/") from None
 
 
 JobRuns = tuple[list[RunHistory], str]  # a job's runs (one per rank) and where they came from
