@@ -1291,3 +1291,30 @@ def test_another_trial_stops_where_its_expected_cost_outweighs_what_it_may_save(
     # Settle steps count too: 10 steps of worker start-up taking 0.25 s where the baseline's took 0.1 s.
     settled = [dict(trial("reverted"), settle={"steps": 10, "seconds": 0.25}) for _ in range(2)]
     assert "cost the job 1.30 s" in why(settled, 400)
+    # So do those after the undo (the old workers starting again), and both add up.
+    undone_settled = [dict(trial("reverted"), undo_settle={"steps": 10, "seconds": 0.25}) for _ in range(2)]
+    assert "cost the job 1.30 s" in why(undone_settled, 400)
+    both = [dict(record, settle={"steps": 10, "seconds": 0.2}) for record in undone_settled]
+    assert "cost the job 1.50 s" in why(both, 400)
+
+
+def test_the_steps_after_an_undo_are_costed_once_they_closed():
+    """Experimenter._undo_settled on a real step ring: an undo at the close of step 30 with 5
+    settle steps; steps 31-35 took 30 ms each (the old workers starting), the rest 10 ms."""
+    from types import SimpleNamespace
+
+    from tuneup.act.experimenter import Experimenter
+    from tuneup.measure.hotpath import StepTimeline
+
+    timeline = StepTimeline(64, fail=lambda name, exc: None)
+    now = 0.0
+    for step in range(1, 41):
+        now += 0.030 if 31 <= step <= 35 else 0.010
+        timeline.close(now)
+    record = {"decision": "reverted"}
+    me = SimpleNamespace(job=SimpleNamespace(timeline=timeline), _undo_settling=[(record, 31, 35)])
+    Experimenter._undo_settled(me, 34)  # step 35 not closed yet: nothing
+    assert "undo_settle" not in record and me._undo_settling
+    Experimenter._undo_settled(me, 40)
+    assert record["undo_settle"]["steps"] == 5 and record["undo_settle"]["seconds"] == pytest.approx(0.150)
+    assert me._undo_settling == []

@@ -352,6 +352,10 @@ def test_an_hf_trainer_with_accumulation_evaluation_and_a_cosine_schedule_under_
         totals, window = snapshot["totals"], snapshot["window"]
         assert totals["steps"] == totals["optimizer_steps"] == 60
         assert window["backward_passes_per_step"] == 2.0  # gradient_accumulation_steps=2
+        # per_device_train_batch_size=8, two micro-batches a step: the report says both.
+        text = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir)], capture_output=True,
+                              text=True, timeout=60, env=dict(env, COLUMNS="200")).stdout
+        assert "(batch 8, 2 batches a step: 16 samples)" in text, text
         assert totals["evaluation"]["phases"] == 3
         # The training loader's wait is the training set's own reads (the loader fetches one
         # batch ahead: its last is never trained on), the evaluation set's are not in it.
@@ -371,6 +375,11 @@ def test_an_hf_trainer_with_accumulation_evaluation_and_a_cosine_schedule_under_
         # Each fix in the Trainer's own settings.
         assert found["data-stall"]["fix"].startswith("TrainingArguments(..., dataloader_num_workers=")
         assert "TrainingArguments(..., logging_nan_inf_filter=False)" in found["host-syncs"]["fix"]
+        # BERT's attention-mask check (transformers/masking_utils.py padding_mask.all(): the
+        # tokenizer pads, so it reads every forward): its knob after the filter's.
+        mask_check = [s for s in sources if "transformers/masking_utils.py:" in s["location"]]
+        assert mask_check and mask_check[0]["per_step"] == 2.0, sources
+        assert "TrainingArguments(..., torch_compile=True)" in found["host-syncs"]["fix"]
         assert any(e.get("event") == "framework" and e.get("framework") == "transformers"
                    and e.get("gradient_accumulation_steps") == 2 for e in events(run_dir))
 

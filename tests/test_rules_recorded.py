@@ -421,6 +421,32 @@ def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
     assert fired(s)["host-syncs"].gain == pytest.approx(0.4 - s["window"]["stall_ratio"])
 
 
+@pytest.mark.parametrize("framework, compiled", [("transformers", "TrainingArguments(..., torch_compile=True)"),
+                                                 ("accelerate", 'Accelerator(..., dynamo_backend="inductor")'),
+                                                 (None, "model = torch.compile(model)")])
+def test_host_syncs_inside_transformers_get_each_of_their_knobs(cpu_snapshot, framework, compiled):
+    # The HF fine-tune's reads (tests/programs/hf_finetune.py): the Trainer's NaN/inf filter 4
+    # a step, BERT's attention-mask check 2 (transformers/masking_utils.py padding_mask.all()).
+    s = copy.deepcopy(cpu_snapshot)
+    if framework:
+        s["config"]["framework"] = {"framework": framework}
+    site = "/venv/lib/python3.11/site-packages/transformers/"
+    s["syncs"].update(per_step=6.0, by_kind={"isnan/isinf": 4.0, "bool": 2.0}, top_sources=[
+        {"kind": "isnan/isinf", "location": site + "trainer.py:2712", "per_step": 4.0},
+        {"kind": "bool", "location": site + "masking_utils.py:354", "per_step": 2.0}])
+    fix = fired(s)["host-syncs"].fix
+    nan_filter, mask = fix.index("logging_nan_inf_filter=False"), fix.index(compiled)
+    assert nan_filter < mask and "running_loss" not in fix, fix
+    # The mask check alone leads: its knob alone.
+    s["syncs"]["top_sources"] = s["syncs"]["top_sources"][1:] + [
+        {"kind": "item", "location": "train.py:40", "per_step": 1.0}]
+    fix = fired(s)["host-syncs"].fix
+    assert fix.startswith(compiled) and "nan_inf" not in fix
+    # The job's own read leading: the loop's fix, as before.
+    s["syncs"]["top_sources"] = s["syncs"]["top_sources"][::-1]
+    assert fired(s)["host-syncs"].fix.startswith("running_loss += loss.detach()")
+
+
 def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):
     """A rule whose threshold is crossed but whose measured gain is under MIN_GAIN passes, with
     its gain kept under `slight` and named in the report's summary line: numpy copies that take

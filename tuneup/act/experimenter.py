@@ -110,12 +110,13 @@ class _Trial:
 
 
 def _trial_cost(record: dict[str, Any]) -> float:
-    """Seconds a judged trial cost the job: its window's and its settle steps' time over what
-    the same steps took at the baseline's mean (none where they were faster)."""
+    """Seconds a judged trial cost the job: its window's, its settle steps' and, once it was
+    undone, the settle steps after the undo (`undo_settle`: the old workers starting again)
+    time over what the same steps took at the baseline's mean (none where they were faster)."""
     base = record["baseline"]["mean_step_seconds"]
-    settle = record.get("settle") or {"steps": 0, "seconds": 0.0}
-    return (max(0.0, record["trial"]["mean_step_seconds"] - base) * record["trial"]["steps"]
-            + max(0.0, settle["seconds"] - settle["steps"] * base))
+    extra = sum(max(0.0, settle["seconds"] - settle["steps"] * base)
+                for settle in (record.get("settle"), record.get("undo_settle")) if settle)
+    return max(0.0, record["trial"]["mean_step_seconds"] - base) * record["trial"]["steps"] + extra
 
 
 class _Energy:
@@ -190,6 +191,8 @@ class Experimenter:
         self._undone = 0
         self._revert_request: tuple[str, threading.Event] | None = None
         self._worth_looking = False  # some action is busy or has a finding to fix (see publish)
+        # Undone trials whose settle steps after the undo have yet to close: (record, first, last)
+        self._undo_settling: list[tuple[dict[str, Any], int, int]] = []
         self.energy = _Energy(job.energy, self._job_gpus)
         job.guard_failed = self._fail
 
@@ -328,8 +331,21 @@ class Experimenter:
                 f"{expected_cost:.2f} s against {may_save:.2f} s it may save ({gain:.0%} of a step over a run as long "
                 f"again as the {steps} steps so far, at a {chance:.0%} chance of a keep)")
 
+    def _undo_settled(self, last: int) -> None:
+        """The settle steps after an undo, once closed (`last`: the newest step in the ring): their
+        time goes into the undone trial's record (`undo_settle`), and so into its cost."""
+        ring = self.job.timeline.ring
+        for entry in [entry for entry in self._undo_settling if entry[2] <= last]:
+            self._undo_settling.remove(entry)
+            record, first, end = entry
+            if ring.holds(first):
+                settle = ring.columns(first, end)["step_seconds"]
+                record["undo_settle"] = {"steps": len(settle), "seconds": sum(settle)}
+
     def _maybe_start(self, step: int) -> None:
         last = step - 1
+        if self._undo_settling:
+            self._undo_settled(last)
         if last - self.stable_since + 1 < MIN_WINDOW or step < self._next_look:
             return
         if not self._anything_to_try():
@@ -452,6 +468,8 @@ class Experimenter:
         else:
             self._take_back(trial.change, step)
             self._reusable = trial.baseline
+            if trial.change.settle_steps:  # the old setting settles again (workers restart): costed once closed
+                self._undo_settling.append((record, step + 1, step + trial.change.settle_steps))
         trial.action.decided(trial.change, record)
         self._emit(record)
 

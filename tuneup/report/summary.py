@@ -345,10 +345,15 @@ def batch_text(window: dict[str, Any], config: dict[str, Any] | None) -> str | N
     """The batch size as the job set it: its DataLoaders' batch_size where they agree (the
     window's mean is lower when an epoch's last batch is short), else the mean per batch."""
     sizes = {loader.get("batch_size") for loader in (config or {}).get("loaders") or []}
+    fetches = window.get("fetches_per_step") or 0
     if len(sizes) == 1 and None not in sizes:
-        return f"batch {sizes.pop()}"
+        size = sizes.pop()
+        if fetches >= 1.5 and isinstance(size, int):  # gradient accumulation: a step is several batches
+            batches = round(fetches) if abs(fetches - round(fetches)) < 0.05 else round(fetches, 1)
+            return f"batch {size}, {batches:g} batches a step: {size * batches:g} samples"
+        return f"batch {size}"
     mean = window.get("batch_size")
-    if mean and not window.get("fetches_per_step"):  # no DataLoader: the forwards' batch, per step
+    if mean and not fetches:  # no DataLoader: the forwards' batch, per step
         return f"{mean:.0f} samples a step, the forward's batch" if mean == round(mean) else \
             f"{mean:.1f} samples a step on average, the forward's batch"
     return f"{mean:.1f} samples per batch on average" if mean else None

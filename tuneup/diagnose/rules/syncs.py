@@ -12,6 +12,12 @@ SYNCS_PER_STEP = 1.0
 
 
 FRAMEWORK_SYNC = "transformers/trainer.py"  # where the HF Trainer reads each step's loss (nan/inf filter)
+# Where transformers reads each forward's attention mask to see whether any token is padding
+# (transformers 5 masking_utils `padding_mask.all()`, so that SDPA or FlashAttention can run
+# without a mask; 4.x modeling_attn_mask_utils `torch.all(mask == 1)`): two reads a step in a
+# BERT fine-tune. It is skipped while tracing (masking_utils: `is_tracing(padding_mask)`, true
+# under torch.compile) and where the batch has no mask.
+MASK_CHECK_SYNC = ("transformers/masking_utils.py", "transformers/modeling_attn_mask_utils.py")
 # Lightning's own reads: the values its progress bar and loggers show, read on each refresh
 # (lightning/fabric/utilities/apply_func.py to_item, from the progress bar's get_metrics).
 LIGHTNING_SYNC = ("lightning/pytorch/", "lightning/fabric/", "pytorch_lightning/", "lightning_fabric/")
@@ -70,10 +76,13 @@ def host_syncs(facts: Facts) -> Evidence | None:
         # 0 with prog_bar=False, 1.1 with TQDMProgressBar(refresh_rate=50) (not offered).
         fix = ("self.log(\"train_loss\", loss, prog_bar=False)   # a progress-bar value is read to the host "
                "every step\n# or: L.Trainer(..., enable_progress_bar=False)")
-    if any(FRAMEWORK_SYNC in s["location"] for s in sources[:1]):
-        # The Hugging Face Trainer's own check of every step's loss for NaN/inf.
-        fix = ("TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every "
-               "step's loss\n# (a NaN loss then shows in the logged loss instead of being skipped in it)")
+    # transformers' own reads, where they lead: each one's knob, in the order they rank.
+    knobs = [knob for knob in dict.fromkeys(_transformers_knob(s["location"]) for s in sources[:3]) if knob]
+    if knobs and _transformers_knob(sources[0]["location"]):
+        fix = "\n".join(facts.spoken(_TRANSFORMERS_KNOBS[knob], **{framework: _TRANSFORMERS_KNOBS[f"{knob}_{framework}"]
+                                                                   for framework in ("transformers", "accelerate")
+                                                                   if f"{knob}_{framework}" in _TRANSFORMERS_KNOBS})
+                        for knob in knobs)
     return Evidence(
         observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
         numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": by_kind.get(GRAD_SCALER_KIND, 0.0),
@@ -84,3 +93,26 @@ def host_syncs(facts: Facts) -> Evidence | None:
         gain_text=gain_text,
         severity="high" if per_step >= 3 and on_gpu else None,
     )
+
+
+def _transformers_knob(location: str) -> str | None:
+    """Which of transformers' own reads a source line is: the Trainer's NaN/inf filter, the
+    attention-mask check, or None."""
+    if FRAMEWORK_SYNC in location:
+        return "nan"
+    return "mask" if any(part in location for part in MASK_CHECK_SYNC) else None
+
+
+_TRANSFORMERS_KNOBS = {
+    "nan": "TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every step's loss\n"
+           "# (a NaN loss then shows in the logged loss instead of being skipped in it)",
+    "mask": "model = torch.compile(model)   # transformers checks each forward's attention mask for padding\n"
+            "# (a read), except while tracing; or, where batches have no padding (packed, fixed-length\n"
+            "# sequences), leave attention_mask out of them: nothing to check",
+    "mask_transformers": "TrainingArguments(..., torch_compile=True)   # transformers checks each forward's attention\n"
+                         "# mask for padding (a read), except while tracing; or, where batches have no padding (packed,\n"
+                         "# fixed-length sequences), leave attention_mask out of them: nothing to check",
+    "mask_accelerate": "Accelerator(..., dynamo_backend=\"inductor\")   # transformers checks each forward's attention\n"
+                       "# mask for padding (a read), except while tracing; or, where batches have no padding (packed,\n"
+                       "# fixed-length sequences), leave attention_mask out of them: nothing to check",
+}
