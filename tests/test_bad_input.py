@@ -208,6 +208,7 @@ LONG = "a" * 5000  # over any file system's name limit (ENAMETOOLONG where the O
     (["daemon", "--port", "0", "--no-gpu", "--registry-dir", LONG], "File name too long"),
     (["run", "--bogus", "train.py"], "no option --bogus for tuneup run"),
     (["report", "http://user:secret@127.0.0.1:9/"], "<redacted>@"),
+    (["report", "ftp://127.0.0.1/"], "is a ftp URL: tuneup reads a run directory"),
 ])
 def test_paths_and_urls_the_os_or_the_parser_refuse_are_one_short_line(args, says, tmp_path):
     """Paths drawn above seldom reach these (the audit found each by hand): a name too long for

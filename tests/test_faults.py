@@ -226,3 +226,14 @@ def test_a_failing_replacement_turns_its_probe_off_and_never_reaches_the_job(run
     assert losses == plain  # the job went on exactly as without tuneup
     assert ours == [f"tuneup: {probe} probe turned off after an internal error: RuntimeError: simulated probe bug"]
     assert agent.snapshot()["probes"][probe] == "off"
+
+
+def test_a_run_directory_that_is_a_file_is_said_so_once_and_training_goes_on(tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("the user's file\n")
+    result = subprocess.run([sys.executable, str(PROGRAMS / "fault_job.py"), "--agent", "on", "--snapshot",
+                             "--run-dir", str(taken)], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert result.returncode == 0 and "done steps=40" in result.stdout, result.stderr
+    [warning] = agent_lines(result.stderr)
+    assert f"cannot write {taken}: it or a folder above it is a file, not a directory" in warning, warning
+    assert taken.read_text() == "the user's file\n"  # untouched

@@ -109,7 +109,13 @@ class RunLog:
         self._size = len(line)
 
     def _failed(self, exc: OSError) -> None:
-        self.error = f"{exc.strerror or exc} ({exc.filename or self.path})"
+        """What went wrong, as the end of "cannot write ...": the path first, then why."""
+        where = exc.filename or self.path
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):  # the run directory (or a parent) is a file
+            self.error = (f"{where}: it or a folder above it is a file, not a directory (TUNEUP_RUN_DIR / run_dir "
+                          "names the directory to log to)")
+        else:
+            self.error = f"{where}: {exc.strerror or exc}"
         self.close()
 
     def close(self) -> None:

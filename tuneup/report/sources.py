@@ -25,7 +25,11 @@ def is_url(target: str) -> bool:
     """Whether `target` is an agent's or a daemon's URL (http or https); one that names either
     scheme but does not parse (`http://[::1`) is refused by name."""
     try:
-        return urlparse(target).scheme in ("http", "https")
+        scheme = urlparse(target).scheme
+        if "://" in target and scheme not in ("http", "https"):
+            raise ReportSourceError(f"{target} is a {scheme or 'scheme-less'} URL: tuneup reads a run directory, a run "
+                                    "log, or an agent's or daemon's http(s) URL")
+        return scheme in ("http", "https")
     except ValueError as exc:
         raise ReportSourceError(f"{target} is not a URL tuneup can read ({exc}): give the one the job printed, "
                                 "e.g. http://127.0.0.1:9477/") from None
