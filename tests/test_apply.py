@@ -324,8 +324,9 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
 
     assert window > MIN_WINDOW, second["trial"]
     # Started once 24 steps ran with the job's settings again (after the settle steps and at
-    # most one look's wait), not a whole window later: its baseline began in the undone trial's.
-    assert second["applied_step"] - first["decided_step"] < first["decided_step"] - first["applied_step"]
+    # most one look's wait), not a whole window later: its baseline began before the undone
+    # trial's change. (Step counts alone cannot tell the two apart where a window is near 24
+    # steps: a busy run's first trial took 31 steps with its settle, the wait after it 32.)
     assert second["baseline"]["first_step"] < first["applied_step"], (first["baseline"], second["baseline"])
 
 

@@ -91,23 +91,26 @@ def test_never_timed_where_amp_off_cannot_fire(run_dir, case):
 
 
 class Paced(nn.Module):
-    """A model whose forward sleeps: 5 ms in fp32; under autocast 2 ms, or 8 ms on the reduced
-    passes listed in `slow` (counted from 1 after the warm-up pair's): which pass of a pair is
-    faster is set by the model, several milliseconds apart, not by the machine."""
+    """A model whose forward takes 5 ms in fp32; under autocast 2 ms, or 8 ms on the reduced
+    passes listed in `slow` (counted from 1 after the warm-up pair's), by the trial's clock,
+    which only the forward advances: which pass of a pair is faster is set by the model, not by
+    the machine (sleeps were not: beside busy processes a 2 ms sleep woke after a 5 ms one)."""
 
     def __init__(self, slow: set[int]):
         super().__init__()
         self.linear = nn.Linear(4, 1)
         self.slow, self.reduced_calls = slow, -1  # the warm-up pair's reduced pass is call 0
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
 
     def forward(self, x):
-        import time
-
         if torch.is_autocast_enabled("cpu"):
             self.reduced_calls += 1
-            time.sleep(0.008 if self.reduced_calls in self.slow else 0.002)
+            self.now += 0.008 if self.reduced_calls in self.slow else 0.002
         else:
-            time.sleep(0.005)
+            self.now += 0.005
         return self.linear(x)
 
 
@@ -116,14 +119,17 @@ class Paced(nn.Module):
     ({2, 5, 8, 11}, 24, 20),  # 8 of 12: unclear, 12 more pairs settle it (20 of 24)
     ({1, 2, 3, 5, 6, 7, 9, 10, 11}, 12, 3),  # slower in most: clear the other way, no more pairs
 ])
-def test_an_unclear_first_block_of_pairs_gets_a_second(slow, pairs, faster):
+def test_an_unclear_first_block_of_pairs_gets_a_second(slow, pairs, faster, monkeypatch):
+    from types import SimpleNamespace
+
+    from tuneup.measure import precision
     from tuneup.measure.hotpath import StepTimeline
-    from tuneup.measure.precision import PrecisionTrial
 
     class Probe:
         on = True
 
-    trial = PrecisionTrial(StepTimeline(16, fail=lambda name, exc: None), Probe())
+    trial = precision.PrecisionTrial(StepTimeline(16, fail=lambda name, exc: None), Probe())
     model = Paced(slow)
+    monkeypatch.setattr(precision, "time", SimpleNamespace(perf_counter=model.perf_counter))
     result = trial._time(model, ((torch.randn(2, 4),), {}), {"hardware": {"cpu_bf16": True}}, budget=10.0)
     assert (result["pairs"], result["faster_pairs"]) == (pairs, faster), result
