@@ -980,8 +980,10 @@ def slow_worker_start(_worker_id):
 def test_persistent_workers_on_long_epochs_is_passed_over_with_the_start_up_it_would_save(run_dir):
     """Epochs of 650 steps (longer than a trial can span): persistent_workers is not tried; the
     reason says what the latest epoch's start cost. Ground truth from the loop's own clock: the
-    second epoch's `for` statement to its first batch (iter() starting two workers that each
-    sleep 0.2 s in worker_init_fn, then the first fetch), against an epoch of ~650 short steps."""
+    first epoch's last step's end to the second epoch's first batch (the fetch that ends the
+    epoch and shuts its two workers down, iter() starting two more that each sleep 0.2 s in
+    worker_init_fn, then the first fetch: persistent workers would save all of it; beside busy
+    processes the shutdown alone took some 60 ms), against an epoch of ~650 short steps."""
     from tuneup.act.actions.dataloader import DataLoaderTuning
 
     torch.manual_seed(0)
@@ -991,14 +993,16 @@ def test_persistent_workers_on_long_epochs_is_passed_over_with_the_start_up_it_w
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     agent = tuneup.attach(**apply_options(run_dir, actions=["dataloader"]))
     try:
+        ended = time.perf_counter()
         for epoch in range(2):
-            began, start_up = time.perf_counter(), None
+            start_up = None
             for step, (x, y) in enumerate(loader):
                 if start_up is None:
-                    start_up = time.perf_counter() - began
+                    start_up = time.perf_counter() - ended
                 optimizer.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
                 optimizer.step()
+                ended = time.perf_counter()
                 if epoch == 1 and step == 20:
                     break
         said = DataLoaderTuning._start_up_said(agent.experimenter.job, loader, len(loader))

@@ -343,20 +343,27 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
 
 def batch_text(window: dict[str, Any], config: dict[str, Any] | None) -> str | None:
     """The batch size as the job set it: its DataLoaders' batch_size where they agree (the
-    window's mean is lower when an epoch's last batch is short), else the mean per batch."""
+    window's mean is lower when an epoch's last batch is short), else the mean per batch (a
+    loader built on a batch sampler, as Accelerate's are, says None); with the batches a step
+    where there are several (gradient accumulation)."""
     sizes = {loader.get("batch_size") for loader in (config or {}).get("loaders") or []}
     fetches = window.get("fetches_per_step") or 0
+    mean = window.get("batch_size")
     if len(sizes) == 1 and None not in sizes:
         size = sizes.pop()
-        if fetches >= 1.5 and isinstance(size, int):  # gradient accumulation: a step is several batches
-            batches = round(fetches) if abs(fetches - round(fetches)) < 0.05 else round(fetches, 1)
-            return f"batch {size}, {batches:g} batches a step: {size * batches:g} samples"
-        return f"batch {size}"
-    mean = window.get("batch_size")
-    if mean and not fetches:  # no DataLoader: the forwards' batch, per step
+        text = f"batch {size}"
+    elif mean and not fetches:  # no DataLoader: the forwards' batch, per step
         return f"{mean:.0f} samples a step, the forward's batch" if mean == round(mean) else \
             f"{mean:.1f} samples a step on average, the forward's batch"
-    return f"{mean:.1f} samples per batch on average" if mean else None
+    elif mean:
+        size = mean
+        text = f"batch {mean:.0f}" if mean == round(mean) else f"{mean:.1f} samples per batch on average"
+    else:
+        return None
+    if fetches >= 1.5 and isinstance(size, (int, float)):  # gradient accumulation: a step is several batches
+        batches = round(fetches) if abs(fetches - round(fetches)) < 0.05 else round(fetches, 1)
+        text += f", {batches:g} batches a step: {size * batches:.4g} samples"
+    return text
 
 
 def render(snapshot: dict[str, Any]) -> Group:
