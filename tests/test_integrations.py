@@ -295,6 +295,59 @@ def test_lightning_automatic_optimization_its_closure_is_the_loops_and_the_optim
     assert window["optimizer_seconds"]["median"] < 0.02 <= window["step_seconds"]["median"]
 
 
+def test_lightning_automatic_and_manual_optimization_split_the_same_step_alike(tmp_path):
+    """The same LightningModule trained with automatic optimization (training_step runs inside
+    `optimizer.step(closure)`) and with manual optimization (`self.automatic_optimization =
+    False`: zero_grad, manual_backward and step in training_step), every step a detail step.
+    Ground truth from the code: 40 steps each, no host read in either loop (AdamW's own
+    step-counter reads are inside its step), the same forward, backward and AdamW update on the
+    same batches. Automatic optimization once read 4x manual's optimizer phase (the closure's
+    forward and backward counted in it); it must be manual's within this machine's noise."""
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self, automatic):
+            super().__init__()
+            self.automatic_optimization = automatic
+            self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if self.automatic_optimization:
+                return loss
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            return None
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    windows = {}
+    for automatic in (True, False):
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(40 * 64, 64), torch.randn(40 * 64, 1))
+        trainer = L.Trainer(max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        agent = tuneup.attach(trainer, run_dir=tmp_path / str(automatic), detail_every=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Module(automatic), DataLoader(data, batch_size=64))
+        snapshot = agent.snapshot()
+        assert snapshot["totals"]["optimizer_steps"] == 40, (automatic, snapshot["totals"])
+        assert snapshot["window"]["syncs_per_step"] == 0.0, (automatic, snapshot["syncs"])
+        windows[automatic] = snapshot["window"]
+    auto, manual = ({part: windows[key][f"{part}_seconds"]["median"] for part in ("forward", "backward", "optimizer")}
+                    for key in (True, False))
+    print("figure:", auto, manual)
+    assert auto["forward"] > 0 and auto["backward"] > 0, auto  # the closure's passes are forward and backward
+    # Within noise: the same update, as the same machine times it twice (a 4x phase was the bug).
+    assert auto["optimizer"] <= 2 * manual["optimizer"] + 2e-4 and manual["optimizer"] <= 2 * auto["optimizer"] + 2e-4, \
+        (auto, manual)
+
+
 def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_change(tmp_path):
     """tests/programs/lightning_fit.py, as Lightning's docs write a job, with no tuneup in it.
     Ground truth from the code: 120 steps, a training loader of tensors (no wait of its own), 4
