@@ -422,7 +422,7 @@ def test_host_syncs_on_cuda_has_a_gain_from_gpu_idle_time(cpu_snapshot):
 
 
 @pytest.mark.parametrize("framework, compiled", [("transformers", "TrainingArguments(..., torch_compile=True)"),
-                                                 ("accelerate", 'Accelerator(..., dynamo_backend="inductor")'),
+                                                 ("accelerate", 'accelerator = Accelerator(dynamo_backend="inductor")'),
                                                  (None, "model = torch.compile(model)")])
 def test_host_syncs_inside_transformers_get_each_of_their_knobs(cpu_snapshot, framework, compiled):
     # The HF fine-tune's reads (tests/programs/hf_finetune.py): the Trainer's NaN/inf filter 4

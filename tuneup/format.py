@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .redact import url
+
 
 def seconds(value: float | None) -> str:
     if value is None:
@@ -62,8 +64,6 @@ def one_line(text: str) -> str:
     (newlines, escapes, separators) written as escapes, so it stays one line and cannot drive
     the terminal; the user information of any URL in it hidden (redact.url); an unbroken run
     over LONGEST_QUOTED characters (a 5,000-character path, a 100 KB URL) cut in the middle."""
-    from .redact import url
-
     text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in url(text))
     return re.sub(r"\S{%d,}" % (LONGEST_QUOTED + 1),
                   lambda match: f"{match[0][:80]}…[{len(match[0]):,} characters]…{match[0][-80:]}", text)

@@ -6,7 +6,7 @@ from ...measure.copies import BLOCKING_COPY_KIND
 from ...measure.syncs import DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ...format import read_rate
 from ..rule import Evidence, Facts, rule
-from .compiled import gpu_busy_share
+from .compiled import compile_fix, gpu_busy_share
 
 SYNCS_PER_STEP = 1.0
 
@@ -77,12 +77,9 @@ def host_syncs(facts: Facts) -> Evidence | None:
         fix = ("self.log(\"train_loss\", loss, prog_bar=False)   # a progress-bar value is read to the host "
                "every step\n# or: L.Trainer(..., enable_progress_bar=False)")
     # transformers' own reads, where they lead: each one's knob, in the order they rank.
-    knobs = [knob for knob in dict.fromkeys(_transformers_knob(s["location"]) for s in sources[:3]) if knob]
-    if knobs and _transformers_knob(sources[0]["location"]):
-        fix = "\n".join(facts.spoken(_TRANSFORMERS_KNOBS[knob], **{framework: _TRANSFORMERS_KNOBS[f"{knob}_{framework}"]
-                                                                   for framework in ("transformers", "accelerate")
-                                                                   if f"{knob}_{framework}" in _TRANSFORMERS_KNOBS})
-                        for knob in knobs)
+    knobs = [knob for knob in dict.fromkeys(_transformers_read(s["location"]) for s in sources[:3]) if knob]
+    if knobs and _transformers_read(sources[0]["location"]):
+        fix = "\n".join(NAN_FILTER_FIX if knob == "nan" else compile_fix(facts) + MASK_CHECK_NOTE for knob in knobs)
     return Evidence(
         observed=f"{per_step:.1f} {meaning} per step" + (f": {where}" if where else ""),
         numbers={"syncs_per_step": per_step, "grad_scaler_syncs_per_step": by_kind.get(GRAD_SCALER_KIND, 0.0),
@@ -95,24 +92,16 @@ def host_syncs(facts: Facts) -> Evidence | None:
     )
 
 
-def _transformers_knob(location: str) -> str | None:
-    """Which of transformers' own reads a source line is: the Trainer's NaN/inf filter, the
-    attention-mask check, or None."""
+def _transformers_read(location: str) -> str | None:
+    """Which of transformers' own reads a source line is: the Trainer's NaN/inf filter ("nan"),
+    the attention-mask check ("mask"), or None."""
     if FRAMEWORK_SYNC in location:
         return "nan"
     return "mask" if any(part in location for part in MASK_CHECK_SYNC) else None
 
 
-_TRANSFORMERS_KNOBS = {
-    "nan": "TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every step's loss\n"
-           "# (a NaN loss then shows in the logged loss instead of being skipped in it)",
-    "mask": "model = torch.compile(model)   # transformers checks each forward's attention mask for padding\n"
-            "# (a read), except while tracing; or, where batches have no padding (packed, fixed-length\n"
-            "# sequences), leave attention_mask out of them: nothing to check",
-    "mask_transformers": "TrainingArguments(..., torch_compile=True)   # transformers checks each forward's attention\n"
-                         "# mask for padding (a read), except while tracing; or, where batches have no padding (packed,\n"
-                         "# fixed-length sequences), leave attention_mask out of them: nothing to check",
-    "mask_accelerate": "Accelerator(..., dynamo_backend=\"inductor\")   # transformers checks each forward's attention\n"
-                       "# mask for padding (a read), except while tracing; or, where batches have no padding (packed,\n"
-                       "# fixed-length sequences), leave attention_mask out of them: nothing to check",
-}
+NAN_FILTER_FIX = ("TrainingArguments(..., logging_nan_inf_filter=False)   # the Trainer stops reading every step's loss\n"
+                  "# (a NaN loss then shows in the logged loss instead of being skipped in it)")
+# After compile_fix (in the job's framework's words): transformers skips the check while tracing.
+MASK_CHECK_NOTE = ("\n# transformers checks each forward's attention mask for padding (a read), except while tracing;\n"
+                   "# or, where batches have no padding (packed, fixed-length sequences), leave attention_mask out of them")
