@@ -2,7 +2,7 @@
 whatever else the machine is doing, where timings on a shared 2-core host swing by more than
 the cost being measured.
 
-    python benchmarks/bench_instructions.py [--against DIR] [--apply] [--steps 1000] [--jobs 3]
+    python benchmarks/bench_instructions.py [--against DIR] [--apply] [--floor] [--steps 1000] [--jobs 3]
                                             [--workload "~5 ms step"]
 
 The ~0.4 ms CPU step of bench_overhead.py (its workload and loop: an MLP on pre-batched data,
@@ -20,7 +20,10 @@ as the sampler's first drain paces them, by the bare step's time measured outsid
 nothing to act on (no findings reach it while the sampler is stopped): it should cost what
 advise mode costs. Repeated runs agree to about 3,000 instructions per step (the garbage
 collector, the loader's shuffle thread; one checkout gave 43.3k, 46.0k, 43.8k and 43.5k added
-in four runs): differences below that are noise, so compare within one run. Needs valgrind
+in four runs, before a full garbage collection was kept out of the count; now gc.freeze() after the
+warm-up): differences below that are noise, so compare within one run. With --floor, the loop with
+pass-through wrappers and no-op hooks in tuneup's places: what intercepting those calls costs
+before any work is done (about 8,000 of tuneup's 30,000 on the plain steps of the ~0.4 ms step). Needs valgrind
 (Debian: apt-get install valgrind); a run takes minutes.
 """
 
@@ -56,6 +59,19 @@ if mode == "time":
     wall, _ = loop(*job, steps)
     print(wall / (steps - WARMUP_STEPS))
     sys.exit()
+if mode == "floor":  # interception alone: what any agent hooking these calls pays before doing anything
+    import importlib
+    from torch import nn
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    steps_module = importlib.import_module("torch.optim.optimizer")
+    steps_module.register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: None)
+    steps_module.register_optimizer_step_post_hook(lambda optimizer, args, kwargs: None)
+    for owner, name in ((_BaseDataLoaderIter, "__next__"), (nn.Sequential, "forward"), (torch.Tensor, "backward"),
+                        (torch.optim.Optimizer, "zero_grad")):
+        def passing(*args, _original=owner.__dict__[name], **kwargs):
+            return _original(*args, **kwargs)
+        setattr(owner, name, passing)
 if mode in ("tuneup", "apply"):
     agent = tuneup.attach(log=False, serve=False, gpu=False, mode="advise" if mode == "tuneup" else "apply")
     if hasattr(agent, "ticker"):  # the background sampler: see the module docstring
@@ -64,6 +80,9 @@ if mode in ("tuneup", "apply"):
         agent._stop.set()
         agent._thread.join()
 loop(*job, warmup)
+import gc
+gc.collect()
+gc.freeze()  # no full collection of torch's objects inside the count (it swung runs by 30,000 a step)
 timeline = agent.recorder.timeline if mode in ("tuneup", "apply") else None
 if hasattr(timeline, "pace"):  # the detail rate the sampler's first drain sets, from the step's native time
     timeline.pace(native_step)  # (under valgrind's fifty-fold slowdown every step looks long)
@@ -97,6 +116,10 @@ def main() -> None:
                         help="steps run before counting begins (over 30; past 1000 closed, the detail steps are paced)")
     parser.add_argument("--workload", default="~0.4 ms step", help="a workload of bench_overhead.py, by name")
     parser.add_argument("--jobs", type=int, default=3)
+    parser.add_argument("--floor", action="store_true",
+                        help="also the loop with pass-through wrappers of the calls tuneup wraps (DataLoader "
+                             "__next__, the model's forward, backward, zero_grad) and no-op optimizer step hooks: "
+                             "the cost of intercepting them at all")
     parser.add_argument("--apply", action="store_true",
                         help="also apply mode with nothing to act on (no findings reach it: the sampler is stopped)")
     args = parser.parse_args()
@@ -109,6 +132,8 @@ def main() -> None:
     if args.against is not None:
         checkouts[str(args.against)] = args.against.resolve()
     configs = {"bare loop": ("bare", ROOT)}
+    if args.floor:
+        configs["pass-through wrappers and hooks"] = ("floor", ROOT)
     for label, checkout in checkouts.items():
         configs[f"tuneup ({label})"] = ("tuneup", checkout)
         if args.apply:

@@ -1,6 +1,7 @@
 """Overhead of tuneup in advise mode, against the bare loop and against torch.profiler.
 
     python benchmarks/bench_overhead.py [--rounds 15] [--startup-rounds 5] [--device cuda] [--breakdown]
+                                        [--workload "~0.4 ms step"] [--no-profiler]
 
 Two CPU training loops (DataLoader, MLP, a loss.item() every 10 steps): one with a step of
 about 5 ms (AdamW), one of about 0.4 ms (SGD on pre-batched data: close to the smallest full
@@ -178,10 +179,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--startup-rounds", type=int, default=5, help="rounds of bench_startup.py after (0: none)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), action="append",
+                        help="only this workload (repeatable; default: all)")
+    parser.add_argument("--no-profiler", action="store_true", help="leave torch.profiler out (faster)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also tuneup with sync sampling off, with few detail steps, and without NVML")
     args = parser.parse_args()
     configs = dict(CONFIGS)
+    if args.no_profiler:
+        configs.pop("torch.profiler")
     if args.breakdown:
         configs.update({name: functools.partial(with_tuneup, **options) for name, options in BREAKDOWN.items()})
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -192,6 +198,8 @@ def main() -> None:
           f"median over rounds")
     with tempfile.TemporaryDirectory() as tmp:
         for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
+            if args.workload and workload not in args.workload:
+                continue
             job = make(features, hidden, depth, batch, optimizer_class, pre_batched, args.device)
             steps = WARMUP_STEPS + timed
             per_step: dict[str, list[float]] = {name: [] for name in configs}

@@ -64,9 +64,10 @@ class HabitsProbe:
         self.inputs: dict[str, Any] | None = None  # the newest float-input statistics
         self.layout: list | None = None  # the first inspected batch's CPU tensors (transfer.py)
 
-    def inspect(self, batch: Any) -> None:
-        """Called by the loader probe on scheduled fetches (off the common path)."""
-        self.next_inspect = _inspect_schedule(self.timeline.fetches)
+    def inspect(self, batch: Any, fetch: int) -> None:
+        """Called by the loader probe on scheduled fetches (off the common path): `batch` is
+        the loop's `fetch`th."""
+        self.next_inspect = _inspect_schedule(fetch)
         if not self.on:
             return
         try:

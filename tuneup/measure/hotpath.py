@@ -79,7 +79,7 @@ PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their 
 def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The iterator's `__next__`: time blocked on data, the step boundary, batch size."""
     tl, clock, batch_size = probe.timeline, probe.clock, probe.batch_size
-    tensor = torch.Tensor
+    tensor, sequences = torch.Tensor, frozenset((tuple, list))
 
     def __next__(iterator):
         if not probe.on or (probe.tracked is not None and not getattr(iterator, TAG, False)):
@@ -90,35 +90,30 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
                 raise
         began = clock()
         tl.in_loader = True
-        look = tl.fetches >= probe.next_look  # a fetch the habits or RNG checks want to see
         try:
-            rng = probe.look_before(iterator) if look else None
-            batch = original(iterator)
+            # A fetch the habits or RNG checks want to see: looked at around it, inside its wait.
+            batch = original(iterator) if tl.fetches < probe.next_look else probe.fetch_looked(iterator, original)
         except BaseException as exc:
             tl.in_loader = False
             tl.waited(began, clock())
             unwind(exc)
             raise
         tl.in_loader = False
-        own = 0.0  # tuneup's own time at the close (its listeners): not the loop's wait
         try:
             # A batch fetched after an optimizer stepped closes the step (StepTimeline.moved_on,
-            # called only when it has something to do: a step to close or none begun yet).
-            if tl.group or tl.step_start is None:
-                own = tl.moved_on(began)
+            # called only when it has something to do: a step to close or none begun yet);
+            # `own`: tuneup's time at the close (its listeners), not the loop's wait.
+            own = tl.moved_on(began) if tl.group or tl.step_start is None else 0.0
             tl.in_optimizer = False
             tl.fetches += 1
-            if look:
-                probe.look_after(rng, batch)
-            kind = type(batch)
-            if (kind is tuple or kind is list) and batch and type(first := batch[0]) is tensor:
+            try:
                 # size(0), not len() (a Python function: torch/_tensor.py) nor shape[0] (a new
-                # torch.Size); a 0-d first tensor raises (loader.batch_size: one sample).
-                try:
+                # torch.Size); an empty batch or a 0-d first tensor raises (loader.batch_size).
+                if type(batch) in sequences and type(first := batch[0]) is tensor:
                     tl.samples += first.size(0)
-                except IndexError:
-                    tl.samples += 1
-            else:
+                else:
+                    tl.samples += batch_size(batch)
+            except IndexError:
                 tl.samples += batch_size(batch)
             # Timed after the bookkeeping: data wait is what a timer around the loop's
             # next() shows (the few µs of closing the step count as waiting for it), less
@@ -172,37 +167,45 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
     def optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if dynamo() or flags._is_compiling_flag:
             return None
-        key = id(optimizer)
         result = None
-        if key in measured or probe.admit(optimizer):
-            try:
-                if tl.group or tl.detail:
-                    now = clock()
-                    # An optimizer that already stepped in the open step closes it (a new
-                    # iteration began without a DataLoader fetch); after tuneup's listeners
-                    # at that close, the update starts anew.
-                    if tl.moved_on(now, key):
-                        now = clock()
-                    tl.in_input = False  # a close here opened no input: the optimizer steps
-                    # Less the forwards, backwards and the rest of a closure inside it.
-                    tl.optimizer_start = now - tl.forward - tl.backward - tl.closure_other
+        if (key := id(optimizer)) in measured or probe.admit(optimizer):
+            if tl.group or tl.detail or kwargs or len(args) > 1:
+                result = step_begins(optimizer, key, args, kwargs)
+            else:  # most steps: nothing to close, time or wrap
                 tl.in_optimizer = True
-                if tl.detail:  # the gradient norm the update will use, on sampled detail steps
-                    gradients = probe.gradients
-                    if gradients is not None and gradients.due.get(key, 0) <= tl.ring.count:
-                        tl.optimizer_start += gradients.of_optimizer(optimizer)  # its time is not the update's
-                # A closure, as torch's step wrapper passes it on: `args` is (optimizer,
-                # closure?) and a pre-hook may return new (args, kwargs) (torch/optim/
-                # optimizer.py profile_hook_step).
-                if kwargs or len(args) > 1:  # (most steps: `optimizer.step()`, neither)
-                    if kwargs.get("closure") is not None:
-                        result = args, dict(kwargs, closure=closure_of(kwargs["closure"]))
-                    elif len(args) > 1 and callable(args[1]):
-                        result = (args[0], closure_of(args[1])) + tuple(args[2:]), kwargs
-            except Exception as exc:
-                probe.fail(exc)
         if probe.guard_before is not None:  # apply mode's guards, while a change has some
             probe.guard_before(optimizer)
+        return result
+
+    def step_begins(optimizer: Any, key: int, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """The pre-hook where the open step may close here (an optimizer stepped in it), on
+        detail steps, and with arguments (a closure to wrap)."""
+        result = None
+        try:
+            if tl.group or tl.detail:
+                now = clock()
+                # An optimizer that already stepped in the open step closes it (a new
+                # iteration began without a DataLoader fetch); after tuneup's listeners
+                # at that close, the update starts anew.
+                if tl.moved_on(now, key):
+                    now = clock()
+                tl.in_input = False  # a close here opened no input: the optimizer steps
+                # Less the forwards, backwards and the rest of a closure inside it.
+                tl.optimizer_start = now - tl.forward - tl.backward - tl.closure_other
+            tl.in_optimizer = True
+            if tl.detail:  # the gradient norm the update will use, on sampled detail steps
+                gradients = probe.gradients
+                if gradients is not None and gradients.due.get(key, 0) <= tl.ring.count:
+                    tl.optimizer_start += gradients.of_optimizer(optimizer)  # its time is not the update's
+            # A closure, as torch's step wrapper passes it on: `args` is (optimizer,
+            # closure?) and a pre-hook may return new (args, kwargs) (torch/optim/
+            # optimizer.py profile_hook_step).
+            if kwargs.get("closure") is not None:
+                result = args, dict(kwargs, closure=closure_of(kwargs["closure"]))
+            elif len(args) > 1 and callable(args[1]):
+                result = (args[0], closure_of(args[1])) + tuple(args[2:]), kwargs
+        except Exception as exc:
+            probe.fail(exc)
         return result
 
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -227,7 +230,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     if not tl.fetches:
                         tl.in_input = True
                         tl.input_mark = (now, tl.data_wait, tl.optimizer + tl.evaluation)
-                if tl.loss is not None:
+                if tl.loss is not None:  # (a loop without a fetch may have kept it on the step before)
                     tl.step_loss, tl.loss, tl.wake_at = tl.loss, None, 0  # the close reads it
             except Exception as exc:
                 probe.fail(exc)
@@ -381,6 +384,7 @@ def host_read(*args, **kwargs):
 
 
 # --- the open step, and the step boundary ---------------------------------------------------------
+
 
 class StepTimeline:
     """Accumulates the open step from hook events and closes it into the ring."""

@@ -12,7 +12,7 @@ import functools
 import weakref
 from collections.abc import Mapping
 from time import perf_counter, thread_time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
@@ -169,8 +169,16 @@ class LoaderProbe:
         ring = self.timeline.ring
         return ring.side("own_seconds", ring.count + 1) > 0.0
 
+    def fetch_looked(self, iterator: Any, original: Callable[[Any], Any]) -> Any:
+        """A fetch the RNG check or the habits probe wants to see (the hot path's `next_look`):
+        `original(iterator)` with the looks before and after it, inside its wait."""
+        rng = self.look_before(iterator)
+        batch = original(iterator)
+        self.look_after(rng, batch)
+        return batch
+
     def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
-        """After that fetch was counted: the RNG compared, the batch inspected where due."""
+        """After that fetch (before it is counted): the RNG compared, the batch inspected where due."""
         if self._looked is not None:
             wall, cpu = self._looked
             self._looked = None
@@ -179,9 +187,9 @@ class LoaderProbe:
             self.fetches_timed += 1
         if rng is not None:
             self.rng_after(rng)
-        habits = self.habits
-        if self.timeline.fetches >= habits.next_inspect:
-            habits.inspect(batch)
+        habits, fetch = self.habits, self.timeline.fetches + 1  # (counted after the look)
+        if fetch >= habits.next_inspect:
+            habits.inspect(batch, fetch)
         self.next_look = min(self.rng_check_at, habits.next_inspect - 1)
 
     def fetch_cpu(self) -> dict[str, Any] | None:
