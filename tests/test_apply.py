@@ -150,6 +150,23 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
     assert loader.num_workers == 0, "detach puts the job's own settings back"
 
 
+def test_a_trial_is_judged_without_the_steps_that_began_an_epoch(run_dir):
+    """Ground truth from the code: epochs of 20 batches (320 samples, batch 16), so steps
+    1, 21, 41, ... begin one, and with workers each of those starts them afresh (not
+    persistent). The windows (about a second of 20-40 ms steps) hold one or two such steps;
+    the verdict leaves out exactly those of its baseline and trial windows, and says so."""
+    _, _, _, agent, _ = io_bound_run(150, dataset=SlowIndexed(size=320),
+                                     agent_options=apply_options(run_dir, actions=["dataloader"]))
+    decided = [r for r in records(agent, "dataloader") if r["decision"] in ("kept", "reverted")]
+    assert decided, decisions(agent)
+    first = decided[0]
+    windows = [(first[side]["first_step"], first[side]["last_step"]) for side in ("baseline", "trial")]
+    began = sum(1 for low, high in windows for step in range(low, high + 1) if (step - 1) % 20 == 0)
+    assert began >= 1, windows  # the premise: an epoch start in a window
+    assert first["reason"].endswith(f"{began} step{'s' if began > 1 else ''} that began an epoch left out"), first
+    assert first["decision"] == "kept" and first["after"]["num_workers"] > 0, decisions(agent)
+
+
 @pytest.mark.parametrize("counter", [True, False], ids=["energy counter", "no energy counter"])
 def test_a_change_row_shows_the_gpus_energy_a_step_before_and_after(run_dir, counter):
     """NVML is the fake (no GPU here): its energy counter rises at 350 W on each GPU, and the job

@@ -63,6 +63,7 @@ def make_columns(step_seconds, first=1, losses=None, **given):
         "gpu_seconds": [-1.0] * n,
         "compile_seconds": [0.0] * n,
         "own_seconds": [0.0] * n,
+        "epoch_starts": [0.0] * n,
         "input_samples": [-1.0] * n,
         "loss_known": [False] * n,
     }
@@ -286,6 +287,41 @@ def test_judge_p_at_alpha_is_not_enough():
     assert verdict["keep"] is False
     # Four steps a window: 1/C(8,4) = 1/70 < ALPHA: kept.
     assert judge(make_columns([2.0] * 4), make_columns([1.0] * 4), FASTER)["keep"] is True
+
+
+def test_judge_leaves_out_the_steps_that_began_an_epoch():
+    # 24 steps a side. The trial's steps are 1.25x faster (0.08 against 0.1 s), but its step 30
+    # began an epoch: 0.08 + 0.9 s of worker start-up. With it, the trial's mean is 0.1175
+    # (0.85x) and the block holding it is the slowest of all; without it, every trial block is
+    # below every baseline block.
+    base = make_columns([0.1] * 24)
+    trial_steps = [0.08] * 24
+    trial_steps[5] += 0.9
+    starts = [0.0] * 24
+    starts[5] = 1.0
+    whole = judge(base, make_columns(trial_steps, first=25), FASTER)  # no step marked: judged whole
+    assert whole["keep"] is False and whole["speedup"] < 1 and whole["epoch_starts_left_out"] == 0
+    verdict = judge(base, make_columns(trial_steps, first=25, epoch_starts=starts), FASTER)
+    assert verdict["speedup"] == pytest.approx(1.25, rel=1e-12)
+    assert verdict["p_faster"] == 1 / 924 and verdict["keep"] is True
+    assert verdict["epoch_starts_left_out"] == 1
+    assert verdict["reason"] == "1.25x faster (p=0.001); 1 step that began an epoch left out"
+    # In the baseline it flatters the trial: 0.1 against 0.1 is no gain once it is left out.
+    base_steps = [0.1] * 24
+    base_steps[0] += 0.9
+    flattered = judge(make_columns(base_steps, epoch_starts=[1.0] + [0.0] * 23), make_columns([0.1] * 24, first=25),
+                      FASTER)
+    assert flattered["speedup"] == pytest.approx(1.0) and flattered["keep"] is False
+    # persistent_workers' trial keeps them: its gain is in those steps.
+    kept = judge(base, make_columns(trial_steps, first=25, epoch_starts=starts), FASTER, cut_epoch_starts=False)
+    assert kept["epoch_starts_left_out"] == 0 and kept["speedup"] < 1
+
+
+def test_judge_keeps_every_step_where_too_few_would_be_left():
+    # A loader of one batch: every step begins an epoch. Nothing is left out.
+    verdict = judge(make_columns([2.0] * 6, epoch_starts=[1.0] * 6), make_columns([1.0] * 6, epoch_starts=[1.0] * 6),
+                    FASTER)
+    assert verdict["epoch_starts_left_out"] == 0 and verdict["speedup"] == 2.0 and verdict["keep"] is True
 
 
 def test_judge_faster_criterion_rejects_a_slower_trial_as_slower():

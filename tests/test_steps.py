@@ -61,6 +61,28 @@ def test_stall_ratio_with_worker_processes(run_dir, context):
     assert totals["data_wait_seconds"] > 0.05
 
 
+def test_each_step_that_began_an_epoch_is_marked(run_dir):
+    """Three epochs of 5 batches from 2 worker processes, as a tutorial loop writes them: the
+    step records mark steps 1, 6 and 11 (each epoch's first: iter(loader) started its
+    workers inside it), and no other; apply mode's judge leaves them out (judge.steady)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(40, 64), torch.randn(40, 1))
+    loader = DataLoader(data, batch_size=8, shuffle=True, num_workers=2)
+    model = mlp(hidden=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir) as agent:
+        for epoch in range(3):
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+    columns = agent.recorder.timeline.ring.columns(1, 15)
+    assert list(columns["step"]) == list(range(1, 16))
+    assert [step for step, began in zip(columns["step"], columns["epoch_starts"]) if began] == [1, 6, 11]
+
+
 def test_iterable_dataset_with_workers(run_dir):
     loader = loader_for(SlowStream(size=320, latency=0.001), batch_size=8, num_workers=2)
     model = mlp(hidden=32)

@@ -127,6 +127,9 @@ class Change:
     # order, so its trial's loss is the job's own and says nothing about the change.
     affects_numerics: bool = True
     at_start_reason: str | None = None  # a change made before the first step (Experimenter.at_start): why then
+    # Whether the steps that began an epoch are left out of the windows judged (judge.steady):
+    # all but persistent_workers, whose gain sits in those steps.
+    cut_epoch_starts: bool = True
 
     def __init__(self) -> None:
         self.before: dict[str, Any] = {}

@@ -452,7 +452,8 @@ class Experimenter:
         assert trial is not None
         self.trial = None
         columns = self.job.timeline.ring.columns(trial.first, min(trial.last, step - 1))
-        verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics)
+        verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics,
+                        trial.change.cut_epoch_starts)
         record = trial.record
         if trial.first > record["applied_step"] + 1:  # the settle steps (new workers start): a trial's cost too
             settle = self.job.timeline.ring.columns(record["applied_step"] + 1, trial.first - 1)["step_seconds"]

@@ -7,7 +7,7 @@ consecutive steps and the block means are compared with an exact one-sided Mann-
 test: rank-based (one outlier block cannot decide), free of any distribution assumption,
 and exact for the small samples a window gives. A change is kept only when the test says
 the trial is faster (p < ALPHA) and the speed-up in mean step time, which is what
-throughput is, reaches MIN_SPEEDUP; NOT_SLOWER changes are kept unless the same test says
+throughput is, reaches MIN_SPEEDUP (both without the steps that began an epoch: `steady`); NOT_SLOWER changes are kept unless the same test says
 they are slower, or their mean step time grew by more than NOT_SLOWER_MARGIN with their blocks
 leaning slower (on an H100, bf16 autocast proposed from a 1.21x gain measured off the step ran
 the job's own launch-bound steps at 0.88x, p=0.09: not a change to leave in place; one slow
@@ -66,6 +66,24 @@ def p_smaller(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum(_arrangements(m, n, u) for u in range(limit + 1)) / total
 
 
+def steady(columns: Columns) -> tuple[list[float], int]:
+    """A window's step times without the steps that began an epoch, and how many those were.
+    iter(loader) starts the epoch's workers inside one step (hundreds of milliseconds against
+    steps of a few): that one step decides its block's mean and a good part of the window's,
+    whichever configuration is faster, and where it falls is chance (in the baseline it flatters
+    the trial, in the trial it hides the gain). What a change does to that start-up is
+    persistent_workers' trial, which keeps them (Change.cut_epoch_starts). All of them where fewer
+    than BLOCKS steps would be left (every step an epoch: a loader of a batch or two)."""
+    times = list(columns["step_seconds"])
+    starts = columns.get("epoch_starts")
+    if not starts or not any(starts):
+        return times, 0
+    kept = [seconds for seconds, began in zip(times, starts) if not began]
+    if len(kept) < BLOCKS:
+        return times, 0
+    return kept, len(times) - len(kept)
+
+
 def window_numbers(columns: Columns) -> dict[str, Any]:
     """What a report shows of a baseline or trial window."""
     summary = summarize(columns) or {}
@@ -111,10 +129,16 @@ def loss_problem(baseline: Columns, trial: Columns) -> str | None:
     return None
 
 
-def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -> dict[str, Any]:
+def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
+          cut_epoch_starts: bool = True) -> dict[str, Any]:
     """The verdict on a trial: {"keep": bool, "reason": str, "speedup", "p_faster", "p_slower",
-    windows}. `numerics`: whether the change can change the loss (else the loss is not judged)."""
-    before, after = baseline["step_seconds"], trial["step_seconds"]
+    "epoch_starts_left_out", windows}. `numerics`: whether the change can change the loss (else
+    the loss is not judged); `cut_epoch_starts`: the steps that began an epoch are left out of
+    both windows (steady)."""
+    if cut_epoch_starts:
+        (before, cut_before), (after, cut_after) = steady(baseline), steady(trial)
+    else:
+        before, after, cut_before, cut_after = baseline["step_seconds"], trial["step_seconds"], 0, 0
     speedup = (sum(before) / len(before)) / (sum(after) / len(after))
     base_blocks, trial_blocks = block_means(before), block_means(after)
     p_faster = p_smaller(trial_blocks, base_blocks)
@@ -126,6 +150,7 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -
         "p_faster": p_faster,
         "p_slower": p_slower,
         "criterion": keep,
+        "epoch_starts_left_out": cut_before + cut_after,
     }
     problem = loss_problem(baseline, trial) if numerics else None
     faster = p_faster < ALPHA and speedup >= MIN_SPEEDUP
@@ -151,4 +176,7 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True) -
                                           f"(p={p_slower:.2f} that it is)")
     else:
         verdict.update(keep=True, reason=f"{speedup:.2f}x: not slower (p={p_slower:.2f} that it is)")
+    if cut_before + cut_after and not problem:
+        left_out = cut_before + cut_after
+        verdict["reason"] += f"; {left_out} step{'s' if left_out > 1 else ''} that began an epoch left out"
     return verdict

@@ -129,6 +129,7 @@ class LoaderProbe:
                         tl.waited(began, perf_counter())
                         probe.loaders.add(loader)
                         probe.epoch_steps[id(loader)] = tl.ring.count + 1
+                        tl.ring.put("epoch_starts", tl.ring.count + 1, 1.0, add=True)
                     except Exception as exc:
                         probe.fail(exc)
                 try:

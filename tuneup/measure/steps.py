@@ -78,6 +78,7 @@ LATE = (
     ("compile_seconds", 0.0),  # torch.compile's compilations during the step (compiled.py)
     ("input_samples", -1.0),  # no DataLoader: the batch dimension of a detail step's training forwards; -1: not seen
     ("own_seconds", 0.0),  # tuneup's listeners at the close that opened the step (a precision trial): not the job's
+    ("epoch_starts", 0.0),  # iter(loader) calls in the step: an epoch began (its workers started) there
 )
 
 

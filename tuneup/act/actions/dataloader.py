@@ -456,6 +456,7 @@ class DataLoaderTuning(Action):
         # What it buys is one worker start-up per epoch, a cost in one step of the window:
         # kept unless it makes steps slower (it costs idle workers' memory, bounded above).
         change.keep = NOT_SLOWER
+        change.cut_epoch_starts = False  # its windows are whole epochs, each with its start
         remaining = epoch - max(iterator._num_yielded for iterator in live)
         change.settle_steps = remaining + 2  # the first epoch after the change starts its workers
         change.window_steps = epoch * max(1, math.ceil(24 / epoch))
