@@ -209,6 +209,10 @@ LONG = "a" * 5000  # over any file system's name limit (ENAMETOOLONG where the O
     (["run", "--bogus", "train.py"], "no option --bogus for tuneup run"),
     (["report", "http://user:secret@127.0.0.1:9/"], "<redacted>@"),
     (["report", "ftp://127.0.0.1/"], "is a ftp URL: tuneup reads a run directory"),
+    # Before the demo trains, not a warning after it: the run log asked for cannot be written.
+    (["demo", "--run-dir", "/etc/hostname"], "/etc/hostname is not a directory: name a directory"),
+    (["demo", "--run-dir", "/etc/hostname/run"], "cannot be made: /etc/hostname is not a directory"),
+    (["demo", "--run-dir", LONG], "File name too long"),
 ])
 def test_paths_and_urls_the_os_or_the_parser_refuse_are_one_short_line(args, says, tmp_path):
     """Paths drawn above seldom reach these (the audit found each by hand): a name too long for

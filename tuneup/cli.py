@@ -110,6 +110,9 @@ def demo(
     from . import demo as demo_job
     from .report.text import render_text
 
+    problem = _run_dir_problem(run_dir) if run_dir is not None else None
+    if problem:
+        raise UserError(f"--run-dir {run_dir} {problem}: name a directory to write the run log in (it may not exist yet)")
     console.print(
         f"tuneup demo: a small conv net on slowly decoded images, num_workers={workers}, "
         f"{demo_job.HOST_READS} .item() calls per step, GradScaler with a few unnormalized records ({steps} steps)."
@@ -137,6 +140,23 @@ def demo(
 
 
 RUNS = Path("tuneup-runs")  # where runs go by default (options.py default_run_dir)
+
+
+def _run_dir_problem(folder: Path) -> str | None:
+    """Why the run log cannot go to `folder` (it, or the nearest folder above it that exists,
+    is a file or cannot be read), or None."""
+    from .export import discovery
+
+    for path in (folder, *folder.absolute().parents):
+        problem = discovery.folder_problem(path)
+        if problem:
+            return problem if path == folder else f"cannot be made: {path} {problem}"
+        try:
+            if path.exists():
+                return None
+        except OSError as exc:  # pragma: no cover - folder_problem read it a moment ago
+            return f"cannot be read: {exc.strerror or exc}"
+    return None
 
 
 def _newest_run() -> Path:
