@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._patching import COMPILING, compile_check, unwind
+from .._patching import CALL_ORIGINAL, COMPILING, compile_check, unwind
 from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
@@ -367,7 +367,7 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
 HOST_READ = f"""
 def host_read(*args, **kwargs):
     if not _tuneup_counter.counting_reads or {COMPILING}:
-        return _tuneup_original(*args, **kwargs)
+        return {CALL_ORIGINAL}
     _tuneup_prior = _tuneup_quiet(None)
     try:
         _tuneup_counted = _tuneup_counts()
@@ -375,9 +375,9 @@ def host_read(*args, **kwargs):
         if _tuneup_prior is not None:
             _tuneup_quiet(_tuneup_prior)
     if not _tuneup_counted:
-        return _tuneup_original(*args, **kwargs)
+        return {CALL_ORIGINAL}
     try:
-        return _tuneup_original(*args, **kwargs)
+        return {CALL_ORIGINAL}
     finally:
         _tuneup_counter._busy = False
 """

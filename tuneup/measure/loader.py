@@ -174,7 +174,11 @@ class LoaderProbe:
         """A fetch the RNG check or the habits probe wants to see (the hot path's `next_look`):
         `original(iterator)` with the looks before and after it, inside its wait."""
         rng = self.look_before(iterator)
-        batch = original(iterator)
+        try:
+            batch = original(iterator)
+        except BaseException as exc:  # the end of an epoch (StopIteration), a Dataset's error
+            unwind(exc)  # the job's own traceback, without this frame (_patching.py)
+            raise
         self.look_after(rng, batch)
         return batch
 
