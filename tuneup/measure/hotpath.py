@@ -3,9 +3,10 @@
 A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.backward();
 opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
 ~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
-gradient norms' share, paced to 0.5% of the step; about 360 Python operations and 9 calls
-of tuneup's own off detail steps, 405 a step with the detail steps' share (counted by
-benchmarks/bench_operations.py, by function), each operation costing some 60 ns in place there,
+gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
+intercepting these calls costs before any work is done (bench_instructions.py --floor); 342
+Python operations and 9 calls of tuneup's own off detail steps, 396 a step with the detail steps'
+share (counted by benchmarks/bench_operations.py, by function), each costing some 50 ns in place there,
 and a detail step 1,000 operations more, paced to one every 10 ms of training, one in 64
 there):
 
