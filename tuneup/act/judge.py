@@ -7,8 +7,8 @@ consecutive steps and the block means are compared with an exact one-sided Mann-
 test: rank-based (one outlier block cannot decide), free of any distribution assumption,
 and exact for the small samples a window gives. A change is kept only when the test says
 the trial is faster (p < ALPHA) and the speed-up in mean step time, which is what
-throughput is, reaches MIN_SPEEDUP (both without the steps that began an epoch: `steady`); NOT_SLOWER changes are kept unless the same test says
-they are slower, or their mean step time grew by more than NOT_SLOWER_MARGIN with their blocks
+throughput is, reaches MIN_SPEEDUP (both without the steps that began an epoch: `steady`);
+NOT_SLOWER changes are kept unless the same test says they are slower, or their mean step time grew by more than NOT_SLOWER_MARGIN with their blocks
 leaning slower (on an H100, bf16 autocast proposed from a 1.21x gain measured off the step ran
 the job's own launch-bound steps at 0.88x, p=0.09: not a change to leave in place; one slow
 block among faster ones, a checkpoint say, is not such a lean).
