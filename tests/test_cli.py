@@ -151,7 +151,7 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
         assert re.search(r"1\. (not kept|undone)  num_workers 0 -> \d+: ", out), out
 
 
-def test_report_without_a_target_reads_the_newest_run_and_says_which(tmp_path):
+def test_report_without_a_target_reads_the_newest_run_or_tuneup_run_dirs_and_says_which(tmp_path):
     """`tuneup report` right after `tuneup demo` (or any run writing to ./tuneup-runs): the
     newest run directory holding a run log; none there: one line saying what to pass."""
     import os
@@ -181,3 +181,15 @@ def test_report_without_a_target_reads_the_newest_run_and_says_which(tmp_path):
                             timeout=120, env=child_env())
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and "no run given" in result.stderr
+    # TUNEUP_RUN_DIR names the run directory the agent wrote to: report reads that run, not the
+    # newest under ./tuneup-runs; where it holds no run log, one line says so.
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=child_env(TUNEUP_RUN_DIR="tuneup-runs/newer"))
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first == "tuneup report: tuneup-runs/newer (the run in TUNEUP_RUN_DIR)", first
+    assert "tuneup measured 34 steps" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=child_env(TUNEUP_RUN_DIR="elsewhere"))
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "TUNEUP_RUN_DIR (elsewhere) holds no run log" in result.stderr

@@ -226,6 +226,36 @@ def test_a_live_job_answers_report_and_watch(tmp_path):
     one_line_error(tuneup("watch", "--once"), "no tuneup agent is running")
 
 
+def test_watch_names_the_events_it_left_out_and_the_daemon_jobs_it_cannot_show(finished_run):
+    """`tuneup watch` on a job whose answer holds an event that does not fit its schema says
+    so above the view, as the report does; on a node daemon, a job whose agent answered
+    something that is not a run, or whose registry entry lacks its pid, gets a dash and the
+    reason, never "None"."""
+    from rich.console import Console
+
+    from tuneup.report.live import job_frame, node_frame
+
+    events = [json.loads(line) for line in (finished_run / "events.jsonl").read_text().splitlines()]
+    url = "http://127.0.0.1:9/"
+    console = Console(record=True, width=400)
+    console.print(job_frame(url, {"events": [*events, {"event": "steps", "steps": "many"}], "attached": False}))
+    text = console.export_text()
+    skipped = f"note: 1 unreadable event(s) of {url} skipped (event {len(events) + 1}: steps.steps is a string"
+    assert skipped in text and "data wait" in text, text
+    jobs = [{"run_id": "a1", "agent": {"pid": 11, "argv": ["train.py", "--lr", "0.1"]}, "path": "/jobs/a1",
+             "payload": {"events": events, "attached": True}},
+            {"run_id": "b2", "agent": {"argv": ["other.py"]}, "path": "/jobs/b2", "payload": {"attached": True}},
+            {"run_id": None, "agent": {}, "path": "/jobs/None", "error": "URLError: refused"}]
+    console = Console(record=True, width=400)
+    console.print(node_frame(url, {"daemon": True, "host": "node", "jobs": jobs}))
+    text = console.export_text()
+    assert "None" not in text, text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0].endswith(".py")}
+    assert "not answering: payload.events is missing" in rows["other.py"], text
+    assert " 11 " in rows["train.py"] and "not answering" not in rows["train.py"], text
+    assert "not answering: URLError: refused" in text, text
+
+
 def test_doctor_and_rules(monkeypatch):
     monkeypatch.delenv("TUNEUP_CPU_BF16", raising=False)
     doctor = tuneup("doctor")

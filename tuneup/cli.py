@@ -159,14 +159,24 @@ def _run_dir_problem(folder: Path) -> str | None:
     return None
 
 
-def _newest_run() -> Path:
-    """The newest run directory under ./tuneup-runs that holds a run log."""
+def _default_run() -> tuple[Path, str]:
+    """The run `tuneup report` reads when given none, and how to name it: the run directory
+    TUNEUP_RUN_DIR names, where it is set (the agent wrote there), else the newest run
+    directory under ./tuneup-runs that holds a run log."""
+    named = os.environ.get("TUNEUP_RUN_DIR", "").strip()
+    if named:
+        folder = Path(named).expanduser()
+        if not (folder.is_dir() and any(folder.glob("events*.jsonl"))):
+            raise UserError(f"no run given, and TUNEUP_RUN_DIR ({named}) holds no run log: pass one (tuneup report "
+                            "RUN_DIR, a run log file or an agent's URL), or unset TUNEUP_RUN_DIR to read the newest "
+                            f"run under ./{RUNS}")
+        return folder, "the run in TUNEUP_RUN_DIR"
     runs = [folder for folder in (RUNS.iterdir() if RUNS.is_dir() else ())
             if folder.is_dir() and any(folder.glob("events*.jsonl"))]
     if not runs:
         raise UserError(f"no run given and no run log under ./{RUNS}: pass one (tuneup report RUN_DIR, a run log file "
                         "or an agent's URL)")
-    return max(runs, key=lambda folder: max(log.stat().st_mtime for log in folder.glob("events*.jsonl")))
+    return max(runs, key=lambda folder: max(log.stat().st_mtime for log in folder.glob("events*.jsonl"))), "the newest run"
 
 
 def _check_rules(ids: list[str]) -> tuple[str, ...]:
@@ -183,7 +193,8 @@ def report(
     targets: Optional[list[str]] = typer.Argument(None, metavar="[TARGET]...",
                                                   help="A run directory, a run log file, or the URL of a live agent or "
                                                        "node daemon; several: one job's run directories from its "
-                                                       "nodes, merged. None: the newest run under ./tuneup-runs."),
+                                                       "nodes, merged. None: TUNEUP_RUN_DIR's run where it is "
+                                                       "set, else the newest run under ./tuneup-runs."),
     format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
@@ -198,11 +209,12 @@ def report(
     if format not in FORMATS:
         raise UserError(f"unknown --format {format!r}: use one of {', '.join(FORMATS)}")
     silenced = _check_rules(silence)
-    newest = not targets
-    if newest:
-        targets = [str(_newest_run())]
+    chosen = None
+    if not targets:
+        folder, chosen = _default_run()
+        targets = [str(folder)]
         if output is not None or format != "text":  # (the text report's own first line names it)
-            console.print(f"tuneup report: the newest run, {targets[0]}", style="dim", soft_wrap=True)
+            console.print(f"tuneup report: {chosen}, {targets[0]}", style="dim", soft_wrap=True)
     try:
         jobs = load_merged(targets)
     except ReportSourceError as exc:
@@ -218,8 +230,8 @@ def report(
         for index, document in enumerate(documents, start=1):
             if len(documents) > 1:
                 console.rule(f"job {index} of {len(documents)}: {document['source']}", style="bold")
-            if newest:
-                document = dict(document, source=f"{document['source']} (the newest run)")
+            if chosen:
+                document = dict(document, source=f"{document['source']} ({chosen})")
             render_text(document, console)
         return
     if len(documents) == 1:

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .. import records
 from ..export import discovery
 from ..format import percent, seconds
 from . import summary
@@ -51,8 +52,9 @@ def job_frame(url: str, payload: dict[str, Any]) -> Group:
     snapshot = document["runs"][0]["snapshot"]
     state = "live" if payload.get("attached") else "detached"
     head = Text(f"tuneup watch {url}  ({state}, {time.strftime('%H:%M:%S')})", style="bold")
+    notes = [Text(f"note: {note}", style="yellow") for note in document.get("notes", ())]  # events left out
     changes = [summary.changes_group(snapshot["actions"])] if snapshot.get("actions") else []
-    return Group(head, findings_group(document), *changes, summary.render(snapshot))
+    return Group(head, *notes, findings_group(document), *changes, summary.render(snapshot))
 
 
 def node_frame(url: str, payload: dict[str, Any]) -> Group:
@@ -71,11 +73,12 @@ def node_frame(url: str, payload: dict[str, Any]) -> Group:
     for job in jobs:
         agent = job.get("agent") or {}
         argv = [str(part) for part in agent.get("argv") or []]
-        script = " ".join([Path(argv[0]).name] + argv[1:])[:32] if argv else str(job.get("run_id"))
-        rank = "" if agent.get("rank") is None else str(agent["rank"])
+        script = " ".join([Path(argv[0]).name] + argv[1:])[:32] if argv else _cell(job.get("run_id"))
+        rank = _cell(agent.get("rank"), "")
+        run_id, pid = _cell(job.get("run_id")), _cell(agent.get("pid"))
         if job not in answered:
-            table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–", "–", "–",
-                          Text(f"not answering: {job.get('error')}", style="yellow"))
+            why = job.get("error") or records.AGENT_RUN.problem(job.get("payload"), "payload")
+            table.add_row(script, run_id, pid, rank, "–", "–", "–", Text(f"not answering: {why}", style="yellow"))
             continue
         history = checked(job["payload"]["events"], base + job["path"])
         window = history.window(1000) or {}
@@ -83,11 +86,16 @@ def node_frame(url: str, payload: dict[str, Any]) -> Group:
         top = findings[0]["rule"] if findings else "none"
         rate = window.get("steps_per_second")
         step = (window.get("step_seconds") or {}).get("median")
-        table.add_row(script, str(job.get("run_id")), str(agent.get("pid")), rank, "–" if rate is None else f"{rate:,.1f}",
+        table.add_row(script, run_id, pid, rank, "–" if rate is None else f"{rate:,.1f}",
                       seconds(step), percent(window.get("stall_ratio")), top)
     hint = Text(f"one job in full: tuneup watch {base}/jobs/<run_id>   every job's advice: tuneup report {base}",
                 style="dim")
     return Group(head, table, hint)
+
+
+def _cell(value: Any, missing: str = "–") -> str:
+    """A table cell for a value a daemon's job entry may lack."""
+    return missing if value is None else str(value)
 
 
 def watch(url: str | None, console: Console, *, interval: float = 2.0, once: bool = False) -> None:
