@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import tuneup
 from tests.conftest import ROOT, free_port, start_pushgateway
-from tuneup.options import TuneupWarning
+from tuneup import TuneupWarning
 
 DOCS = (ROOT / "docs" / "metrics.md").read_text()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import linecache
 import os
 import shutil
 import signal
@@ -114,8 +115,10 @@ def test_full_disk_warns_once_and_training_goes_on(run_dir):
         warnings.simplefilter("always")
         with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
             truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
-    ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
-    assert len(ours) == 1 and "No space left on device" in ours[0]
+    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert len(ours) == 1 and "No space left on device" in str(ours[0].message)
+    # The run header is written by attach(): the warning names that line of the job's.
+    assert ours[0].filename == __file__ and "tuneup.attach(" in linecache.getline(__file__, ours[0].lineno)
     snapshot = agent.snapshot()
     assert snapshot["totals"]["steps"] == truth.steps == 40
     assert snapshot["probes"]["run_log"] == "off"
@@ -145,12 +148,41 @@ def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch)
         with tuneup.attach(run_dir=run_dir) as agent:
             # A batch shape the fast path does not handle, so batch_size() runs (and fails).
             truth = train(loader_for(SlowDataset(size=512), collate_fn=_as_lists), model, optimizer, steps=20)
-    ours = [str(w.message) for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
-    assert ours == ["tuneup: dataloader probe turned off after an internal error: RuntimeError: simulated probe bug"]
+    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert [str(w.message) for w in ours] == [
+        "tuneup: dataloader probe turned off after an internal error: RuntimeError: simulated probe bug"]
+    # Named at the job's own line that fetched the batch (the loop in train()), not at tuneup's
+    # or torch's code between it and the probe.
+    line = linecache.getline(ours[0].filename, ours[0].lineno)
+    assert ours[0].filename == train.__code__.co_filename and "next(iterator)" in line, (ours[0].filename, line)
     snapshot = agent.snapshot()
     assert snapshot["probes"]["dataloader"] == "off"
     assert snapshot["probes"]["optimizer"] == "on"
     assert snapshot["totals"]["steps"] == truth.steps == 20
+
+
+def test_a_probe_failing_on_tuneups_own_thread_warns_in_one_line(run_dir, monkeypatch):
+    """The host sampler fails on the agent's thread, where no line of the job's led to it: the
+    warning is attributed to tuneup itself, so Python prints it as one line with no source line
+    under it; training goes on."""
+    from tuneup.measure.host import HostProbe
+
+    def broken(self, worker_pids):
+        raise RuntimeError("simulated sampler bug")
+
+    monkeypatch.setattr(HostProbe, "sample", broken)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
+            truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
+    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    assert len(ours) == 1 and "simulated sampler bug" in str(ours[0].message), [str(w.message) for w in ours]
+    assert (ours[0].filename, ours[0].lineno) == ("tuneup", 0)
+    shown = warnings.formatwarning(ours[0].message, ours[0].category, ours[0].filename, ours[0].lineno)
+    assert shown.count("\n") == 1 and shown.startswith("tuneup:0: TuneupWarning: tuneup: "), shown
+    assert agent.snapshot()["totals"]["steps"] == truth.steps == 40
 
 
 def test_a_failing_close_listener_stops_sync_sampling_cleanly(run_dir, monkeypatch):

@@ -16,7 +16,8 @@ from ._version import __version__
 from typing import Any
 
 from . import session
-from .options import ENVIRONMENT_VARIABLES, TuneupWarning, resolve
+from ._warning import TuneupWarning
+from .options import ENVIRONMENT_VARIABLES, resolve
 from .session import current, step, step_function
 
 __all__ = ["attach", "step", "step_function", "current", "Agent", "TuneupWarning", "ENVIRONMENT_VARIABLES"]
@@ -43,7 +44,7 @@ def attach(*objects: Any, **options: Any) -> "Agent":
         for trainer in trainers:
             install(trainer, options)
         objects = tuple(obj for obj in objects if framework_of(obj) is None)
-    agent = session.attach(objects, options, stacklevel=3)
+    agent = session.attach(objects, options)
     # A framework's Trainer built from now on gets tuneup's callback (`tuneup run`: no code change).
     watch_trainers(agent)
     accelerate = accelerate_settings(objects)  # Accelerate's prepared objects: the fixes speak it

@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from ._warning import TuneupWarning
+from ._warning import warn
 
 MODES = ("advise", "apply")
 
@@ -284,11 +283,7 @@ def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) ->
                 fallback, meaning = _SAFE_FALLBACK.get(name, (None, "using the default"))
                 if name in _SAFE_FALLBACK:
                     values[name] = fallback
-                warnings.warn(
-                    f"tuneup: ignoring {env}={environ[env]!r} ({exc}); {meaning}",
-                    TuneupWarning,
-                    stacklevel=3,
-                )
+                warn(f"tuneup: ignoring {env}={environ[env]!r} ({exc}); {meaning}")
     return replace(Options(), **values)
 
 

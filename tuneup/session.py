@@ -10,27 +10,27 @@ import functools
 import os
 import sys
 import threading
-import warnings
 from typing import Any, Callable, TypeVar
 
 from ._patching import unwind
-from .options import TuneupWarning, resolve
+from ._warning import warn
+from .options import resolve
 
 _current: Any = None  # the Agent of this process
 _lock = threading.RLock()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None, stacklevel: int = 2) -> "Agent":
+def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None) -> "Agent":
     """tuneup.attach() for objects that are not trainers: the process's agent, started once;
-    attaching again adds the objects to it. `stacklevel`: the job's frame for a warning."""
+    attaching again adds the objects to it."""
     global _current
     from .agent import Agent
     from .measure.objects import sort_objects
 
     with _lock:
         if _current is not None and (_current.attached or not _current.enabled):
-            _check_against(_current.options, options or {}, stacklevel + 1)
+            _check_against(_current.options, options or {})
             _current.add(objects)
             return _current
         settings = resolve(options or {})  # a bad keyword argument raises here, at the call site
@@ -40,11 +40,7 @@ def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None,
             try:
                 agent = Agent(settings, objects, on_detach=_forget).start()
             except Exception as exc:  # tuneup's own failure must not stop the job
-                warnings.warn(
-                    f"tuneup: agent could not start ({type(exc).__name__}: {exc}); training continues unmeasured",
-                    TuneupWarning,
-                    stacklevel=stacklevel + 1,
-                )
+                warn(f"tuneup: agent could not start ({type(exc).__name__}: {exc}); training continues unmeasured")
                 agent = Agent(settings, objects, inert_reason=f"start-up failed: {exc}")
         else:
             agent = Agent(settings, objects, inert_reason=reason)
@@ -52,7 +48,7 @@ def attach(objects: tuple[Any, ...] = (), options: dict[str, Any] | None = None,
         return agent
 
 
-def _check_against(running: Any, options: dict[str, Any], stacklevel: int) -> None:
+def _check_against(running: Any, options: dict[str, Any]) -> None:
     """A later attach() with options: bad ones raise as on the first call; ones that differ
     from the running agent's cannot be applied to it, and a warning names them."""
     if not options:
@@ -61,13 +57,9 @@ def _check_against(running: Any, options: dict[str, Any], stacklevel: int) -> No
     differ = [f"{name}={getattr(wanted, name)!r} (running: {getattr(running, name)!r})"
               for name in options if options[name] is not None and getattr(wanted, name) != getattr(running, name)]
     if differ:
-        warnings.warn(
-            f"tuneup: already attached (by `tuneup run` or an earlier attach()), so these options were not applied: "
-            f"{', '.join(differ)}; give them where the agent starts (the first attach(), or tuneup run's options "
-            "and TUNEUP_* variables)",
-            TuneupWarning,
-            stacklevel=stacklevel,
-        )
+        warn(f"tuneup: already attached (by `tuneup run` or an earlier attach()), so these options were not applied: "
+             f"{', '.join(differ)}; give them where the agent starts (the first attach(), or tuneup run's options "
+             "and TUNEUP_* variables)")
 
 
 def current() -> "Agent | None":

@@ -26,14 +26,13 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 from typing import Any, Mapping
 
 import torch
 
 from .._version import __version__
 from .. import redact
-from .._warning import TuneupWarning
+from .._warning import warn
 from .history import RunHistory
 from .utilization import utilization
 
@@ -116,7 +115,7 @@ class RunState:
         self.warned.add(key)
         if len(self.warnings) < MAX_WARNINGS:
             self.warnings.append({"probe": key, "message": message, "time": time.time()})
-        warnings.warn(f"tuneup: {message}", TuneupWarning, stacklevel=3)
+        warn(f"tuneup: {message}")
 
     def forked(self) -> None:
         """In a forked child: the lock may have been held by the sampler thread at the fork."""
