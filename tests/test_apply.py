@@ -299,6 +299,77 @@ def test_a_loader_whose_workers_cost_more_than_they_save_is_moved_down_in_a_long
     assert loader.num_workers == cores, "detach puts the job's own settings back"
 
 
+class Detections(Dataset):
+    """Images with a few boxes each, as detection datasets return them: an image tensor and a
+    target dict of boxes and labels a sample, cheap to make (a seeded draw)."""
+
+    def __len__(self) -> int:
+        return 16 * 1000
+
+    def __getitem__(self, index: int):
+        generator = torch.Generator().manual_seed(index)
+        boxes = 1 + index % 4
+        return (torch.rand(3, 32, 32, generator=generator),
+                {"boxes": torch.rand(boxes, 4, generator=generator),
+                 "labels": torch.randint(0, 5, (boxes,), generator=generator)})
+
+
+def detection_collate(batch):
+    return tuple(zip(*batch))  # torchvision's detection reference: images and targets stay lists
+
+
+@one_intra_op_thread()
+def detection_run(steps: int, workers: int, agent_options: dict, after_step) -> tuple:
+    """A detection-shaped loop (torchvision's references/detection: a list of images and a
+    list of target dicts a batch) over `workers` loader workers; the GPU's work is a 10 ms wait
+    as the host sees it. Returns (agent, loader)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Detections(), batch_size=16, shuffle=True, num_workers=workers, collate_fn=detection_collate)
+    agent = tuneup.attach(**agent_options)
+    step = 0
+    try:
+        while step < steps:
+            for images, targets in loader:
+                optimizer.zero_grad()
+                predicted = model(torch.stack(images))
+                loss = nn.functional.mse_loss(predicted, torch.stack([target["boxes"][0] for target in targets]))
+                time.sleep(0.01)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                if after_step(step, agent) or step >= steps:
+                    break
+            else:
+                continue
+            break
+    finally:
+        agent.detach()
+    return agent, loader
+
+
+def test_more_workers_than_cores_whose_wait_is_the_shipping_go_to_none_first(run_dir):
+    """Ground truth from the code: each batch is 16 images and 32 target tensors, 48 tensors
+    that a worker ships one by one (a shared-memory segment and a connection each, in the
+    training process: measure/transfer.py), while making one costs a few hundred microseconds
+    of seeded draws. With two workers more than the usable cores, the workers keep ahead (a
+    batch waits in the queue) and the loop's wait is receiving them: fewer workers would ship
+    every batch still; with none the batch is made in the loop, without shipping. So the first
+    move is straight to none (it went to the usable cores first), and it pays: kept where the
+    test's own clock says clearly faster."""
+    from tuneup.measure.host import usable_cores
+
+    workers = int(usable_cores()) + 2
+    clock = StepClock(then=lambda step, agent: any(r["decision"] in ("kept", "reverted") for r in records(agent, "dataloader")))
+    agent, loader = detection_run(600, workers, apply_options(run_dir, actions=["dataloader"]), clock)
+    tried = [r for r in records(agent, "dataloader") if "before" in r]
+    assert tried and (tried[0]["before"]["num_workers"], tried[0]["after"]["num_workers"]) == (workers, 0), \
+        decisions(agent)
+    clock.check(tried[0], tried)
+    assert loader.num_workers == workers, "detach puts the job's own settings back"
+
+
 def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     """Ground truth from the code: batches take 8 ms in-process (16 samples of 0.5 ms) against
     a 5 ms step; in a worker of two, every sample costs 6x, so two workers make a batch every

@@ -7,11 +7,13 @@ move an experiment of its own, on the loader the training loop is reading:
    - up: the next count is estimated from the measured split (a batch takes about `wait` to
      load in-process, or `workers x step` with workers; one must be ready every
      `step - wait`), then verified by the trial; after a rejected count, the count halfway
-     between the current one and it (0 -> 2 rejected: 1);
+     between the current one and it (0 -> 2 rejected: 1); not where data-stall found the wait
+     to be the shipping (more workers ship every batch still);
    - down, where no count above the job's own was faster (or the job has more workers than
      usable cores): to the usable cores, then to 0 (where the batches are cheaper to make than
      to ship between processes, none is best, whatever one worker measured; first, where
-     data-stall measured exactly that), then halfway to the count rejected below. Once a
+     data-stall measured that, or that the wait is the shipping), then halfway to the count
+     rejected below. Once a
      count below the job's is kept, no workers are added back. In the main process the dataset draws
      from a random stream of its own, seeded as a worker's is (`_OwnStreams`), never from
      the job's, and it is not tried where the loader has a worker_init_fn;
@@ -378,7 +380,10 @@ class DataLoaderTuning(Action):
         workers, most = self.settings["num_workers"], self.max_workers(job)
         above = [count for count in self.rejected if count > workers]
         ceiling = min(above + [most + 1]) - 1
-        if workers < ceiling and not self.lowered:
+        evidence = (job.finding("data-stall") or {}).get("evidence") or {}
+        # The wait is the shipping (see below): more workers ship every batch still, so up is not tried.
+        shipping = bool(workers and evidence.get("shipping_bound"))
+        if workers < ceiling and not self.lowered and not shipping:
             refusal = self._why_no_workers(job, loader) if workers == 0 else None
             if refusal is _LATER:
                 return _LATER
@@ -397,9 +402,13 @@ class DataLoaderTuning(Action):
         # worker, as the shipping it saves is there with any), then halfway to a rejected count.
         lowest = 1 if loader.worker_init_fn is not None else 0  # the job sets its workers up itself
         to_none = lowest == 0 and workers > 0 and 0 not in self.rejected
-        finding = job.finding("data-stall") or {}
-        if to_none and (finding.get("evidence") or {}).get("suggested_workers") == 0:
-            return 0  # data-stall measured it: a batch costs less to make here than to ship from a worker
+        if to_none and (evidence.get("suggested_workers") == 0 or shipping):
+            # data-stall measured it: a batch costs less to make here than to ship from a
+            # worker; or the wait is the shipping (batches were waiting in the queue, or it is
+            # within the measured cost of receiving one): fewer workers ship every batch still,
+            # only none takes that out of the step (8 workers on 2 cores went 8 -> 2, 0.90x,
+            # before 8 -> 0, 1.77x: benchmarks/apply_scripts/many_workers.py)
+            return 0
         if most < workers and most not in self.rejected and most >= lowest:
             return most
         if to_none:

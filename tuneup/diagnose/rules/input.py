@@ -172,13 +172,13 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
             # made here, a batch would cost less than the wait for a worker's
             return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch))
         if wait_batch <= SHIPPING_BOUND * ship:
-            return dict(plan, suggested_workers=workers, gain=0.0)  # the wait is the shipping
+            return dict(plan, suggested_workers=workers, gain=0.0, shipping_bound=True)  # the wait is the shipping
         fetched = facts.habits.get("worker_fetches") or {}
         if (fetched.get("checked") or 0) >= MIN_READY_CHECKS and fetched["ready_share"] >= READY_SHARE:
             # Batches were waiting in the queue when the loop asked: the wait is receiving them
             # (under contention, more than `ship` measured alone), and more workers cannot help.
             # Fewer may: made here, a batch would cost its CPU (if its making is all CPU: unmeasured).
-            plan["ready_share"] = fetched["ready_share"]
+            plan.update(ready_share=fetched["ready_share"], shipping_bound=True)
             if make < wait_batch:
                 return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch), estimate=True)
             return dict(plan, suggested_workers=workers, gain=0.0)
