@@ -105,17 +105,23 @@ def test_read_only_run_directory_warns_once_and_training_goes_on(tmp_path):
     assert totals["steps"] == 40  # measuring went on in memory
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_full_disk_warns_once_and_training_goes_on(run_dir):
-    run_dir.mkdir(parents=True)
-    (run_dir / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+def warned(loader, steps: int, **options):
+    """Train an MLP `steps` steps on `loader` under attach(**options), every warning recorded:
+    (tuneup's warnings, the agent, the loop's ground truth)."""
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
-            truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
-    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+        with tuneup.attach(**options) as agent:
+            truth = train(loader, model, optimizer, steps=steps)
+    return [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)], agent, truth
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_warns_once_and_training_goes_on(run_dir):
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    ours, agent, truth = warned(loader_for(SlowDataset(size=4096, latency=0.0005)), 40, run_dir=run_dir, interval=0.05)
     assert len(ours) == 1 and "No space left on device" in str(ours[0].message)
     # The run header is written by attach(): the warning names that line of the job's.
     assert ours[0].filename == __file__ and "tuneup.attach(" in linecache.getline(__file__, ours[0].lineno)
@@ -141,14 +147,8 @@ def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch)
         raise RuntimeError("simulated probe bug")
 
     monkeypatch.setattr(LoaderProbe, "batch_size", broken)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with tuneup.attach(run_dir=run_dir) as agent:
-            # A batch shape the fast path does not handle, so batch_size() runs (and fails).
-            truth = train(loader_for(SlowDataset(size=512), collate_fn=_as_lists), model, optimizer, steps=20)
-    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    # A batch shape the fast path does not handle, so batch_size() runs (and fails).
+    ours, agent, truth = warned(loader_for(SlowDataset(size=512), collate_fn=_as_lists), 20, run_dir=run_dir)
     assert [str(w.message) for w in ours] == [
         "tuneup: dataloader probe turned off after an internal error: RuntimeError: simulated probe bug"]
     # Named at the job's own line that fetched the batch (the loop in train()), not at tuneup's
@@ -171,13 +171,7 @@ def test_a_probe_failing_on_tuneups_own_thread_warns_in_one_line(run_dir, monkey
         raise RuntimeError("simulated sampler bug")
 
     monkeypatch.setattr(HostProbe, "sample", broken)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with tuneup.attach(run_dir=run_dir, interval=0.05) as agent:
-            truth = train(loader_for(SlowDataset(size=4096, latency=0.0005)), model, optimizer, steps=40)
-    ours = [w for w in caught if issubclass(w.category, tuneup.TuneupWarning)]
+    ours, agent, truth = warned(loader_for(SlowDataset(size=4096, latency=0.0005)), 40, run_dir=run_dir, interval=0.05)
     assert len(ours) == 1 and "simulated sampler bug" in str(ours[0].message), [str(w.message) for w in ours]
     assert (ours[0].filename, ours[0].lineno) == ("tuneup", 0)
     shown = warnings.formatwarning(ours[0].message, ours[0].category, ours[0].filename, ours[0].lineno)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 
 
@@ -17,7 +18,7 @@ class TuneupWarning(UserWarning):
 # (the attach() call, the optimizer.step() whose hook found the problem), not tuneup's or
 # torch's code in between. (Python 3.12's warnings.warn(skip_file_prefixes=...) does this.)
 _TUNEUP = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_THREADING = os.path.abspath(__import__("threading").__file__)
+_THREADING = os.path.abspath(threading.__file__)
 _OWN_REGISTRY: dict = {}
 
 
