@@ -650,6 +650,31 @@ def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run
     assert not any(model.autocast)
 
 
+@pytest.mark.own_amp_timing
+def test_amp_whose_measured_gain_is_a_small_share_of_the_step_is_left_to_the_user(run_dir):
+    """Timed's gain under autocast is real and clear (5 passes in fp32 against 1), but after each
+    forward the loop waits 9.2x that forward's time (a sleep: the rest of a job's step), so what
+    autocast saves, about 4 of the 7 passes a forward and backward make, is 4 / (7 + 5 x 9.2),
+    about 7.5% of the step, whatever the machine's speed: under the 10% a trial's windows resolve.
+    amp-off fires (>= 5% of a step) and apply mode leaves the run's numerics alone, with the
+    reason in the record (it kept such a change as "1.01x: not slower")."""
+    began: list[float] = []
+
+    def on_step(step, loss, model, optimizer, agent):
+        if step == 1:
+            model.register_forward_pre_hook(lambda module, args: began.append(time.perf_counter()))
+        elif began:
+            time.sleep(9.2 * (time.perf_counter() - began[-1]))
+        return loss
+
+    agent, model, _, _ = amp_run(run_dir, 3000, on_step=on_step)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "not applicable" and "under the 10% a trial" in record["reason"], record
+    assert not any(model.autocast)
+    [finding] = [f for f in agent.findings() if f["rule"] == "amp-off"] or [None]
+    assert finding is not None and 0.05 <= finding["gain"] < 0.10, ("the premise", finding)
+
+
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):
     forward = vars(Timed)["forward"]
     agent, model, _, times = amp_run(run_dir, 20000, slow_under_autocast=60)

@@ -31,13 +31,12 @@ from typing import Any, Callable
 from ..measure.history import WARMUP_STEPS
 from ..measure.windows import summarize
 from .action import Action, Change, LiveJob
-from .judge import BLOCKS, judge
+from .judge import BLOCKS, DETECT, judge
 
 NEVER = 1 << 62
-# A trial's windows hold enough steps to tell a DETECT gain in mean step time from the noise
-# the job's recent steps show, and no more; at least MIN_SECONDS of steps (a second of a
+# A trial's windows hold enough steps to tell a DETECT gain in mean step time (judge.py) from the
+# noise the job's recent steps show, and no more; at least MIN_SECONDS of steps (a second of a
 # 1 ms step is 1,000 steps; a few hundred average the machine's own jitter as well).
-DETECT = 0.10
 MIN_SECONDS = 0.5
 # And at most MAX_SECONDS of steps (at least MIN_WINDOW): a noisier job's trial loses power (more
 # "not certain"), not correctness, and every action still gets its turn within a short run.
