@@ -673,6 +673,8 @@ def test_amp_whose_measured_gain_is_a_small_share_of_the_step_is_left_to_the_use
     assert not any(model.autocast)
     [finding] = [f for f in agent.findings() if f["rule"] == "amp-off"] or [None]
     assert finding is not None and 0.05 <= finding["gain"] < 0.10, ("the premise", finding)
+    # The finding promises nothing apply mode will not do, and says why.
+    assert not finding["can_apply"] and "under the 10%" in finding["evidence"]["not_applicable"], finding
 
 
 def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_restored(run_dir):

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..measure.history import WARMUP_STEPS
-from ..measure.windows import summarize
+from ..measure.windows import DETECT, summarize
 from .action import Action, Change, LiveJob
-from .judge import BLOCKS, DETECT, judge
+from .judge import BLOCKS, judge
 
 NEVER = 1 << 62
-# A trial's windows hold enough steps to tell a DETECT gain in mean step time (judge.py) from the
+# A trial's windows hold enough steps to tell a DETECT gain in mean step time (windows.py) from the
 # noise the job's recent steps show, and no more; at least MIN_SECONDS of steps (a second of a
 # 1 ms step is 1,000 steps; a few hundred average the machine's own jitter as well).
 MIN_SECONDS = 0.5

@@ -26,9 +26,6 @@ from .action import FASTER
 
 BLOCKS = 6
 ALPHA = 0.05
-# The gain in mean step time a trial's windows are sized to tell from the noise (experimenter.py
-# default_window): a smaller one may be real and still read "not certain".
-DETECT = 0.10
 MIN_SPEEDUP = 1.02  # below 2% a change is not worth its risk, whatever the test says
 NOT_SLOWER_MARGIN = 0.05  # a NOT_SLOWER change whose steps take this much longer on average is undone,
 LEANS_SLOWER = 0.5  # where its blocks lean slower too (p_slower under a half): not for one slow block

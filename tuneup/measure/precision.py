@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
 from .offstep import ModelCapture, unseen
+from .windows import DETECT
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
@@ -84,6 +85,21 @@ def shadow_refusal(trial: dict[str, Any] | None) -> str | None:
                 "to change the run's numerics (a trial undone would leave its bf16 updates in the weights); "
                 "switch it on yourself, or a run on a quieter machine measures it again")
     return None
+
+
+def small_gain_refusal(gain: float | None, trial: dict[str, Any] | None) -> str | None:
+    """Why apply mode leaves autocast to the user although the timing was clear (None: it does
+    not): what it saves makes under DETECT of the job's step (amp-off's gain: the model's share
+    of the step). A trial's windows would not show it: it would be kept as "not slower" with no
+    gain shown (a 1.26x forward + backward, 6% of a step with CPU augmentation beside it: kept
+    at 1.01x), or, undone, leave its bf16 updates in the weights; the run's numerics are not
+    changed for that."""
+    if gain is None or gain >= DETECT:
+        return None
+    speedup = (trial or {}).get("speedup")
+    return ((f"its {speedup:.2f}x on the model's forward + backward" if speedup else "its measured speed-up")
+            + f" makes about {gain:.0%} of a step, under the {DETECT:.0%} a trial on the job's steps can confirm; "
+            "the run's numerics are not changed for that: switch it on yourself if you want it")
 
 
 def premise(config: dict[str, Any] | None) -> bool:

@@ -14,6 +14,10 @@ from bisect import bisect_left
 from statistics import median
 from typing import Any, Mapping, Sequence
 
+# The gain in mean step time a window of steps is sized to tell from the noise (apply mode's
+# trials: act/experimenter.py default_window); a smaller one may be real and still read "not
+# certain", or "not slower" with nothing shown.
+DETECT = 0.10
 SPLIT = ("input_seconds", "forward_seconds", "backward_seconds", "optimizer_seconds")
 PARTS = ("data_wait_seconds",) + SPLIT
 Columns = Mapping[str, Sequence[Any]]

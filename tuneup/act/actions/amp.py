@@ -36,9 +36,8 @@ from torch.amp.grad_scaler import GradScaler
 from ..._patching import PatchSet, measured, posing_as
 from ...measure.config import amp_refusal, cuda_bf16, is_compiled
 from ...measure.model import tracing
-from ...measure.precision import shadow_refusal
+from ...measure.precision import shadow_refusal, small_gain_refusal
 from ..action import NOT_SLOWER, Action, Change, LiveJob
-from ..judge import DETECT
 
 GUARD_STEPS = 300
 SETTLE_STEPS = 5
@@ -340,21 +339,10 @@ class Amp(Action):
             evidence = finding.get("evidence") or {}
             if evidence.get("timing") == "pending":
                 return None  # its gain not measured yet: look again once it is
-            refusal = shadow_refusal(evidence.get("trial"))
+            refusal = (shadow_refusal(evidence.get("trial"))
+                       or small_gain_refusal(finding.get("gain"), evidence.get("trial")))
             if refusal:
                 return self.refuse(refusal)
-            # What that speed-up makes of the job's step (amp-off's gain: the model's share of
-            # the step): under what a trial's windows resolve, the trial would keep bf16 as "not
-            # slower" with no gain shown (a 1.26x forward + backward, 40% of a step with CPU
-            # augmentation beside it: 1.01x kept), or leave its bf16 updates in the weights if
-            # undone. The run's numerics are not changed for a gain no window would show.
-            gain = finding.get("gain")
-            if gain is not None and gain < DETECT:
-                speedup = (evidence.get("trial") or {}).get("speedup")
-                return self.refuse(
-                    (f"its {speedup:.2f}x on the model's forward + backward" if speedup else "its measured speed-up")
-                    + f" makes about {gain:.0%} of a step, under the {DETECT:.0%} a trial on the job's steps can "
-                    "confirm; the run's numerics are not changed for that: switch it on yourself if you want it")
         return change
 
     def _fp16(self, job: LiveJob, models: list[nn.Module], device: str, scalers: list[GradScaler]) -> Change | None:

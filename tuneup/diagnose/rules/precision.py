@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...format import percent, seconds
 from ...measure.config import amp_refusal
-from ...measure.precision import CONSISTENT, shadow_refusal
+from ...measure.precision import CONSISTENT, shadow_refusal, small_gain_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
@@ -146,7 +146,8 @@ def amp_off(facts: Facts) -> Evidence | None:
                      "bf16/fp16 matmuls about 2x faster)" if gain is not None
                      else "typically 1.5-3x faster matmuls and convolutions (not measured on this job)")
     # What apply mode's AMP action asks too: a safe job, and a gain measured clearly enough.
-    refusal = amp_refusal(facts.config) or shadow_refusal(trial if measured else None)
+    refusal = (amp_refusal(facts.config) or shadow_refusal(trial if measured else None)
+               or (small_gain_refusal(gain, trial) if measured else None))
     if bf16:
         fix = (f"with torch.autocast(device_type=\"{device}\", dtype=torch.bfloat16):\n"
                "    loss = loss_fn(model(x), y)\nloss.backward()")
