@@ -343,9 +343,14 @@ def test_lightning_automatic_and_manual_optimization_split_the_same_step_alike(t
                     for key in (True, False))
     print("figure:", auto, manual)
     assert auto["forward"] > 0 and auto["backward"] > 0, auto  # the closure's passes are forward and backward
-    # Within noise: the same update, as the same machine times it twice (a 4x phase was the bug).
-    assert auto["optimizer"] <= 2 * manual["optimizer"] + 2e-4 and manual["optimizer"] <= 2 * auto["optimizer"] + 2e-4, \
-        (auto, manual)
+    # The same update: its time over the same run's forward + backward is the same in both, as far
+    # as the machine's noise goes. The bug counted the closure's forward and backward in the
+    # optimizer phase, adding 1 to that ratio (a 4x phase). A ratio, not the times: the two runs
+    # ran one after the other, and a busy machine slowed every phase of one of them 3-4x in the
+    # full suite (auto's optimizer 3.5 ms against manual's 1.2 ms; its forward 1.8 ms against 0.4).
+    ratio = {name: run["optimizer"] / (run["forward"] + run["backward"]) for name, run in (("auto", auto),
+                                                                                          ("manual", manual))}
+    assert abs(ratio["auto"] - ratio["manual"]) < 0.5, (ratio, auto, manual)
 
 
 def test_tuneup_run_gives_a_lightning_trainer_its_integration_with_no_code_change(tmp_path):
