@@ -48,10 +48,31 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tuneup  # noqa: E402
 
+class BodyAndHead:
+    """Two optimizers stepped every step, one for the body and one for the last layer, as a
+    fine-tune with its own head optimizer writes it (a GAN's loop has two as well). A second
+    optimizer starts model discovery again (a new model, often); it once found no new root and
+    kept its nn.Module.__call__ wrapper on every module call for the rest of the run."""
+
+    def __init__(self, model: nn.Sequential, lr: float) -> None:
+        body = [p for layer in list(model)[:-1] for p in layer.parameters()]
+        self.optimizers = [torch.optim.SGD(body, lr=lr), torch.optim.SGD(model[-1].parameters(), lr=lr)]
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
 # name: (features, hidden, hidden layers, batch, optimizer, pre-batched dataset, timed steps per run)
 WORKLOADS = {
     "~5 ms step": (128, 512, 2, 128, torch.optim.AdamW, False, 200),
     "~0.4 ms step": (16, 32, 1, 8, torch.optim.SGD, True, 2500),  # about the smallest full step here
+    "one optimizer, 8 layers": (16, 32, 8, 8, torch.optim.SGD, True, 2000),
+    "two optimizers, 8 layers": (16, 32, 8, 8, BodyAndHead, True, 2000),
 }
 WARMUP_STEPS = 30
 # Seconds every run trains before its timed steps: the per-step cost is the steady state's.
@@ -82,7 +103,7 @@ def make(features, hidden, depth, batch, optimizer_class, pre_batched, device="c
     for _ in range(depth - 1):
         layers += [nn.Linear(hidden, hidden), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(hidden, 1)).to(device)
-    optimizer = optimizer_class(model.parameters(), lr=1e-4)
+    optimizer = optimizer_class(model if optimizer_class is BodyAndHead else model.parameters(), lr=1e-4)
     if pre_batched:
         batches = Batches(64, batch, features)
         batches.x, batches.y = batches.x.to(device), batches.y.to(device)

@@ -278,7 +278,7 @@ def test_the_compile_rules_name_the_recompiling_guard_and_the_breaking_line(run_
 
 def test_amp_off_on_a_compiled_model_waits_for_a_measure_it_cannot_take(run_dir):
     """A compiled fp32 model on a CPU with bf16 (claimed: cpu_bf16=True): its forward is not
-    timed (a hook would recompile it), so amp-off says what it wants, not a guess, and apply
+    timed (its graphs run the step, not its forward), so amp-off says what it wants, not a guess, and apply
     mode tries nothing (on a GPU it estimates, and says apply mode cannot make the change:
     test_rules_recorded)."""
     torch._dynamo.reset()

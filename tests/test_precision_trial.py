@@ -86,7 +86,7 @@ def test_never_timed_where_amp_off_cannot_fire(run_dir, case):
     would recompile it): the trial never runs (for the compiled one, it says why)."""
     extra = {"cpu_bf16": False} if case == "no bf16 units" else {}
     _, _, agent = train(STEPS, options(run_dir, **extra), autocast=case == "autocast", compiled=case == "compiled")
-    expected = {"skipped": "the model is compiled (a hook on it would recompile it)"} if case == "compiled" else None
+    expected = {"skipped": "the model is compiled (its graphs run the step, not its forward)"} if case == "compiled" else None
     assert trial_of(agent) == expected
 
 

@@ -176,7 +176,7 @@ def test_amp_off_on_a_compiled_gpu_model_estimates_and_says_apply_mode_cannot_ma
 
     s = on_cuda(cpu_snapshot)
     s["config"]["models"][0]["compiled"] = True
-    s["habits"]["amp_trial"] = {"skipped": "the model is compiled (a hook on it would recompile it)"}
+    s["habits"]["amp_trial"] = {"skipped": "the model is compiled (its graphs run the step, not its forward)"}
     found = fired(s)["amp-off"]
     assert found.can_apply is False and found.evidence["not_applicable"] == amp_refusal(s["config"])
     assert "is compiled" in found.evidence["not_applicable"] and "an estimate" in found.gain_text

@@ -121,6 +121,30 @@ def test_two_optimizers_step_once_per_iteration(run_dir):
     assert window["fetches_per_step"] == 1
 
 
+def test_a_second_optimizer_of_the_same_model_ends_the_discovery_it_starts(run_dir):
+    """Ground truth from the code: one model, a body optimizer and a head optimizer stepped each
+    iteration, 100 iterations of one batch each (the loop of a fine-tune with its own head
+    optimizer). The second optimizer, first seen at step 1, starts model discovery again (a new
+    optimizer often means a new model); its step 2 sees the known root only. Discovery once
+    waited for a new root and kept its nn.Module.__call__ wrapper on every module call of the
+    run (80 more calls of tuneup's a step for an 18-module model: bench_overhead.py's "two
+    optimizers, 8 layers"), each forward timed from inside another, and the FLOP count never
+    given an input (it takes the outermost forward's)."""
+    model = mlp(hidden=32)
+    body, head = nn.ModuleList(list(model.children())[:-1]), list(model.children())[-1]
+    optimizer = torch.optim.SGD(body.parameters(), lr=0.01)
+    extra = torch.optim.Adam(head.parameters(), lr=0.001)
+    loader = loader_for(SlowDataset(size=800), batch_size=8)
+    torch_call = vars(nn.Module)["__call__"]
+    with tuneup.attach(run_dir=run_dir) as agent:
+        train(loader, model, optimizer, extra_optimizer=extra, steps=3)
+        assert agent.recorder.model.discovering is None and vars(nn.Module)["__call__"] is torch_call
+        train(loader, model, optimizer, extra_optimizer=extra, steps=97)
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 100 and snapshot["totals"]["optimizer_steps"] == 200
+    assert snapshot["habits"]["flops"] and not snapshot["habits"]["flops"].get("skipped"), snapshot["habits"]["flops"]
+
+
 def test_loop_without_a_dataloader_and_alternating_optimizers(run_dir):
     # A GAN-style loop on in-memory tensors: two models, two optimizers, no DataLoader.
     generator, critic = mlp(hidden=16), mlp(hidden=16)

@@ -8,19 +8,20 @@ attention's formulas: torch/utils/flop_counter.py `flop_registry`); ops it has n
 forward and backward of the model on the input a training forward took, on meta tensors: the
 same shapes and dtypes, no data, no device memory, no arithmetic:
 
-    close of step N     a forward pre-hook on the trained model (the largest, if several)
-    step N+1            its training forward's input, as meta tensors (shapes and dtypes only)
-    close of step N+1   the hook removed; forward + backward on meta parameters under the
-                        counter, the model's hooks set aside and tuneup's probe off
-                        (offstep.unseen), on the training thread between two steps
+    close of step N     the count waits for the trained model (the largest, if several)
+    next detail step    its training forward's input, as meta tensors (shapes and dtypes only),
+                        taken by the model probe's forward wrapper before the forward runs
+    close of that step  forward + backward on meta parameters under the counter, the model's
+                        hooks set aside and tuneup's probe off (offstep.unseen), on the
+                        training thread between two steps
 
 The job's step is untouched: its tensors, gradients and random stream are never used (the
 counted ones are meta copies), so its results are bit-identical to an uncounted run. A model
 whose forward depends on its data (nonzero, a boolean mask, .item()) cannot run on shapes alone:
-the count is skipped and says why, as it is for a compiled model (a hook on it would recompile
-it), an FSDP one and a job with global module hooks.
+the count is skipped and says why, as it is for a compiled model (its graphs run the step, not
+its forward), an FSDP one and a job with global module hooks.
 
-Counted again when the input's shapes change: every RECHECK_STEPS steps a one-shot pre-hook
+Counted again when the input's shapes change: every RECHECK_STEPS steps a one-shot capture
 looks at a training forward's input shapes, and a new signature is counted (at most
 MAX_COUNTS; where they vary, the FLOPs per batch are the median of the counts, an estimate).
 Nothing of this runs on ordinary steps: the per-step figures (achieved FLOP/s, MFU) are the
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .model import forward_autocast
 from .offstep import ModelCapture, unseen
 
 FROM_STEP = 6  # past the first detail steps: the model and its input are what training uses
@@ -63,15 +65,19 @@ def _first_dim(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
-def _compute_dtype(parameter: torch.Tensor) -> str:
-    """The precision the forward's matmuls run in: autocast's dtype where it is on, else the
-    parameters'; fp32 on CUDA with TF32 allowed for matmuls is TF32."""
+def _compute_dtype(module: nn.Module, parameter: torch.Tensor) -> str:
+    """The precision the forward's matmuls run in: autocast's dtype where it is on, in the
+    thread or entered by the module's own forward (Accelerate's, after this looks: model.py
+    forward_autocast), else the parameters'; fp32 on CUDA with TF32 allowed for matmuls is TF32."""
     device = parameter.device.type
     try:
         if torch.is_autocast_enabled(device):
             return str(torch.get_autocast_dtype(device)).replace("torch.", "")
     except (TypeError, AttributeError, RuntimeError):  # an older torch: autocast state by device kind
         pass
+    entered = forward_autocast(module).get(device)
+    if entered is not None:
+        return entered
     dtype = str(parameter.dtype).replace("torch.", "")
     if dtype == "float32" and device == "cuda" and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
@@ -104,9 +110,8 @@ class FlopCount(ModelCapture):
     name = "flops"
 
     def __init__(self, model_probe: Any) -> None:
-        super().__init__()
+        super().__init__(model_probe)
         self.on = True
-        self.models = model_probe  # off while the counted forward runs
         self.state = "waiting"  # capturing, then counted (rechecking after RECHECK_STEPS) or done
         self.next_look = FROM_STEP
         self.counts: dict[tuple, dict[str, Any]] = {}  # by input signature
@@ -120,15 +125,15 @@ class FlopCount(ModelCapture):
 
     def skip(self, reason: str) -> None:
         self.state, self.skipped = "done", reason
-        self.remove_hooks()
+        self.release()
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The pre-hook, inside the job's forward: never raises (a failure waits for finish)."""
+        """Before the job's forward, inside it: never raises (a failure waits for finish)."""
         try:
             if self._input is None and module.training and torch.is_grad_enabled():
                 parameter = next(module.parameters(), None)
                 signature = _signature(args, kwargs)
-                dtype = _compute_dtype(parameter) if parameter is not None else "float32"
+                dtype = _compute_dtype(module, parameter) if parameter is not None else "float32"
                 inputs = (None, None) if signature in self.counts else (_meta(args), _meta(kwargs))
                 self._input = (*inputs, signature, dtype)
         except Exception as exc:
@@ -136,8 +141,8 @@ class FlopCount(ModelCapture):
         return None
 
     def finish(self, step: int, on_fail: Any) -> None:
-        """At the close after the capture: count the input if its shapes are new."""
-        self.remove_hooks()
+        """At the close of the step captured (or given up on): count the input if its shapes are new."""
+        self.release()
         model, captured, self._model, self._input = self._model, self._input, None, None
         self.state, self.next_look = "counted", step + RECHECK_STEPS
         began = time.perf_counter()

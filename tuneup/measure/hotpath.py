@@ -292,8 +292,11 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         if not tl.detail or tracing():
             return None
         outermost = tl.forward_depth == 0
-        if outermost and probe.read_config_next_forward:
-            probe.read_config(module)
+        if outermost:
+            if probe.captures and module.training:
+                probe.give_input(module, args[1:], kwargs)
+            if probe.read_config_next_forward:
+                probe.read_config(module)
         tl.forward_begin(clock())
         if outermost and module.training:
             if not tl.fetches:  # no DataLoader: the step's samples are the forward's batch
@@ -474,6 +477,14 @@ class StepTimeline:
             if self.gpu_timer is not None:
                 self.gpu_timer.forward_started()
         self.forward_depth += 1
+
+    def own_time(self, spent: float) -> None:
+        """Time tuneup's own work took inside the open step (a capture of its input): kept out
+        of the step's time, and of its input phase where that is open."""
+        self.ring.put("own_seconds", self.ring.count + 1, spent, add=True)
+        if self.in_input:
+            began, wait, accounted = self.input_mark
+            self.input_mark = (began + spent, wait, accounted)
 
     def input_ended(self, now: float) -> None:
         """A detail step's first forward: the time since the mark is input, less the data wait

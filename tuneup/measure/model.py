@@ -124,10 +124,12 @@ class ModelProbe:
         self.leaf_order: list[weakref.ref] = []  # leaf modules in call order, first discovery step
         self.autocast: dict[str, str | None] | None = None
         self.read_config_next_forward = True
+        self.captures: list[Any] = []  # offstep.ModelCapture: waiting for a detail step's training forward
         self._patches: PatchSet | None = None
         self.discovering: PatchSet | None = None  # nn.Module.__call__, replaced for discovery
         self._ours: Any = None  # the __call__ discovery stood in with, once lifted
         self._candidates: dict[int, nn.Module] = {}  # by id: identity, never the model's __eq__
+        self._root_called = False  # a module with parameters was called outermost while discovering
         self._depth = 0
         self._discovery_evaluation = False  # the outermost forward discovery sees is an evaluation
         self.eval_with_grad = 0  # forwards of a model in eval() mode with autograd recording
@@ -160,6 +162,7 @@ class ModelProbe:
             return
         self._depth = 0
         self._candidates = {}
+        self._root_called = False
         self.discovering = PatchSet()
         self.discovering.replace(nn.Module, "__call__", self._discovery_call)
         self.timeline.add_listener("model-discovery", self.end_discovery)
@@ -168,13 +171,15 @@ class ModelProbe:
         return measured(original, self._discovery_pre, self._discovery_post, self.fail)
 
     def end_discovery(self, step: int = 0) -> None:
-        """End discovery once a forward was seen (or the probe is off): at a step close or at
-        the first backward."""
+        """End discovery once a forward was seen (or the probe is off): a new root's, at the
+        first backward after it or a step close; only known roots', at a step close (`step`):
+        the step called no new model (a GAN's second optimizer, first seen at the close of
+        step 1, looks for its generator through the discriminator's first backward of step 2)."""
         if not self.on:
             self._stop_discovery()
             return
-        if not self._candidates:
-            return  # no forward seen yet: keep watching
+        if not self._candidates and not (step and self._root_called):
+            return  # no new root yet: keep watching
         self._stop_discovery()
         for model in self._candidates.values():
             self._hook_root(model)
@@ -244,7 +249,7 @@ class ModelProbe:
             self._patches.replace(model, "forward", lambda compiled: self.timed_compiled(model, compiled, inner))
             return
         if "forward" in vars(model):
-            self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre)))
+            self._patches.add_handle(model.register_forward_pre_hook(_RootHook(self._root_pre), with_kwargs=True))
             self._patches.add_handle(model.register_forward_hook(_RootHook(self._root_post), always_call=True))
             return
         cls = type(model)
@@ -304,6 +309,7 @@ class ModelProbe:
                 # A loss module or other parameter-free callable, not a model: the model
                 # may run compiled, where this wrapper never sees it.
                 return None
+            self._root_called = True
             timeline = self.timeline
             # Before training starts, a forward in eval() mode is an evaluation (a loop
             # that evaluates at iteration 0), not the step's forward.
@@ -339,7 +345,7 @@ class ModelProbe:
                 else:
                     self.timeline.forward_end(perf_counter())
 
-    def _root_pre(self, module: nn.Module, args: Any) -> None:
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A root with its own instance-level forward (Accelerate): what forward_hooks does."""
         if not self.on:
             return
@@ -358,11 +364,23 @@ class ModelProbe:
                 if id(module) in self.trained and timeline.forward_depth == 0 and not timeline.in_optimizer:
                     timeline.evaluation_forward(perf_counter())
                     return
+            if timeline.forward_depth == 0:
+                if self.captures and module.training and timeline.detail:
+                    self.give_input(module, args, kwargs)
+                if self.read_config_next_forward:
+                    self.read_config(module)
             timeline.forward_begin(perf_counter())
-            if self.read_config_next_forward:
-                self.read_config(module)
         except Exception as exc:
             self.fail(exc)
+
+    def give_input(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a detail step's outermost training forward of a root (its inputs, without the
+        module): the one-shot captures waiting for one (offstep.ModelCapture) take them. Their
+        time (the precision trial clones the batch) is tuneup's own, out of the step's."""
+        began = perf_counter()
+        for capture in list(self.captures):
+            capture.take(root, args, kwargs)
+        self.timeline.own_time(perf_counter() - began)
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.on:

@@ -1,9 +1,13 @@
 """Running the job's own model between two steps, unseen: what the precision trial
 (precision.py) and the FLOP count (flops.py) share.
 
-Both capture a training forward's input with a one-shot forward pre-hook on the trained model
-(the largest, if several), then, at the next step close on the training thread, run the model
-through torch.func.functional_call on parameters and buffers of their own. While they do,
+Both take a training forward's input on a detail step, handed over by the model probe's
+wrapper of the trained root's forward (the largest, if several) before the forward runs, then,
+at that step's close on the training thread, run the model through torch.func.functional_call
+on parameters and buffers of their own. Nothing is put on the model while one waits: a module
+hook of ours would be compiled by torch.jit.script(model) (torch/jit/_recursive.py
+get_hook_stubs compiles every forward hook and pre-hook on the module) and copied by
+copy.deepcopy(model) and torch.save(model), with the probe it is bound to. While they do,
 every module hook of the model is set aside (the job's and tuneup's: none sees these forwards)
 and tuneup's model probe is off (its class-level forward wrapper passes through). A job with
 global module hooks is left alone: they would see the forwards.
@@ -11,6 +15,7 @@ global module hooks is left alone: they would see the forwards.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -45,28 +50,27 @@ def global_hooks() -> bool:
     return any(getattr(_module, name, None) for name in _GLOBAL_HOOKS)
 
 
-def own_hooks_on(model: nn.Module) -> bool:
-    """Whether a hook of tuneup's own is on the model's modules or global now (a capture's,
-    for one step; the model finder's, until the first step)."""
-    dicts = [getattr(m, name, None) for m in model.modules() for name in _HOOK_DICTS]
-    dicts += [getattr(_module, name, None) for name in _GLOBAL_HOOKS]
-    return any(str(getattr(hook, "__module__", "") or "").startswith("tuneup.")
-               for hooks in dicts for hook in (hooks or {}).values())
+MISSES = 3  # detail steps in a row with no training forward of the model: the capture gives up
 
 
 class ModelCapture:
-    """A one-shot capture of the largest trained model's next training forward, to run it off
-    the step at the close after (the precision trial's and the FLOP count's): `capture` hooks
-    the model with the subclass's pre-hook `_seen`, `skip(reason)` ends it without one,
-    `remove_hooks` unhooks; `_failure` keeps what the hook raised for the close."""
+    """A one-shot capture of the largest trained model's next training forward on a detail
+    step, to run it off the step at that step's close (the precision trial's and the FLOP
+    count's): `capture` puts it in the model probe's waiting list, the probe's root-forward
+    wrapper calls `take` before the forward (the subclass's `_seen` keeps the input),
+    `skip(reason)` ends it without one, `release` takes it off the list; `_failure` keeps what
+    `_seen` raised for the close."""
 
     state = "waiting"
 
-    def __init__(self) -> None:
-        self._handle: Any = None
-        self._model: nn.Module | None = None
+    def __init__(self, model_probe: Any) -> None:
+        self.models = model_probe  # the list of waiting captures; off while the model runs unseen
+        self._root: Any = None  # a weak reference to the root whose forward is awaited
+        self._model: nn.Module | None = None  # the module to run: the root, or DDP's inner one
         self._input: Any = None
+        self._skip: str | None = None  # set by _seen: why the step gives nothing to run
         self._failure: Exception | None = None
+        self._missed = 0
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise NotImplementedError
@@ -75,21 +79,36 @@ class ModelCapture:
         raise NotImplementedError
 
     def capture(self, models: list[nn.Module]) -> None:
-        """Hook the largest trained model (DDP's inner one) for its next forward, or skip with
-        why no model can be run unseen."""
-        target = unwrapped(largest(models))
+        """Wait for the largest trained model's next training forward on a detail step, or skip
+        with why no model can be run unseen."""
+        root = largest(models)
+        target = unwrapped(root)
         if isinstance(target, str):
             self.skip(target)
         elif global_hooks():
             self.skip("global module hooks the job registered would see its forwards")
         else:
-            self.state, self._model = "capturing", target
-            self._handle = target.register_forward_pre_hook(self._seen, with_kwargs=True)
+            self.state, self._model, self._root, self._missed = "capturing", target, weakref.ref(root), 0
+            self.models.captures.append(self)
 
-    def remove_hooks(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
+    def take(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before an outermost training forward of a root on a detail step (its inputs, without
+        the module), inside the job's forward: `_seen` never raises."""
+        if self._root is None or self._root() is not root:
+            return
+        self._seen(self._model, args, kwargs)
+        if self._input is not None or self._skip is not None or self._failure is not None:
+            self.state = "captured"
+            self.release()
+
+    def missed(self) -> bool:
+        """At the close of a detail step that gave no input: whether to give up (MISSES in a row)."""
+        self._missed += 1
+        return self._missed >= MISSES
+
+    def release(self) -> None:
+        if self in self.models.captures:
+            self.models.captures.remove(self)
 
 
 @contextmanager

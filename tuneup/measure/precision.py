@@ -6,9 +6,10 @@ as fast under bf16 autocast with two threads and 1.0x with one (the casts cost w
 save), and timing its layers one by one said 1.0-1.8x (caches warm, no casts between layers).
 So the amp-off rule states the gain of the model's own forward + backward, timed whole:
 
-    close of step N     a forward pre-hook on the trained model (the largest, if several)
-    step N+1            its training forward's inputs, cloned (one batch)
-    close of step N+1   the hook removed; the forward + backward timed on that input in fp32
+    close of step N     the trial waits for the trained model (the largest, if several)
+    next detail step    its training forward's inputs, cloned (one batch) by the model probe's
+                        forward wrapper before the forward runs (tuneup's own time)
+    close of that step  the forward + backward timed on that input in fp32
                         and under autocast, interleaved, medians (Recorder.on_close, on the
                         training thread, between two steps, once a run, within a budget of a
                         few steps' time)
@@ -21,7 +22,7 @@ The job sees none of it:
   goes on as if nothing ran;
 - every module hook of the model is set aside during the timing, and tuneup's model probe is
   off (offstep.unseen); a job with global module hooks is not timed (they would see the forwards).
-Not timed: a compiled model (a hook would recompile it), a job under autocast, an FSDP model
+Not timed: a compiled model (its graphs run the step, not its forward), a job under autocast, an FSDP model
 (sharded parameters), a model whose output holds no tensor a backward can start from. What the
 forward does to Python state of its own (a call counter, a cache) is not undone.
 """
@@ -37,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
-from .offstep import ModelCapture, unseen
+from .offstep import MISSES, ModelCapture, unseen
 from .windows import DETECT
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
@@ -157,14 +158,11 @@ class PrecisionTrial(ModelCapture):
     name = "precision"
 
     def __init__(self, timeline: StepTimeline, model_probe: Any) -> None:
-        super().__init__()
+        super().__init__(model_probe)
         self.on = True
         self.timeline = timeline
-        self.models = model_probe  # off while the trial's forwards run
         self.state = "waiting"  # capturing, then done
         self.result: dict[str, Any] | None = None
-        self._input: tuple[tuple, dict] | None = None
-        self._skip: str | None = None  # why the captured step gives nothing to time
 
     # --- the schedule (Recorder.on_close, on the training thread) -------------------------
 
@@ -176,9 +174,9 @@ class PrecisionTrial(ModelCapture):
         self.state, self.result = "done", {"skipped": reason}
 
     def finish(self, config: dict[str, Any] | None, step_seconds: float) -> None:
-        """Unhook; time the captured input. A failure (an out-of-memory input, say) ends the
-        trial with its reason, and the probe is off (`timeline.fail`: one warning)."""
-        self.remove_hooks()
+        """Time the captured input. A failure (an out-of-memory input, say) ends the trial with
+        its reason, and the probe is off (`timeline.fail`: one warning)."""
+        self.release()
         self.state = "done"
         model, captured, self._model, self._input = self._model, self._input, None, None
         try:
@@ -187,7 +185,7 @@ class PrecisionTrial(ModelCapture):
             if self._skip is not None:
                 self.result = {"skipped": self._skip}
             elif model is None or captured is None:
-                self.result = {"skipped": "no training forward of the model ran in the step"}
+                self.result = {"skipped": f"no training forward of the model ran in {MISSES} watched steps"}
             else:
                 budget = min(MAX_BUDGET, max(MIN_BUDGET, BUDGET_STEPS * step_seconds))
                 self.result = self._time(model, captured, config, budget)
@@ -197,8 +195,8 @@ class PrecisionTrial(ModelCapture):
             self.timeline.fail(self.name, exc)
 
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The forward pre-hook: the first training forward's input, cloned. It runs inside the
-        job's forward: it never raises (a failure is kept for finish)."""
+        """The first training forward's input, cloned. It runs inside the job's forward, before
+        the model's: it never raises (a failure is kept for finish)."""
         try:
             if self._input is not None or self._skip is not None or not (module.training and torch.is_grad_enabled()):
                 return
@@ -229,7 +227,9 @@ class PrecisionTrial(ModelCapture):
         leaves = [p for p in params.values() if p.requires_grad]
         if not leaves:
             return {"skipped": "the model has no trainable parameters"}
-        args, kwargs = captured
+        # The root's input: DDP moves it to the device itself before its module's forward
+        # (torch/nn/parallel/distributed.py _pre_forward: _to_kwargs to device_ids[0]).
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), captured)
         cuda = device.type == "cuda"
 
         def once(low: bool) -> float:

@@ -124,9 +124,9 @@ class Recorder:
         self.compile.on = False
         self.compile.close()
         self.precision.on = False
-        self.precision.remove_hooks()
+        self.precision.release()
         self.flops.on = False
-        self.flops.remove_hooks()
+        self.flops.release()
         self.model.uninstall_discovery()
 
     def forked(self) -> None:
@@ -201,10 +201,11 @@ class Recorder:
                 self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:
             self.values.poll()
-        if self.precision.state == "capturing":  # hooked at the previous close: the step has run
-            self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
-        if self.flops.state == "capturing":
-            self.flops.finish(step, tl.fail)
+        if tl.detail:  # the step whose forward a waiting capture took (or gave up on), closing
+            if self._captured(self.precision):
+                self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
+            if self._captured(self.flops):
+                self.flops.finish(step, tl.fail)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
@@ -212,8 +213,7 @@ class Recorder:
         if experimenter is not None:
             experimenter.on_close(step)
         # Wake at the next close that needs us between detail steps.
-        if (syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None
-                or self.precision.state == "capturing" or self.flops.state == "capturing"):
+        if syncs.sampling or self.values.pending or self.gpu_timer is not None or self.model.discovering is not None:
             wake = step + 1  # (model discovery ends at a close: the backward off detail steps is not seen)
         elif syncs.on and syncs.next_sample > step:
             wake = syncs.next_sample - 1  # the close that starts the sampled step
@@ -221,6 +221,12 @@ class Recorder:
             wake = 1 << 62
         wake = min(wake, self.calls.wake_after(step))
         tl.wake_at = min(wake, experimenter.wake_at) if experimenter is not None else wake
+
+    @staticmethod
+    def _captured(capture: Any) -> bool:
+        """At a detail step's close: whether a capture is over (it took the forward's input, or
+        gave up after offstep.MISSES such steps without a training forward of its model)."""
+        return capture.state == "captured" or (capture.state == "capturing" and capture.missed())
 
     def _lifecycle(self, step: int) -> None:
         """Rare checks that must run on the training thread."""
@@ -241,7 +247,7 @@ class Recorder:
             compiled = self.compile.compiles or any(is_compiled(model) for model in trained)
             for capture in due:
                 if compiled:
-                    capture.skip("the model is compiled (a hook on it would recompile it)")
+                    capture.skip("the model is compiled (its graphs run the step, not its forward)")
                 elif trained:
                     capture.capture(trained)
 

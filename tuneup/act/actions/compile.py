@@ -27,7 +27,6 @@ from torch import nn
 
 from ..._patching import PatchSet
 from ...measure.model import is_compiled
-from ...measure.offstep import own_hooks_on
 from ..action import Action, Change, LiveJob
 
 SETTLE_STEPS = 5  # the first calls compile forward and backward; a short last batch may recompile
@@ -128,8 +127,6 @@ class Compile(Action):
         if len(trained) > 1:
             return self.refuse(f"{len(trained)} models train together; tuneup compiles only a job's one model")
         model = trained[0]
-        if own_hooks_on(model):
-            return None  # tuneup's own one-step capture is on the model: dynamo would trace it; next look
         reason = why_not(model, job)
         if reason:
             return self.refuse(reason)
@@ -150,7 +147,7 @@ def why_not(model: nn.Module, job: LiveJob) -> str | None:
         return f"{name} is a distributed wrapper; compile the module it wraps in the script"
     if "forward" in vars(model):
         return f"{name} has a forward set on the instance (a wrapper's); compile it in the script"
-    # Reached once tuneup's own hooks are off (Compile.propose waits them out): any left are the job's.
+    # tuneup puts no hook on a model whose forward is its class's: any found are the job's.
     hooked = [sub for sub in model.modules() if any(getattr(sub, hooks, None) for hooks in _HOOKS)]
     # nn.Module's global hooks (register_module_forward_hook...): the check OptimizedModule makes
     # itself (torch/_dynamo/eval_frame.py), absent from older torch.
