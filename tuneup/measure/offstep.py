@@ -101,8 +101,12 @@ class ModelCapture:
             self.state = "captured"
             self.release()
 
-    def missed(self) -> bool:
-        """At the close of a detail step that gave no input: whether to give up (MISSES in a row)."""
+    def over(self) -> bool:
+        """At a detail step's close: whether the capture is over, to be finished now (it took
+        the forward's input, or gave up after MISSES such steps without a training forward of
+        its model)."""
+        if self.state != "capturing":
+            return self.state == "captured"
         self._missed += 1
         return self._missed >= MISSES
 

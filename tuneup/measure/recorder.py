@@ -202,9 +202,9 @@ class Recorder:
         if self.values.pending:
             self.values.poll()
         if tl.detail:  # the step whose forward a waiting capture took (or gave up on), closing
-            if self._captured(self.precision):
+            if self.precision.over():
                 self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
-            if self._captured(self.flops):
+            if self.flops.over():
                 self.flops.finish(step, tl.fail)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
@@ -221,12 +221,6 @@ class Recorder:
             wake = 1 << 62
         wake = min(wake, self.calls.wake_after(step))
         tl.wake_at = min(wake, experimenter.wake_at) if experimenter is not None else wake
-
-    @staticmethod
-    def _captured(capture: Any) -> bool:
-        """At a detail step's close: whether a capture is over (it took the forward's input, or
-        gave up after offstep.MISSES such steps without a training forward of its model)."""
-        return capture.state == "captured" or (capture.state == "capturing" and capture.missed())
 
     def _lifecycle(self, step: int) -> None:
         """Rare checks that must run on the training thread."""
