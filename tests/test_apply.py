@@ -118,7 +118,7 @@ def apply_options(run_dir, **extra):
     # The CPU's bf16 capability is pinned (absent unless a test claims it): whether amp-off
     # fires, and so whether apply mode tries AMP beside the change a test is about, must not
     # depend on the machine the suite runs on.
-    return dict(mode="apply", run_dir=run_dir, interval=0.2, **{"cpu_bf16": False, **extra})
+    return dict(mode="apply", run_dir=run_dir, **{"interval": 0.2, "cpu_bf16": False, **extra})
 
 
 def decisions(agent):
@@ -416,6 +416,39 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     # trial's change. (Step counts alone cannot tell the two apart where a window is near 24
     # steps: a busy run's first trial took 31 steps with its settle, the wait after it 32.)
     assert second["baseline"]["first_step"] < first["applied_step"], (first["baseline"], second["baseline"])
+
+
+def test_apply_mode_ticks_early_until_the_rules_have_seen_their_first_steps(run_dir):
+    """Ground truth from the code: steps of 50 ms (a sleep) under apply mode with a 2 s
+    interval. The rules judge from WARMUP_STEPS + MIN_STEPS = 40 steps (2 s of them); until a
+    tick finds them in the ring, ticks come every 0.5 s, so two have come before the first
+    regular one would have, at 2 s; after that the interval is the user's again."""
+    from tuneup.diagnose.rule import MIN_STEPS
+    from tuneup.measure.history import WARMUP_STEPS
+    from tuneup.ticker import EARLY_TICKS
+
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        time.sleep(0.05)
+        optimizer.step()
+
+    interval = 2.0
+    with tuneup.attach(**apply_options(run_dir, interval=interval)) as agent:
+        ticker, began = agent.ticker, time.monotonic()
+        while ticker.ticks < 2 and time.monotonic() - began < 30:
+            step()
+        assert ticker.ticks >= 2 and time.monotonic() - began < interval, (ticker.ticks, time.monotonic() - began)
+        while ticker.early and time.monotonic() - began < 60:
+            step()
+        assert not ticker.early and agent.recorder.timeline.ring.count >= WARMUP_STEPS + MIN_STEPS
+        ticks, since = ticker.ticks, time.monotonic()
+        while time.monotonic() - since < interval / EARLY_TICKS * 3:
+            step()
+        assert ticker.ticks - ticks <= 1  # 1.5 s at the 2 s interval: one tick at most
 
 
 def test_every_finding_apply_mode_can_make_gets_a_trial_or_a_reason_in_a_400_step_run(run_dir):

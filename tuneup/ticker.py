@@ -2,7 +2,10 @@
 
 A tick, under the run state's lock: the recorder drains the step ring and samples the slow
 probes (its events go to the outputs), the outputs log warnings and beat, the rules run when
-due, and apply mode's findings go in and its records come out. The last tick runs at detach
+due, and apply mode's findings go in and its records come out. In apply mode the first ticks
+come EARLY_TICKS times as often, until the rules have looked at the steps they need
+(WARMUP_STEPS + MIN_STEPS): a trial starts from a finding, and on a job of 5 ms steps the
+first finding came at step ~196, a second in, where its steps were there at step 41. The last tick runs at detach
 (final=True), and once more before the job destroys its process group (`final_exchange`).
 """
 
@@ -12,7 +15,11 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from .diagnose.rule import MIN_STEPS
+from .measure.history import WARMUP_STEPS
 from .measure.state import LOCK_TIMEOUT, RunState
+
+EARLY_TICKS = 4  # apply mode's first ticks: this many an interval
 
 if TYPE_CHECKING:
     from .act import Experimenter
@@ -32,6 +39,7 @@ class Ticker:
         self.diagnosis, self.experimenter = diagnosis, experimenter
         self._is_live = is_live  # False once detached: the exchange at destroy is then skipped
         self.ticks = 0
+        self.early = experimenter is not None  # until the rules first saw enough steps (apply mode)
         self._pid = os.getpid()
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -51,7 +59,7 @@ class Ticker:
         self.stopping = threading.Event()
 
     def _run(self) -> None:
-        while not self.stopping.wait(self.interval):
+        while not self.stopping.wait(self.interval / EARLY_TICKS if self.early else self.interval):
             if os.getpid() != self._pid:
                 return
             try:
@@ -70,8 +78,10 @@ class Ticker:
                 self.outputs.tick()
             experimenter = self.experimenter
             if self.diagnosis.due(self.ticks, final, experimenter is not None and experimenter.accepting):
+                looked = self.recorder.timeline.ring.count >= WARMUP_STEPS + MIN_STEPS
                 with cost.part("rules"):
                     self.diagnosis.run()
+                self.early = self.early and not looked
             if experimenter is not None:
                 with cost.part("apply"):
                     experimenter.publish(self.state.findings(), self.recorder.system, self.recorder.config)

@@ -130,11 +130,13 @@ def loss_problem(baseline: Columns, trial: Columns) -> str | None:
 
 
 def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
-          cut_epoch_starts: bool = True) -> dict[str, Any]:
-    """The verdict on a trial: {"keep": bool, "reason": str, "speedup", "p_faster", "p_slower",
-    "epoch_starts_left_out", windows}. `numerics`: whether the change can change the loss (else
-    the loss is not judged); `cut_epoch_starts`: the steps that began an epoch are left out of
-    both windows (steady)."""
+          cut_epoch_starts: bool = True, alpha: float = ALPHA) -> dict[str, Any]:
+    """The verdict on a trial: {"keep": bool, "reason": str, "undecided": bool, "speedup",
+    "p_faster", "p_slower", "epoch_starts_left_out", windows}. `numerics`: whether the change can
+    change the loss (else the loss is not judged); `cut_epoch_starts`: the steps that began an
+    epoch are left out of both windows (steady); `alpha`: the level the test is held to (a
+    trial looked at twice spends ALPHA across its looks: experimenter.py). `undecided`: a FASTER
+    change that read faster without the certainty to keep it, nor slower: more steps would tell."""
     if cut_epoch_starts:
         (before, cut_before), (after, cut_after) = steady(baseline), steady(trial)
     else:
@@ -153,8 +155,9 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
         "epoch_starts_left_out": cut_before + cut_after,
     }
     problem = loss_problem(baseline, trial) if numerics else None
-    faster = p_faster < ALPHA and speedup >= MIN_SPEEDUP
+    faster = p_faster < alpha and speedup >= MIN_SPEEDUP
     slower = p_slower < ALPHA and speedup <= 1 / MIN_SPEEDUP
+    verdict["undecided"] = False
     if problem:
         verdict.update(keep=False, reason=problem)
     # Words a user reads once: what the trial showed, then how sure (the p-value, in brackets).
@@ -164,8 +167,9 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
         elif slower:
             verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
         elif speedup > 1:
-            verdict.update(keep=False, reason=f"{speedup:.2f}x faster but not certain (p={p_faster:.2f}; kept from "
-                                              f"p<{ALPHA} and {MIN_SPEEDUP:.2f}x): a longer run would tell")
+            verdict.update(keep=False, undecided=True,
+                           reason=f"{speedup:.2f}x faster but not certain (p={p_faster:.2f}; kept from "
+                                  f"p<{alpha:g} and {MIN_SPEEDUP:.2f}x): a longer run would tell")
         else:
             verdict.update(keep=False, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
     elif slower:
