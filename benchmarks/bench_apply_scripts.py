@@ -1,7 +1,7 @@
 """Apply mode on public-shaped training scripts, end to end, next to plain python, advise mode
 and the best hand-picked setting.
 
-    python benchmarks/bench_apply_scripts.py [--rounds 3] [--steps 600] [--scripts a,b]
+    python benchmarks/bench_apply_scripts.py [--rounds 3] [--steps 600[,3000]] [--scripts a,b]
                                              [--variants plain,apply,workers=0]
 
 Scripts (benchmarks/apply_scripts/, each says what its loop does):
@@ -16,7 +16,10 @@ Every round runs every variant once in a shuffled order, so the machine's drifts
 alike. Printed per script: median end-to-end wall seconds, the training loop's wall seconds
 and CPU ms per step (process time: tuneup's threads included), each as a ratio to plain, and
 the share of the hand-picked gain apply mode got: (plain - apply) / (plain - hand), on
-end-to-end wall time (goal: >= 90%).
+end-to-end wall time (goal: >= 90%). Several run lengths (--steps 600,3000) are interleaved
+in the same rounds: apply mode pays for its start (tuneup's own start-up, the warm-up and the
+baseline before the first change, about half a second of steps), so its share grows with the
+run's length, and a run of a few seconds cannot reach 90%.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def run(command: list[str], steps: int, run_dir: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", default="600", help="steps a run; several, comma-separated, run interleaved")
     parser.add_argument("--scripts", default=",".join(HAND))
     parser.add_argument("--variants", default=None,
                         help="only these variants (plain and apply always run; more rounds in the same time)")
@@ -80,37 +83,43 @@ def main() -> None:
         chosen = set(args.variants.split(",")) | {"plain", "apply"}
         plan = {script: {name: command for name, command in commands.items() if name in chosen}
                 for script, commands in plan.items()}
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    lengths = [int(steps) for steps in args.steps.split(",")]
+    results: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as run_dir:
         for round_ in range(args.rounds):
-            order = [(script, name) for script in scripts for name in plan[script]]
+            order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
             random.shuffle(order)
-            for script, name in order:
-                results.setdefault((script, name), []).append(run(plan[script][name], args.steps, run_dir))
+            for script, steps, name in order:
+                results.setdefault((script, steps, name), []).append(run(plan[script][name], steps, run_dir))
             print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"{args.steps} steps a run, {args.rounds} rounds, {cores} usable cores; medians (ratio to plain)")
-    for script in scripts:
-        med = {name: {key: statistics.median(r[key] for r in results[(script, name)]) for key in ("wall", "train", "cpu_ms")}
-               for name in plan[script]}
-        hand = min((name for name in med if name.startswith("workers=")), key=lambda name: med[name]["wall"])
-        plain = med["plain"]
-        print(f"\n{script}  (best by hand: {hand})")
-        print(f"  {'variant':<12}{'wall s':>10}{'ratio':>8}{'train s':>10}{'ratio':>8}{'CPU ms/step':>13}{'ratio':>8}")
-        for name in [name for name in ("plain", "advise", "apply") if name in med] + [hand]:
-            m = med[name]
-            print(f"  {name:<12}{m['wall']:>10.2f}{m['wall'] / plain['wall']:>8.2f}{m['train']:>10.2f}"
-                  f"{m['train'] / plain['train']:>8.2f}{m['cpu_ms']:>13.2f}{m['cpu_ms'] / plain['cpu_ms']:>8.2f}")
-        possible = plain["wall"] - med[hand]["wall"]
-        got = plain["wall"] - med["apply"]["wall"]
-        share = f"{got / possible:.0%}" if possible > 0 else "n/a (no hand-picked gain)"
-        print(f"  apply mode got {share} of the hand-picked gain")
-        # The same share within each round (its runs ran close together, so the machine's drifts
-        # cancel more of the way), and the median of those
-        rounds = [(p["wall"] - a["wall"]) / (p["wall"] - h["wall"]) for p, a, h in
-                  zip(results[(script, "plain")], results[(script, "apply")], results[(script, hand)])
-                  if p["wall"] > h["wall"]]
-        if rounds:
-            print(f"  per round: {', '.join(f'{r:.0%}' for r in rounds)}; median {statistics.median(rounds):.0%}")
+    print(f"{args.rounds} rounds, {cores} usable cores; medians (ratio to plain)")
+    for script, steps in [(script, steps) for script in scripts for steps in lengths]:
+        runs = {name: results[(script, steps, name)] for name in plan[script]}
+        report(script, steps, runs)
+
+
+def report(script: str, steps: int, runs: dict[str, list[dict[str, float]]]) -> None:
+    """One script at one run length: the variants' medians, and apply mode's share of the gain."""
+    med = {name: {key: statistics.median(r[key] for r in results) for key in ("wall", "train", "cpu_ms")}
+           for name, results in runs.items()}
+    hand = min((name for name in med if name.startswith("workers=")), key=lambda name: med[name]["wall"])
+    plain = med["plain"]
+    print(f"\n{script}, {steps} steps a run  (best by hand: {hand})")
+    print(f"  {'variant':<12}{'wall s':>10}{'ratio':>8}{'train s':>10}{'ratio':>8}{'CPU ms/step':>13}{'ratio':>8}")
+    for name in [name for name in ("plain", "advise", "apply") if name in med] + [hand]:
+        m = med[name]
+        print(f"  {name:<12}{m['wall']:>10.2f}{m['wall'] / plain['wall']:>8.2f}{m['train']:>10.2f}"
+              f"{m['train'] / plain['train']:>8.2f}{m['cpu_ms']:>13.2f}{m['cpu_ms'] / plain['cpu_ms']:>8.2f}")
+    possible = plain["wall"] - med[hand]["wall"]
+    got = plain["wall"] - med["apply"]["wall"]
+    share = f"{got / possible:.0%}" if possible > 0 else "n/a (no hand-picked gain)"
+    print(f"  apply mode got {share} of the hand-picked gain")
+    # The same share within each round (its runs ran close together, so the machine's drifts
+    # cancel more of the way), and the median of those
+    rounds = [(p["wall"] - a["wall"]) / (p["wall"] - h["wall"]) for p, a, h in
+              zip(runs["plain"], runs["apply"], runs[hand]) if p["wall"] > h["wall"]]
+    if rounds:
+        print(f"  per round: {', '.join(f'{r:.0%}' for r in rounds)}; median {statistics.median(rounds):.0%}")
 
 
 if __name__ == "__main__":

@@ -135,6 +135,38 @@ def test_the_modules_that_do_the_flops_are_named_and_repeated_layers_grouped(run
     assert top[0]["share"] > top[1]["share"]
 
 
+def test_modules_that_return_their_input_are_not_credited_with_their_neighbours_backward(run_dir):
+    """Ground truth from the code: a 2-layer nn.TransformerEncoder with dropout=0.0, as small
+    language-model scripts build it, over a (4, 16, 32) batch, then a classifier head, in a
+    Sequential. Each layer's FLOPs are its attention (q/k/v and out projections, scores and
+    mixing) and its two MLP Linears; its three Dropout(p=0) modules return their input and do
+    none (forward 0, so backward 0). torch's ModuleTracker credited them with every backward
+    FLOP after theirs: 70% of the model. The layers group by their index in the encoder's
+    ModuleList, not by the encoder's in the Sequential."""
+    batch, length, dim, ffn = 4, 16, 32, 64
+    layer = nn.TransformerEncoderLayer(dim, 4, ffn, batch_first=True, dropout=0.0)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Flatten(),
+                          nn.Linear(length * dim, 10))
+    _, agent = train(model, fixed((batch, length, dim)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    rows = batch * length
+    per_layer = {"self_attn": linear(rows, dim, 3 * dim) + 2 * (2 * batch * length * length * dim) + linear(rows, dim, dim),
+                 "linear1": linear(rows, dim, ffn), "linear2": linear(rows, ffn, dim)}
+    head = linear(batch, length * dim, 10)
+    assert found["forward_flops"] == pytest.approx(2 * sum(per_layer.values()) + head, rel=0.02)
+    top = {m["module"]: m for m in found["top_modules"]}
+    assert not [name for name in top if "dropout" in name], found["top_modules"]
+    expected = {f"Sequential.0.layers.*.{name}": 2 * flops for name, flops in per_layer.items()}
+    expected["Sequential.2"] = head
+    assert set(top) == set(expected), found["top_modules"]
+    assert all(top[name]["count"] == 2 for name in expected if "*" in name)
+    assert sum(m["share"] for m in top.values()) == pytest.approx(1.0)
+    # Forward + backward is about 3x each module's forward (a little less for the first layer's
+    # input projection, whose input needs no gradient): the shares follow the forward's.
+    for name, flops in expected.items():
+        assert top[name]["share"] == pytest.approx(flops / sum(expected.values()), abs=0.04), (name, top[name])
+
+
 def test_counting_leaves_the_job_bit_identical(run_dir):
     # Dropout draws from the global RNG: a count that touched it would change every loss after it.
     def model():

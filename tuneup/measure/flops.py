@@ -30,7 +30,6 @@ count over the measured step time, computed where the snapshot is read (utilizat
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from typing import Any
@@ -84,20 +83,44 @@ def _compute_dtype(module: nn.Module, parameter: torch.Tensor) -> str:
     return dtype
 
 
-def _top_modules(root: nn.Module, counts: dict[str, dict[Any, int]]) -> list[dict[str, Any]]:
+def _repeated(name: str, modules: dict[str, nn.Module]) -> str:
+    """`name` with its block index starred: the first numeric part whose container holds two
+    or more children of that child's class (a ModuleList of layers), so `Sequential.0.layers.1.mlp`
+    (an encoder wrapped in a Sequential) groups as `Sequential.0.layers.*.mlp`; as it is where none."""
+    parts = name.split(".")
+    for index in range(1, len(parts)):
+        if not parts[index].isdigit():
+            continue
+        container = modules.get(".".join(parts[:index]))
+        child = modules.get(".".join(parts[:index + 1]))
+        if container is not None and child is not None and \
+                sum(type(other) is type(child) for other in container.children()) >= 2:
+            return ".".join(parts[:index] + ["*"] + parts[index + 1:])
+    return name
+
+
+def _top_modules(root: nn.Module, counts: dict[str, dict[Any, int]], forward: dict[str, int]) -> list[dict[str, Any]]:
     """The modules that do the FLOPs (those counted with no counted child), the largest first;
     a layer repeated in every block is one entry (`blocks.*.mlp`: the same class and parameter
-    shapes at the same place, the block's index the first number in the name)."""
+    shapes at the same place, the block's index the first number in the name).
+
+    Only modules that did FLOPs in the forward (`forward`: the counts after it) are credited
+    with their backward's: torch's ModuleTracker enters a module's backward with a grad hook on
+    its outputs and leaves it with one on its inputs, and where the output is the input tensor
+    itself (Dropout(p=0) and Identity return it: ATen's dropout returns its input at p == 0)
+    the leaving hook, registered first, runs first, so the module stays entered and is credited
+    with every FLOP of the rest of the backward (torch/utils/module_tracker.py, _fw_pre_hook and
+    _fw_post_hook). A TransformerEncoder's zero-dropouts took 70% of its FLOPs that way."""
     prefix = type(root).__name__
     modules = {(f"{prefix}.{name}" if name else prefix): module for name, module in root.named_modules()}
-    totals = {name: sum(ops.values()) for name, ops in counts.items() if name != "Global"}
+    totals = {name: sum(ops.values()) for name, ops in counts.items() if name != "Global" and forward.get(name)}
     leaves = [name for name, flops in totals.items() if flops
               and not any(other.startswith(name + ".") and totals[other] for other in totals)]
     grouped: dict[tuple, list[tuple[str, float]]] = {}
     for name in leaves:
         module = modules.get(name)
         shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False)) if module is not None else ()
-        key = (re.sub(r"\.\d+(?=\.|$)", ".*", name, count=1), type(module).__name__ if module is not None else "?", shapes)
+        key = (_repeated(name, modules), type(module).__name__ if module is not None else "?", shapes)
         grouped.setdefault(key, []).append((name, totals[name]))
     whole = sum(totals[name] for name in leaves) or 1
     ranked = sorted(grouped.items(), key=lambda item: -sum(flops for _, flops in item[1]))[:TOP_MODULES]
@@ -184,6 +207,7 @@ class FlopCount(ModelCapture):
             with unseen(model, self.models), torch.enable_grad(), counter:
                 output = torch.func.functional_call(model, (params, buffers), args, kwargs)
                 forward = counter.get_total_flops()
+                by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
                 found = [leaf.float().sum() for leaf in tree_leaves(output)
                          if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.grad_fn is not None]
                 if found and leaves:
@@ -198,7 +222,7 @@ class FlopCount(ModelCapture):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return {"model": type(model).__name__, "forward_flops": forward, "backward_flops": total - forward,
                 "flops": total, "batch": _first_dim(args, kwargs), "dtype": dtype, "device": device.type,
-                "device_name": name, "top_modules": _top_modules(model, counter.get_flop_counts())}
+                "device_name": name, "top_modules": _top_modules(model, counter.get_flop_counts(), by_module)}
 
     def summary(self) -> dict[str, Any] | None:
         """The latest count (the median over the shapes counted where they vary), or why none."""
