@@ -627,6 +627,29 @@ def test_autocast_never_wraps_the_jobs_evaluation_or_no_grad_forwards(run_dir):
     assert len(during) >= 2 and not any(during)
 
 
+def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_changed_from(run_dir):
+    """Ground truth from the code: Timed does 5x its work in fp32 when autocast is off, so apply
+    mode's bf16 autocast (the CPU's bf16 claimed) makes its steps faster and is kept. The job
+    as written has no autocast: the final report still advises it (amp-off, not silenced by the
+    autocast tuneup itself put on), and the finding says that apply mode made it, and from which
+    step the run's numerics differ from the job's own (the step after the close that applied it)."""
+    agent, model, _, _ = amp_run(run_dir, 20000)
+    [record] = records(agent, "amp")
+    assert record["decision"] == "kept", decisions(agent)
+    # Ground truth of the first step under autocast, from the model's own notes (its list holds
+    # step n's forward at n - 1): the step after the next, as this loop has no fetch: its steps
+    # close at the next optimizer step, after the next step's forward.
+    first = model.autocast.index(True) + 1
+    assert record["effective_step"] == first == record["applied_step"] + 2, (record, first)
+    document = json.loads(agent.report("json"))
+    [finding] = [f for f in document["findings"] if f["rule"] == "amp-off"] or [document["findings"]]
+    assert finding["applied"]["id"] == record["id"] and finding["applied"]["decision"] == "kept"
+    assert record["reason"].split(" (")[0].endswith("faster"), record["reason"]  # a gain is said as one
+    said = f"apply mode made it (change {record['id']}): {record['change']}, kept from step {first}"
+    assert said in agent.report("markdown")
+    assert said in " ".join(agent.report("text").split())  # wrapped to the terminal's width there
+
+
 @pytest.mark.own_amp_timing
 @one_intra_op_thread()
 def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir):

@@ -10,6 +10,8 @@ hand (the arithmetic is in the comments) and asserts exact results.
   detail-step-only phases, loss statistics, trend) and Totals.
 - measure/history.py: weighted_median, combine, RunHistory (coarsening, window, totals,
   snapshot).
+- report/document.py apply_outcome and report/summary.py apply_line: a finding joined to
+  what apply mode did about it.
 - measure/steps.py: StepRing (put, holds, columns) driven directly and through
   StepTimeline events with explicit times (hotpath.py; steps.py before it moved), and the
   step-boundary rule StepTimeline.moved_on.
@@ -368,7 +370,10 @@ def test_judge_not_slower_rejects_a_trial_much_slower_on_average_though_not_cert
 
 
 def test_judge_not_slower_keeps_a_faster_trial():
-    assert judge(make_columns(BASE), make_columns(FAST), NOT_SLOWER)["keep"] is True
+    verdict = judge(make_columns(BASE), make_columns(FAST), NOT_SLOWER)
+    assert verdict["keep"] is True
+    # Measurably faster, it is said as such (not "not slower": a user reads a gain once)
+    assert verdict["reason"] == "1.25x faster (p=0.001)"
 
 
 def test_judge_rejects_a_faster_trial_with_a_non_finite_loss():
@@ -423,6 +428,49 @@ def test_judge_loss_band_needs_min_losses_on_both_sides():
     base = make_columns(BASE, losses=[1.0] * 12)
     assert judge(base, make_columns(FAST, losses=[100.0] * 2 + [None] * 10), FASTER)["keep"] is True
     assert judge(base, make_columns(FAST, losses=[100.0] * 3 + [None] * 9), FASTER)["keep"] is False
+
+
+# --- a finding joined to what apply mode did about it -----------------------------------------
+
+
+def test_a_finding_reads_its_kept_change_over_a_later_undone_one():
+    from tuneup.report.document import apply_outcome
+    from tuneup.report.summary import apply_line
+
+    fixes = ["data-stall", "pageable-copies"]
+    actions = [
+        {"id": 1, "action": "dataloader", "fixes": fixes, "change": "num_workers 0 -> 2", "decision": "kept",
+         "reason": "1.87x faster (p=0.001)", "applied_step": 45, "undone": {"step": 151, "reason": "detach"}},
+        {"id": 2, "action": "dataloader", "fixes": fixes, "change": "prefetch_factor 2 -> 4", "decision": "reverted",
+         "reason": "1.01x: no faster (p=0.40 that it is)", "applied_step": 90},
+        {"id": 3, "action": "zero-grad", "fixes": ["zero-grad-keeps-tensors"], "change": "set_to_none", "decision": "trying",
+         "applied_step": 120},
+    ]
+    outcome = apply_outcome("data-stall", [{"actions": actions}])
+    assert outcome["id"] == 1 and outcome["decision"] == "kept"
+    line = apply_line({"rule": "data-stall", "can_apply": True, "applied": outcome})
+    # In effect from the step after the close that applied it; undone at detach goes unsaid
+    assert line == ("apply mode made it (change 1): num_workers 0 -> 2, kept from step 46: 1.87x faster (p=0.001). "
+                    "It lasts until detach: write it into the job to keep it")
+    # A change still on trial is no outcome; a rule no record fixes has none
+    assert apply_outcome("zero-grad-keeps-tensors", [{"actions": actions}]) is None
+    assert apply_outcome("host-syncs", [{"actions": actions}]) is None
+    assert apply_line({"rule": "host-syncs", "can_apply": False, "applied": None}) is None
+    assert apply_line({"rule": "x", "can_apply": True, "applied": None}).startswith("a safe change")
+
+
+def test_a_finding_whose_change_was_not_kept_or_not_made_says_why():
+    from tuneup.report.document import apply_outcome
+    from tuneup.report.summary import apply_line
+
+    undone = [{"id": 1, "action": "dataloader", "fixes": ["data-stall"], "change": "num_workers 8 -> 2",
+               "decision": "reverted", "reason": "0.90x: slower (p=0.004)", "applied_step": 40}]
+    line = apply_line({"rule": "data-stall", "can_apply": True, "applied": apply_outcome("data-stall", [{"actions": undone}])})
+    assert line == "apply mode tried it (change 1): num_workers 8 -> 2, undone: 0.90x: slower (p=0.004)"
+    refused = [{"id": 1, "action": "amp", "fixes": ["amp-off"], "decision": "not applicable",
+                "reason": "the model is compiled"}]
+    line = apply_line({"rule": "amp-off", "can_apply": False, "applied": apply_outcome("amp-off", [{"actions": refused}])})
+    assert line == "apply mode did not make it (not applicable): the model is compiled"
 
 
 def test_judge_without_numerics_does_not_judge_the_loss():

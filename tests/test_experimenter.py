@@ -26,6 +26,7 @@ class HandTimeline:
         self.ring = StepRing(8192)
         self.ring.origin = (0.0,) + (0,) * len(CUMULATIVE) + (True,)
         self.detail = False
+        self.closed_at_update = False  # closes come at a fetch
         self.clock = 0.0
 
     def detail_through(self, step: int) -> None:

@@ -481,15 +481,18 @@ class Experimenter:
                 for name, values in current.items()}
 
     def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:
-        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,
+        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title, "fixes": list(action.fixes),
                   "change": change.description, "before": dict(change.before), "after": dict(change.after),
                   "criterion": change.keep, "applied_step": step, "decision": "trying",
+                  # The first step that runs with it: the next, unless the close came at an
+                  # optimizer step, after the next step's forward (a loop without a fetch)
+                  "effective_step": step + (2 if self.job.timeline.closed_at_update else 1),
                   "reason": "on trial", "time": time.time()}
         self.records.append(record)
         return record
 
     def _note(self, action: Action, decision: str, reason: str) -> None:
-        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title,
+        record = {"id": len(self.records) + 1, "action": action.id, "title": action.title, "fixes": list(action.fixes),
                   "decision": decision, "reason": reason, "time": time.time()}
         self.records.append(record)
         self._emit(record)

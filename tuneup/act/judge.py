@@ -178,6 +178,8 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
         verdict.update(keep=False, reason=f"{speedup:.2f}x: slower on average by more than the "
                                           f"{NOT_SLOWER_MARGIN:.0%} a change kept for not being slower may cost "
                                           f"(p={p_slower:.2f} that it is)")
+    elif faster:  # kept for not being slower, and measurably faster: said as such
+        verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
     else:
         verdict.update(keep=True, reason=f"{speedup:.2f}x: not slower (p={p_slower:.2f} that it is)")
     if cut_before + cut_after and not problem:

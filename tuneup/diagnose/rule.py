@@ -237,7 +237,19 @@ class Facts:
     @property
     def reduced_precision(self) -> str | None:
         """The autocast dtype in use (or the model's own half dtype), else None."""
-        autocast = (self.snapshot.get("config") or {}).get("autocast") or {}
+        return self._precision(job_only=False)
+
+    @property
+    def job_precision(self) -> str | None:
+        """reduced_precision as the job itself wrote it: less an autocast apply mode switched
+        on (an AMP change on trial or kept, undone since or not: at detach every change is
+        undone, and the configuration read the autocast in the forwards it wrapped)."""
+        return self._precision(job_only=True)
+
+    def _precision(self, job_only: bool) -> str | None:
+        ours = job_only and any(record.get("action") == "amp" and record.get("decision") in ("trying", "kept")
+                            for record in self.snapshot.get("actions") or [])
+        autocast = {} if ours else (self.snapshot.get("config") or {}).get("autocast") or {}
         for dtype in autocast.values():
             if dtype:
                 return dtype

@@ -416,6 +416,10 @@ class StepTimeline:
         self.evaluation_last_count = 0  # ring.count at the phase's last forward's end
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
+        # Whether the latest close came at an optimizer step: the next step's forward and
+        # backward had run by then (a loop without a fetch), so what its listeners change
+        # (apply mode) takes effect a step later than after a close at a fetch.
+        self.closed_at_update = False
         self.attached_at = perf_counter()  # start of the first step when nothing came before it
         self.step_start: float | None = None
         self.last_optimizer_end: float | None = None
@@ -510,6 +514,7 @@ class StepTimeline:
         Returns the seconds tuneup's listeners took at the close (0.0: none ran)."""
         group = self.group
         if group and (optimizer is None or optimizer in group):
+            self.closed_at_update = optimizer is not None
             return self.close(now)
         if self.step_start is None:
             self.step_start = now

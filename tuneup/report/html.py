@@ -337,8 +337,8 @@ def _finding(number: int, finding: dict[str, Any]) -> str:
     severity = escape(str(finding["severity"]))
     doc = str(finding["doc"])
     link = f'<a href="{escape(doc)}">{escape(doc)}</a>' if doc.startswith(("https://", "http://")) else escape(doc)
-    apply = ("<div class=\"apply\">a safe change: tuneup's apply mode can make it as a measured experiment</div>"
-             if finding["can_apply"] else "")
+    applied = summary.apply_line(finding)
+    apply = f'<div class="apply">{escape(applied)}</div>' if applied else ""
     return (f'<article class="finding {severity}"><h3><span class="badge">{severity.upper()}</span> {number}. '
             f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(ranks_label(finding))}</span></h3>'
             f'<dl><dt>measured</dt><dd>{escape(finding["observed"])}</dd>'

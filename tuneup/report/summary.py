@@ -91,13 +91,33 @@ def _decision(record: dict[str, Any]) -> tuple[str, str | None]:
         decision = "undone"
     decision = SPOKEN_DECISIONS.get(decision, decision)
     if decision in ("kept", "set at start") and record.get("applied_step"):
-        # In effect from the step after the close it was applied at (a numerics change: the
-        # steps from which the run differs from one without tuneup).
-        decision += f" from step {record['applied_step'] + 1}"
+        # In effect from the first step that ran with it (a numerics change: the steps from
+        # which the run differs from one without tuneup); the step after the close it was
+        # applied at, in records from before they said.
+        decision += f" from step {record.get('effective_step') or record['applied_step'] + 1}"
     undone = record.get("undone")
     if not undone or undone["reason"] == "detach":
         return decision, None
     return decision, f"undone by {undone['reason']}"
+
+
+CAN_APPLY = "a safe change: tuneup's apply mode can make it as a measured experiment"
+
+
+def apply_line(finding: dict[str, Any]) -> str | None:
+    """A finding's line on apply mode: what it did about the finding in this run (its
+    change's record: report/document.py apply_outcome), else whether it can; None: neither."""
+    outcome = finding.get("applied")
+    if outcome is None:
+        return CAN_APPLY if finding.get("can_apply") else None
+    decision, note = _decision(outcome)
+    change, reason = outcome.get("change"), outcome.get("reason")
+    if outcome["decision"] in ("kept", "set at start"):
+        return (f"apply mode made it (change {outcome['id']}): {change}, {decision}: {reason}"
+                f"{'; ' + note if note else ''}. It lasts until detach: write it into the job to keep it")
+    if change:
+        return f"apply mode tried it (change {outcome['id']}): {change}, {decision}: {reason}"
+    return f"apply mode did not make it ({decision}): {reason}"
 
 
 def net_change(actions: list[dict[str, Any]]) -> str | None:

@@ -72,8 +72,9 @@ def findings_group(document: dict[str, Any]) -> Group:
             Text("fix:"),
             Padding(Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default", word_wrap=True), (0, 0, 0, 2)),
         ]
-        if finding["can_apply"]:
-            lines.append(Text("a safe change: tuneup's apply mode can make it as a measured experiment", style="green"))
+        applied = summary.apply_line(finding)
+        if applied:
+            lines.append(Text(applied, style="green"))
         lines.append(Text(f"docs: {finding['doc']}", style="dim"))
         parts += [head, Padding(Group(*lines), (0, 0, 1, 3))]
     return Group(*parts)
@@ -111,6 +112,7 @@ def to_markdown(document: dict[str, Any]) -> str:
             f"- **Threshold:** {finding['threshold']}",
             f"- **Estimated gain:** {finding['gain_text']}",
             f"- **tuneup can apply it:** {'yes (apply mode)' if finding['can_apply'] else 'no (advice only)'}",
+            *([f"- **Apply mode in this run:** {summary.apply_line(finding)}"] if finding.get("applied") else []),
             f"- **Docs:** {finding['doc']}",
             "",
             "```python",

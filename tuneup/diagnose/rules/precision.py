@@ -110,7 +110,9 @@ def _accelerated(facts: Facts) -> str | None:
     can_apply=True,
 )
 def amp_off(facts: Facts) -> Evidence | None:
-    if facts.reduced_precision is not None or _float64_models(facts.config):
+    # (The job's own precision: where the autocast seen is apply mode's, the advice to write it
+    # into the job stands, with what apply mode measured of it: report/summary.py apply_line.)
+    if facts.job_precision is not None or _float64_models(facts.config):
         return None  # a float64 model: float64-model first, AMP once it trains in float32
     autocast = facts.config.get("autocast")
     if autocast is None:
