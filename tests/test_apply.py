@@ -648,6 +648,7 @@ def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_chan
     said = f"apply mode made it (change {record['id']}): {record['change']}, kept from step {first}"
     assert said in agent.report("markdown")
     assert said in " ".join(agent.report("text").split())  # wrapped to the terminal's width there
+    assert said in agent.report("html")
 
 
 @pytest.mark.own_amp_timing

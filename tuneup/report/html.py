@@ -338,7 +338,7 @@ def _finding(number: int, finding: dict[str, Any]) -> str:
     doc = str(finding["doc"])
     link = f'<a href="{escape(doc)}">{escape(doc)}</a>' if doc.startswith(("https://", "http://")) else escape(doc)
     applied = summary.apply_line(finding)
-    apply = f'<div class="apply">{escape(applied)}</div>' if applied else ""
+    apply = f'<div class="apply">{escape(applied, quote=False)}</div>' if applied else ""  # (element text: quotes as they are)
     return (f'<article class="finding {severity}"><h3><span class="badge">{severity.upper()}</span> {number}. '
             f'{escape(finding["title"])} <span class="rule">[{escape(finding["rule"])}]{escape(ranks_label(finding))}</span></h3>'
             f'<dl><dt>measured</dt><dd>{escape(finding["observed"])}</dd>'
