@@ -129,3 +129,65 @@ def test_iterable_datasets_and_unordered_loaders_are_not_switched():
     assert "IterableDataset" in why_not_switchable(DataLoader(Stream()))
     assert "in_order=False" in why_not_switchable(DataLoader(Indexed(), num_workers=1, in_order=False))
     assert why_not_switchable(DataLoader(Indexed(), batch_size=4, shuffle=True)) is None
+
+
+# --- a main-process dataset's own random streams (_OwnStreams) --------------------------------
+
+class Augmenting(Indexed):
+    """Draws from Python's `random` and numpy's global stream per sample, as albumentations-style
+    augmentation does; the draws ride along in the sample."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import numpy
+        import random
+
+        return torch.tensor([index, random.random(), numpy.random.rand()], dtype=torch.float64)
+
+
+def test_a_main_process_dataset_drawing_from_random_and_numpy_leaves_the_jobs_streams_as_workers_would():
+    """Ground truth from the code: with two workers, each worker's `random` and numpy streams are
+    its own (torch's _worker_loop seeds them), so the job's own streams do not move however
+    many samples are drawn. Switched to the main process mid-epoch, the dataset draws from
+    streams of its own: the job's next draws from `random` and numpy are what they are without
+    the switch, after 97 main-process fetches (past the watched ones)."""
+    import numpy
+    import random
+
+    def job_draws(switches):
+        random.seed(7)
+        numpy.random.seed(7)
+        loader = DataLoader(Augmenting(size=400), batch_size=4, shuffle=True, num_workers=2)
+        seen, _ = epochs_of(loader, epochs=1, switches=switches)  # (later epochs: the agent's epoch_iterator)
+        return [batch[0::3] for batch in seen], (random.random(), numpy.random.rand())
+
+    plain_order, plain_draws = job_draws(None)
+    order, draws = job_draws({(0, 3): {"num_workers": 0, "prefetch_factor": None}})
+    assert order == plain_order  # (the indices; every sample's draws ride along)
+    assert draws == plain_draws
+
+
+def test_a_stream_the_dataset_starts_drawing_from_late_is_its_own_from_the_next_check():
+    """Ground truth: a fetch that draws one number from `random` from its 40th call on (after
+    the WATCH_FETCHES watched fetches, where it drew nothing). The check at fetch 48 (every
+    CHECK_EVERY-th) finds it drawing: fetches 40-47 drew from the job's stream (8 numbers), and
+    none after."""
+    import random
+
+    from tuneup.act.loader_switch import _OwnStreams
+
+    assert _OwnStreams.WATCH_FETCHES == 32 and _OwnStreams.CHECK_EVERY == 16
+    calls = []
+
+    def fetch(index):
+        calls.append(index)
+        return random.random() if len(calls) >= 40 else None
+
+    random.seed(11)
+    wrapped = _OwnStreams(5).around(fetch)
+    for index in range(100):
+        wrapped(index)
+    after = random.random()
+    random.seed(11)
+    for _ in range(8):
+        random.random()
+    assert after == random.random()

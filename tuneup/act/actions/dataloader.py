@@ -15,8 +15,9 @@ move an experiment of its own, on the loader the training loop is reading:
      data-stall measured that, or that the wait is the shipping), then halfway to the count
      rejected below. Once a
      count below the job's is kept, no workers are added back. In the main process the dataset draws
-     from a random stream of its own, seeded as a worker's is (`_OwnStreams`), never from
-     the job's, and it is not tried where the loader has a worker_init_fn;
+     from random streams of its own, seeded as a worker's are (`_OwnStreams`: torch's always,
+     Python's and numpy's once it is seen drawing from them), not from the job's, and it is
+     not tried where the loader has a worker_init_fn;
 2. pin_memory=True on a CUDA job;
 3. prefetch_factor doubled, while the stall stays (bursty loads);
 4. persistent_workers=True when epochs are short enough to put an epoch start in each
