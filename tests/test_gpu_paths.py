@@ -89,8 +89,10 @@ def test_gpu_time_per_step_ends_at_the_update_not_after_the_data_wait(run_dir):
     assert gpu["max"] <= step["max"] - 0.03
     assert gpu["median"] <= step["median"] - 0.025
     # And it holds the work: the end event comes after the update, a few µs before the loop's
-    # clock reads `work`'s end (so not at the forward, where an early end would put it).
-    assert gpu["median"] >= 0.5 * statistics.median(work)
+    # clock reads `work`'s end (so not at the forward, where an early end would put it). Over
+    # the window's own steps (past the warm-up): the full suite's other process once made the
+    # first steps' work 40 ms and the last ones' 1-5 ms, and all 24 steps' median was 23 ms.
+    assert gpu["median"] >= 0.5 * statistics.median(work[window["first_step"] - 1:window["last_step"]])
 
 
 def test_events_that_cannot_be_compared_drop_that_step_only(run_dir):

@@ -156,6 +156,11 @@ class Agent:
         """The report document (what every report format renders) of this run so far."""
         from .report.document import build
 
+        if self.enabled and self.attached:
+            # The steps closed so far into the history first, as snapshot() takes them: a report
+            # asked for while attached covered only what the background thread had drained (a
+            # short loop on a busy machine: no step at all, "no optimizer.step() seen").
+            self.snapshot()
         with self.state.lock:
             return build([self.state.history], source=self.state.run_log or "memory",
                          silence=self.options.silence, window_steps=self.options.window_steps)
