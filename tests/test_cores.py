@@ -459,6 +459,25 @@ def test_a_finding_reads_its_kept_change_over_a_later_undone_one():
     assert apply_line({"rule": "x", "can_apply": True, "applied": None}).startswith("a safe change")
 
 
+def test_the_jobs_own_precision_leaves_out_an_autocast_apply_mode_put_on():
+    """The autocast the configuration read is apply mode's where an AMP change was applied in
+    the run, whatever became of it (kept and undone at detach, a trial cut short at detach,
+    one rolled back in the last steps: the autocast is read at forwards, and none came after)."""
+    from tuneup.diagnose.rule import Facts
+
+    config = {"autocast": {"cpu": "bfloat16"}, "models": [{"dtypes": {"float32": 10}}]}
+    assert Facts({"config": config}).job_precision == "bfloat16"  # the job's own
+    for decision in ("kept", "reverted", "rolled back", "trying"):
+        actions = [{"action": "amp", "decision": decision, "applied_step": 80}]
+        facts = Facts({"config": config, "actions": actions})
+        assert facts.job_precision is None, decision
+        assert facts.reduced_precision == "bfloat16"  # what the last steps ran with
+    refused = [{"action": "amp", "decision": "not applicable", "reason": "..."}]
+    assert Facts({"config": config, "actions": refused}).job_precision == "bfloat16"
+    half = {"autocast": {}, "models": [{"dtypes": {"bfloat16": 10}}]}  # a model the job itself made bf16
+    assert Facts({"config": half, "actions": [{"action": "amp", "applied_step": 3}]}).job_precision == "bfloat16"
+
+
 def test_a_finding_whose_change_was_not_kept_or_not_made_says_why():
     from tuneup.report.document import apply_outcome
     from tuneup.report.summary import apply_line

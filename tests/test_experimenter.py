@@ -188,3 +188,37 @@ def test_a_predicted_gain_under_twice_detect_gets_the_ten_percent_window_at_once
     record = next(r for r in experimenter.records if r["action"] == "flag")
     assert record["baseline"]["steps"] == record["trial"]["steps"] == default_window(recent_before(off, record))
     assert "first_look" not in record
+
+
+def test_a_first_look_that_reads_no_faster_looks_again_before_it_is_undone():
+    """Ground truth: the flag changes nothing (10 ms +-60% either way) and the finding predicted
+    44%. A first look reading 1.00x or less, not measurably slower, is not the end of it (a
+    short window may read a real 10% gain that way): the trial runs on to the 10% window and
+    is undone there."""
+    for seed in range(60):
+        off, on = noisy(0.010, 0.6, 900, seed=300 + seed), noisy(0.010, 0.6, 900, seed=400 + seed)
+        experimenter, was_on = drive(off, on, gain=0.44, steps=900)
+        record = next(r for r in experimenter.records if r["action"] == "flag")
+        if record.get("first_look") and record["first_look"]["speedup"] <= 1.0:
+            break
+    else:
+        pytest.fail("no seed of 60 gave a first look at 1.00x or less")
+    assert record["decision"] == "reverted", record["reason"]
+    assert record["trial"]["steps"] == default_window(recent_before(off, record))
+    assert not was_on[-1]
+
+
+def test_a_change_set_at_start_runs_from_the_first_step():
+    """at_start runs before the first step's forward: that step runs with the change."""
+    class AtStart(FlagAction):
+        def at_start(self, job, model):
+            return Flag(self.state)
+
+    timeline = HandTimeline()
+    job = LiveJob(timeline, None, None, None, None)
+    state = {"on": False}
+    experimenter = Experimenter(job, [AtStart(state)], warn=lambda key, message: None)
+    experimenter.at_start(model=None)
+    (record,) = experimenter.records
+    assert record["decision"] == "set at start" and state["on"]
+    assert record["applied_step"] == record["effective_step"] == 1

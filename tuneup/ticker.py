@@ -78,7 +78,9 @@ class Ticker:
                 self.outputs.tick()
             experimenter = self.experimenter
             if self.diagnosis.due(self.ticks, final, experimenter is not None and experimenter.accepting):
-                looked = self.recorder.timeline.ring.count >= WARMUP_STEPS + MIN_STEPS
+                # (The steps drained into the history: what the rules read. A drain holds back
+                # steps whose loss or GPU time is still in flight.)
+                looked = self.recorder.totals.sums["steps"] >= WARMUP_STEPS + MIN_STEPS
                 with cost.part("rules"):
                     self.diagnosis.run()
                 self.early = self.early and not looked

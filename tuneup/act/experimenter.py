@@ -240,7 +240,7 @@ class Experimenter:
                     if change is None:
                         continue
                     step = self.job.timeline.ring.count + 1
-                    record = self._record(change, action, step)
+                    record = self._record(change, action, step, step)  # before that step's forward
                     change.apply()
                     record.update(decision="set at start", criterion="kept while its check finds nothing against it",
                                   reason="it only works from the start: " + (change.at_start_reason or
@@ -406,7 +406,11 @@ class Experimenter:
                 self._next_look = min(self._next_look, self.stable_since + window)
                 return
         self._reusable = None
-        record = self._record(change, action, step)
+        # The first step that runs with the change: the next, unless the close came at an
+        # optimizer step, after the next step's forward (a loop without a fetch); its trial's
+        # steps start there (after the settle steps), so no step of the old setting is judged.
+        effective = step + (2 if self.job.timeline.closed_at_update else 1)
+        record = self._record(change, action, step, effective)
         before = self.energy.mark(step)
         baseline_energy = self.energy.since(max(baseline["step"][0], self.stable_since), before) if before else None
         try:
@@ -423,8 +427,8 @@ class Experimenter:
         record["applied_at"] = time.time()
         self.applied.append((change, action, record))
         expected = (change.settle_steps + window) * sum(baseline["step_seconds"]) / len(baseline["step_seconds"])
-        self.trial = _Trial(change, action, record, baseline, step + 1 + change.settle_steps,
-                            step + change.settle_steps + window,
+        self.trial = _Trial(change, action, record, baseline, effective + change.settle_steps,
+                            effective + change.settle_steps + window - 1,
                             DEADLINE_FACTOR * max(expected, MIN_SECONDS), baseline_energy=baseline_energy,
                             energy_start=before if not change.settle_steps else None,
                             **({"alpha": FIRST_LOOK_ALPHA, "longer": longer} if longer and longer > window else {}))
@@ -480,13 +484,11 @@ class Experimenter:
         return {name: list(baseline[name])[len(baseline[name]) - need:] + list(values)
                 for name, values in current.items()}
 
-    def _record(self, change: Change, action: Action, step: int) -> dict[str, Any]:
+    def _record(self, change: Change, action: Action, step: int, effective: int) -> dict[str, Any]:
         record = {"id": len(self.records) + 1, "action": action.id, "title": action.title, "fixes": list(action.fixes),
                   "change": change.description, "before": dict(change.before), "after": dict(change.after),
                   "criterion": change.keep, "applied_step": step, "decision": "trying",
-                  # The first step that runs with it: the next, unless the close came at an
-                  # optimizer step, after the next step's forward (a loop without a fetch)
-                  "effective_step": step + (2 if self.job.timeline.closed_at_update else 1),
+                  "effective_step": effective,  # the first step that runs with it
                   "reason": "on trial", "time": time.time()}
         self.records.append(record)
         return record

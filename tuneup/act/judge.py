@@ -136,7 +136,8 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
     change the loss (else the loss is not judged); `cut_epoch_starts`: the steps that began an
     epoch are left out of both windows (steady); `alpha`: the level the test is held to (a
     trial looked at twice spends ALPHA across its looks: experimenter.py). `undecided`: a FASTER
-    change that read faster without the certainty to keep it, nor slower: more steps would tell."""
+    change neither kept nor measurably slower, the loss in band: more steps would tell (a short
+    first look may read a real 10% gain as 1.00x)."""
     if cut_epoch_starts:
         (before, cut_before), (after, cut_after) = steady(baseline), steady(trial)
     else:
@@ -171,7 +172,7 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
                            reason=f"{speedup:.2f}x faster but not certain (p={p_faster:.2f}; kept from "
                                   f"p<{alpha:g} and {MIN_SPEEDUP:.2f}x): a longer run would tell")
         else:
-            verdict.update(keep=False, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
+            verdict.update(keep=False, undecided=True, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
     elif slower:
         verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
     elif speedup < 1 - NOT_SLOWER_MARGIN and p_slower < LEANS_SLOWER:

@@ -217,7 +217,7 @@ class _OwnStreams:
     def __init__(self, seed: int, dataset: Any = None) -> None:
         try:
             self.learnt = _LEARNT.setdefault(dataset, {"fetches": 0, "draws": set()})
-        except TypeError:  # a dataset that takes no weak reference: learnt for this iterator only
+        except Exception:  # no weak reference, unhashable, an __eq__ that raises: learnt for this iterator only
             self.learnt = {"fetches": 0, "draws": set()}
         generator = random.Random(seed)
         self.streams = [_Stream("torch", torch.get_rng_state, torch.set_rng_state,

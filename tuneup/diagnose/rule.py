@@ -243,12 +243,14 @@ class Facts:
     def job_precision(self) -> str | None:
         """reduced_precision as the job itself wrote it: less an autocast apply mode switched
         on (an AMP change on trial or kept, undone since or not: at detach every change is
-        undone, and the configuration read the autocast in the forwards it wrapped)."""
+        undone, and the configuration read the autocast in the forwards it wrapped; a trial
+        cut short at detach or undone in the last steps too: the autocast is read at forwards)."""
         return self._precision(job_only=True)
 
     def _precision(self, job_only: bool) -> str | None:
-        ours = job_only and any(record.get("action") == "amp" and record.get("decision") in ("trying", "kept")
-                            for record in self.snapshot.get("actions") or [])
+        # (The AMP action is never tried on a job with an autocast of its own: amp_refusal.)
+        ours = job_only and any(record.get("action") == "amp" and record.get("applied_step") is not None
+                                for record in self.snapshot.get("actions") or [])
         autocast = {} if ours else (self.snapshot.get("config") or {}).get("autocast") or {}
         for dtype in autocast.values():
             if dtype:

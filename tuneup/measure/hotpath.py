@@ -722,6 +722,7 @@ class StepTimeline:
         of the latest backward is the step's."""
         if self.step_loss is None and self.loss is not None:
             self.step_loss, self.loss, self.wake_at = self.loss, None, 0  # the close reads it
+        self.closed_at_update = False  # (a hand update's close: at the next forward, before it)
         self.close(now)
 
     # --- values that arrive late (read asynchronously from the device) ----------------

@@ -113,8 +113,10 @@ def apply_line(finding: dict[str, Any]) -> str | None:
     decision, note = _decision(outcome)
     change, reason = outcome.get("change"), outcome.get("reason")
     if outcome["decision"] in ("kept", "set at start"):
-        return (f"apply mode made it (change {outcome['id']}): {change}, {decision}: {reason}"
-                f"{'; ' + note if note else ''}. It lasts until detach: write it into the job to keep it")
+        if note:  # undone before detach (revert_all(), a rollback)
+            return f"apply mode made it (change {outcome['id']}): {change}, {decision}: {reason}; {note}"
+        return (f"apply mode made it (change {outcome['id']}): {change}, {decision}: {reason}. "
+                "It lasts until detach: write it into the job to keep it")
     if change:
         return f"apply mode tried it (change {outcome['id']}): {change}, {decision}: {reason}"
     return f"apply mode did not make it ({decision}): {reason}"

@@ -73,8 +73,9 @@ def findings_group(document: dict[str, Any]) -> Group:
             Padding(Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default", word_wrap=True), (0, 0, 0, 2)),
         ]
         applied = summary.apply_line(finding)
-        if applied:
-            lines.append(Text(applied, style="green"))
+        if applied:  # green where it is or can be made; what was not kept, in the default colour
+            made = applied == summary.CAN_APPLY or (finding.get("applied") or {}).get("decision") in ("kept", "set at start")
+            lines.append(Text(applied, style="green" if made else ""))
         lines.append(Text(f"docs: {finding['doc']}", style="dim"))
         parts += [head, Padding(Group(*lines), (0, 0, 1, 3))]
     return Group(*parts)
