@@ -641,6 +641,9 @@ def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_chan
     # close at the next optimizer step, after the next step's forward.
     first = model.autocast.index(True) + 1
     assert record["effective_step"] == first == record["applied_step"] + 2, (record, first)
+    # Its settle steps, costed as the trial's, are its own: from that first step, not the
+    # old setting's step before it
+    assert record["settle"]["steps"] == amp_action.AmpChange.settle_steps, record["settle"]
     document = json.loads(agent.report("json"))
     [finding] = [f for f in document["findings"] if f["rule"] == "amp-off"] or [document["findings"]]
     assert finding["applied"]["id"] == record["id"] and finding["applied"]["decision"] == "kept"

@@ -510,8 +510,8 @@ class Experimenter:
             self._look_again(trial, verdict, step)
             return
         record = trial.record
-        if trial.first > record["applied_step"] + 1:  # the settle steps (new workers start): a trial's cost too
-            settle = self.job.timeline.ring.columns(record["applied_step"] + 1, trial.first - 1)["step_seconds"]
+        if trial.first > record["effective_step"]:  # the settle steps (new workers start): a trial's cost too
+            settle = self.job.timeline.ring.columns(record["effective_step"], trial.first - 1)["step_seconds"]
             record["settle"] = {"steps": len(settle), "seconds": sum(settle)}
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
