@@ -179,7 +179,8 @@ def tape_of(iterator: Any) -> _Tape | None:
     return sampler.tape if isinstance(sampler, TapedSampler) else None
 
 
-# What _OwnStreams learnt of each dataset it wrapped a fetch of: {"fetches", "draws": stream names}
+# What _OwnStreams learnt of each dataset it wrapped a fetch of: {"fetches", "swapped": the names
+# of the streams swapped around every fetch (torch's, and those the dataset was seen drawing from)}
 _LEARNT: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
@@ -188,9 +189,8 @@ class _Stream:
     (module-level) state, and the dataset's own state, seeded as a worker's is."""
 
     def __init__(self, name: str, get: Callable[[], Any], put: Callable[[Any], None], own: Any,
-                 always: bool, same: Callable[[Any, Any], bool]) -> None:
+                 same: Callable[[Any, Any], bool]) -> None:
         self.name, self.get, self.put, self.own, self.same = name, get, put, own, same
-        self.always = always  # swapped around every fetch (torch's; one the dataset was seen drawing from)
 
 
 class _OwnStreams:
@@ -216,32 +216,28 @@ class _OwnStreams:
 
     def __init__(self, seed: int, dataset: Any = None) -> None:
         try:
-            self.learnt = _LEARNT.setdefault(dataset, {"fetches": 0, "draws": set()})
+            self.learnt = _LEARNT.setdefault(dataset, {"fetches": 0, "swapped": {"torch"}})
         except Exception:  # no weak reference, unhashable, an __eq__ that raises: learnt for this iterator only
-            self.learnt = {"fetches": 0, "draws": set()}
-        generator = random.Random(seed)
+            self.learnt = {"fetches": 0, "swapped": {"torch"}}
         self.streams = [_Stream("torch", torch.get_rng_state, torch.set_rng_state,
-                                torch.Generator().manual_seed(seed).get_state(), True, torch.equal),
-                        _Stream("random", random.getstate, random.setstate, generator.getstate(), False,
+                                torch.Generator().manual_seed(seed).get_state(), torch.equal),
+                        _Stream("random", random.getstate, random.setstate, random.Random(seed).getstate(),
                                 lambda a, b: a == b)]
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             self.streams.append(_Stream(
                 "numpy", numpy.random.get_state, numpy.random.set_state,
-                numpy.random.RandomState(seed % (1 << 32)).get_state(), False,
+                numpy.random.RandomState(seed % (1 << 32)).get_state(),
                 lambda a, b: a[2:] == b[2:] and bool((a[1] == b[1]).all())))
-        for stream in self.streams:
-            stream.always = stream.always or stream.name in self.learnt["draws"]
 
     def around(self, fetch: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        streams = self
-
-        learnt = streams.learnt
+        streams, learnt = self, self.learnt
+        always = learnt["swapped"]
 
         def fetch_with_own_streams(index: Any) -> Any:
             count = learnt["fetches"] = learnt["fetches"] + 1
             checking = count <= streams.WATCH_FETCHES or count % streams.CHECK_EVERY == 0
-            swapped = [(stream, stream.get()) for stream in streams.streams if stream.always or checking]
+            swapped = [(stream, stream.get()) for stream in streams.streams if checking or stream.name in always]
             for stream, _ in swapped:
                 stream.put(stream.own)
             try:
@@ -249,9 +245,8 @@ class _OwnStreams:
             finally:
                 for stream, job in swapped:
                     own = stream.get()
-                    if not stream.always and not stream.same(own, stream.own):
-                        stream.always = True  # the dataset draws from it: swapped from now on
-                        learnt["draws"].add(stream.name)
+                    if stream.name not in always and not stream.same(own, stream.own):
+                        always.add(stream.name)  # the dataset draws from it: swapped from now on
                     stream.own = own
                     stream.put(job)
 

@@ -102,7 +102,7 @@ def _repeated(name: str, modules: dict[str, nn.Module]) -> str:
 def _top_modules(root: nn.Module, counts: dict[str, dict[Any, int]], forward: dict[str, int]) -> list[dict[str, Any]]:
     """The modules that do the FLOPs (those counted with no counted child), the largest first;
     a layer repeated in every block is one entry (`blocks.*.mlp`: the same class and parameter
-    shapes at the same place, the block's index the first number in the name).
+    shapes at the same place, the block's index starred by _repeated).
 
     Only modules that did FLOPs in the forward (`forward`: the counts after it) are credited
     with their backward's: torch's ModuleTracker enters a module's backward with a grad hook on
