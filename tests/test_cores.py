@@ -29,9 +29,9 @@ from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_s
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
 from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
-from tuneup.measure.hotpath import (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
+from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_EVERY, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
                                    optimizer_hooks)
-from tuneup.measure.windows import STEP_BUCKETS, SPLIT, Totals, summarize
+from tuneup.measure.windows import MIN_DETAIL_PAIRS, STEP_BUCKETS, SPLIT, Totals, detail_cost, summarize
 
 NAN, INF = math.nan, math.inf
 
@@ -1195,21 +1195,26 @@ def test_timeline_detail_steps():
     assert all(positions.count(place) >= 10 for place in range(4)), positions
 
 
-def test_the_detail_rate_is_paced_by_the_step_time_unless_set():
-    """Unset, one detail step in 4, fewer on steps under DETAIL_SPACING / 4 (a detail step every
-    DETAIL_SPACING of training), never fewer than one in MAX_DETAIL_EVERY, and not before
-    PACED_FROM_STEP steps; a rate the job set stays as set."""
-    assert (DETAIL_EVERY, DETAIL_SPACING, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.010, 64, 1000)
+def test_the_detail_rate_is_paced_by_the_step_time_and_their_cost_unless_set():
+    """Unset, one detail step in 4, fewer where their cost (DETAIL_COST until measured) would
+    add over DETAIL_BUDGET to the training time, never fewer than one in MAX_DETAIL_EVERY, and
+    not before PACED_FROM_STEP steps; a rate the job set stays as set."""
+    assert (DETAIL_EVERY, DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.005, 150e-6, 256, 1000)
     tl = timeline(capacity=2048)
     for step in range(1, PACED_FROM_STEP):
         tl.manual_step(now=float(step))
     tl.pace(0.0001)
     assert tl.detail_every == 4  # a short run: not yet
     tl.manual_step(now=float(PACED_FROM_STEP))
-    for median, every in ((0.005, 4), (0.0025, 4), (0.002, 5), (0.001, 10), (0.0004, 25), (0.00036, 28),
-                          (0.0001, 64), (1e-6, 64), (2.0, 4), (0.0, 4)):  # (no median: as it was)
+    # 150 µs a detail step, at most 0.5% of the training: one in 150e-6 / (0.005 * median)
+    for median, every in ((0.01, 4), (0.005, 6), (0.002, 15), (0.001, 30), (0.00036, 84),
+                          (0.0001, 256), (1e-6, 256), (2.0, 4), (0.0, 4)):  # (no median: as it was)
         tl.pace(median)
         assert tl.detail_every == every, (median, tl.detail_every)
+    # A measured cost: a cheap detail step comes more often, a dear one less.
+    for median, cost, every in ((0.001, 20e-6, 4), (0.0001, 20e-6, 40), (0.001, 400e-6, 80), (0.0001, 0.0, 4)):
+        tl.pace(median, cost)
+        assert tl.detail_every == every, (median, cost, tl.detail_every)
     for chosen in (1, 4, 7):
         fixed = StepTimeline(16, lambda name, exc: None, chosen)
         fixed.ring.count = PACED_FROM_STEP
@@ -1217,12 +1222,32 @@ def test_the_detail_rate_is_paced_by_the_step_time_unless_set():
         assert fixed.detail_every == chosen
 
 
+def test_a_detail_step_s_cost_is_its_own_and_the_next_step_s_extra_time():
+    """windows.detail_cost on hand-made columns: detail steps of 300 µs whose next step takes
+    150 µs, among plain steps of 100 µs, cost 250 µs; a detail step followed by another gives no
+    pair; fewer than MIN_DETAIL_PAIRS pairs, or a cost that reads negative, are None and 0."""
+    seconds, detailed = [], []
+    for block in range(10):
+        seconds += [300e-6, 150e-6] + [100e-6] * 8
+        detailed += [True] + [False] * 9
+    assert detail_cost({"step_seconds": seconds, "detailed": detailed}) == pytest.approx(250e-6)
+    # The run's first five steps are detail steps one after another: only the fifth pairs.
+    early = {"step_seconds": [400e-6] * 5 + seconds, "detailed": [True] * 5 + detailed}
+    assert detail_cost(early) == pytest.approx(250e-6)
+    few = {"step_seconds": seconds[:10 * (MIN_DETAIL_PAIRS - 1)], "detailed": detailed[:10 * (MIN_DETAIL_PAIRS - 1)]}
+    assert detail_cost(few) is None
+    cheap = {"step_seconds": [90e-6, 100e-6] + [100e-6] * 8, "detailed": [True] + [False] * 9}
+    cheap = {name: values * 10 for name, values in cheap.items()}
+    assert detail_cost(cheap) == 0.0
+
+
 def test_paced_detail_steps_stay_drawn_from_blocks():
     """The rate changes between detail steps: the draw after it comes from blocks of the new size."""
     tl = timeline(capacity=2048)
     for step in range(1, 1001):
         tl.manual_step(now=float(step))
-    tl.pace(0.001)  # one in 10 from here
+    tl.pace(0.003)  # one in 10 from here (DETAIL_COST / (DETAIL_BUDGET * 3 ms))
+    assert tl.detail_every == 10
     for step in range(1001, 1901):
         tl.manual_step(now=float(step))
     detailed = tl.ring.columns(1001, 1900)["detailed"]

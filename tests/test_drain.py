@@ -3,6 +3,8 @@ accounted for exactly."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import tuneup
@@ -76,29 +78,60 @@ def test_steps_a_snapshot_drains_reach_the_history_and_the_run_log(run_dir):
     assert [(e["first_step"], e["last_step"]) for e in logged][0] == (1, 19)
 
 
-def test_a_drain_paces_the_detail_steps_by_the_median_step(run_dir):
-    """Each drain sets the automatic detail rate from its steps' median (StepTimeline.pace): a
-    loop of sub-millisecond steps gets fewer detail steps than one in 4 once past
-    PACED_FROM_STEP; detail_every set by the job is kept."""
+def test_a_drain_paces_the_detail_steps_by_the_median_step_and_their_cost(run_dir):
+    """Each drain sets the automatic detail rate from its steps' median and a detail step's cost
+    (StepTimeline.pace): a loop of sub-millisecond steps gets fewer detail steps than one in 4
+    once past PACED_FROM_STEP, by DETAIL_COST at first (the early detail steps' cost is not
+    the paced ones'), then by the cost measured on the paced steps of a later drain (their
+    time and the next step's, over two plain steps': the loop's own timer agrees); detail_every
+    set by the job is kept."""
     import math
+    import statistics
 
-    from tuneup.measure.hotpath import DETAIL_SPACING, MAX_DETAIL_EVERY
+    from tuneup.measure.hotpath import DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP
+
+    def paced(median, cost):
+        return max(4, min(MAX_DETAIL_EVERY, math.ceil(cost / (DETAIL_BUDGET * median))))
 
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = [(torch.randn(8, 64), torch.randn(8, 1)) for _ in range(8)]
     for chosen in (None, 4):
         with tuneup.attach(run_dir=run_dir / str(chosen), interval=60, detail_every=chosen) as agent:
-            for step in range(1100):
+            ends = []
+            for step in range(PACED_FROM_STEP + 100 + 6000):
                 x, y = data[step % 8]
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 optimizer.step()
+                ends.append(time.perf_counter())
+                if step + 1 == PACED_FROM_STEP + 100:
+                    interval = agent.recorder.drain()
+                    first = (interval["step_seconds"]["median"], agent.recorder.timeline.detail_every,
+                             agent.recorder.detail_cost)
+            ring = agent.recorder.timeline.ring
+            later = ring.columns(PACED_FROM_STEP + 101, ring.count)
+            detailed = dict(zip(later["step"], later["detailed"]))
             interval = agent.recorder.drain()
-            median = interval["step_seconds"]["median"]
-            every = agent.recorder.timeline.detail_every
+            median, every, cost = (interval["step_seconds"]["median"], agent.recorder.timeline.detail_every,
+                                   agent.recorder.detail_cost)
         if chosen is None:
-            assert every == max(4, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / median))), (median, every)
+            assert first[2] is None and first[1] == paced(first[0], DETAIL_COST), first
+            assert cost is not None and every == paced(median, cost), (median, cost, every)
+            # The loop's own timer, from one optimizer.step's end to the next. Its iteration
+            # boundaries are not tuneup's (a loop without a fetch: tuneup's step k closes as
+            # iteration k + 1's update begins, after a detail step's gradient norm in that
+            # update's pre-hook), so a detail step's cost is counted over the loop's
+            # iterations around it: the one before, its own and the one after.
+            own = {k: ends[k] - ends[k - 1] for k in detailed}
+            steps = sorted(own)[1:-1]
+            near = {k + shift for k in steps if detailed[k] for shift in (-1, 0, 1)}
+            triples = [own[k - 1] + own[k] + own[k + 1] for k in steps if detailed[k] and not
+                       (detailed[k - 1] or detailed[k + 1] or detailed.get(k - 2) or detailed.get(k + 2))]
+            plain = [own[k] for k in steps if k not in near]
+            by_the_loop = statistics.median(triples) - 3 * statistics.median(plain)
+            spread = statistics.quantiles(plain, n=4)[2] - statistics.quantiles(plain, n=4)[0]
+            assert abs(cost - max(0.0, by_the_loop)) <= 2 * spread + 0.2 * abs(by_the_loop), (cost, by_the_loop, spread)
         else:
             assert every == 4
 

@@ -200,7 +200,7 @@ class Options:
     log_shared: bool = False  # run directories 0750 and logs 0640 (the group reads them) instead of 0700/0600
     interval: float = 1.0
     sync_sample_every: int | None = None  # None: 20, or every detail step where those come further apart (syncs.py sample_after)
-    detail_every: int | None = None  # None: 4, further apart on steps under 2.5 ms (hotpath.py pace)
+    detail_every: int | None = None  # None: 4, further apart on short steps, by their measured cost (hotpath.py pace)
     window_steps: int = 1000
     gpu: bool = True
     nvml_module: str = "pynvml"

@@ -6,9 +6,9 @@ opt.step()` calls, in order (all of it together: about 37,000 instructions per s
 gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
 intercepting these calls costs before any work is done (bench_instructions.py --floor); 342
 Python operations and 9 calls of tuneup's own off detail steps, 396 a step with the detail steps'
-share (counted by benchmarks/bench_operations.py, by function), each costing some 50 ns in place there,
-and a detail step 1,000 operations more, paced to one every 10 ms of training, one in 64
-there):
+share (counted by benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
+and a detail step 1,000 operations more, paced by what detail steps are measured to cost (some
+300 µs each on that step, the gradient norm's included: StepTimeline.pace), one in 256 there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
                         └ when an optimizer stepped since the last fetch: StepTimeline.close
@@ -69,8 +69,11 @@ from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
-DETAIL_SPACING = 0.010  # seconds of training, at least, between paced detail steps
-MAX_DETAIL_EVERY = 64
+# Paced detail steps (StepTimeline.pace): their extra time at most this share of the training
+# time, from what a detail step is measured to cost (windows.detail_cost), DETAIL_COST until then.
+DETAIL_BUDGET = 0.005
+DETAIL_COST = 150e-6  # seconds: ~130 µs measured on the 0.1 ms CPU step of a 2-core host (bench_overhead.py)
+MAX_DETAIL_EVERY = 256
 OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
 PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
 
@@ -661,20 +664,26 @@ class StepTimeline:
             return following
         return sampled_after(step, self.detail_every)
 
-    def pace(self, step_seconds: float) -> None:
-        """The automatic detail rate (the detail_every option unset), from the median step time:
-        DETAIL_EVERY, or more on short steps, so that detail steps come at most once every
-        DETAIL_SPACING of training. A detail step costs about 1,000 Python operations more than
-        another (70,000 instructions: benchmarks/bench_instructions.py, TUNEUP_DETAIL_EVERY=1
-        against 1000000), some 35 µs in place, and its closes run the listeners (the loss read,
-        a sync-sampled step's start and end: syncs.py sample_after puts those on detail steps):
-        one in 4 on a 0.2 ms step is over 10 µs a step, one every 10 ms well under 1% of any
-        step. At most one in MAX_DETAIL_EVERY, so the split and the loss keep coming on the
-        shortest steps (still a hundred a second there, thousands a minute). Not before
-        PACED_FROM_STEP: a short run's estimates (the input share that starts the stack
-        sampler, a rank's backward median) rest on few detail steps as it is."""
+    def pace(self, step_seconds: float, detail_cost: float | None = None) -> None:
+        """The automatic detail rate (the detail_every option unset), from the median step time
+        and what a detail step costs (`detail_cost`, measured by windows.detail_cost: its own
+        extra time and the next step's; DETAIL_COST until measured): DETAIL_EVERY, or more on
+        short steps, so that detail steps add at most DETAIL_BUDGET to the training time. A
+        detail step runs about 1,000 Python operations more than another (70,000 instructions:
+        benchmarks/bench_instructions.py, TUNEUP_DETAIL_EVERY=1 against 1000000), and its close
+        runs the listeners (the loss read, a sync-sampled step's start and end: syncs.py
+        sample_after puts those on detail steps), but in place it costs more than that count
+        says: ~95 µs on a 0.1 ms CPU step, and ~33 µs the step after (torch's code and data
+        evicted by tuneup's). Paced by the 35 µs the count suggested (one every 10 ms), they
+        cost that step 2.6 µs, of the 13 µs tuneup added. At most one in MAX_DETAIL_EVERY,
+        so the split and the loss keep coming on the shortest steps (some forty a second
+        there, thousands a minute). Not before PACED_FROM_STEP: a short run's estimates (the
+        input share that starts the stack sampler, a rank's backward median) rest on few
+        detail steps as it is."""
         if self.paced and step_seconds > 0.0 and self.ring.count >= PACED_FROM_STEP:
-            self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, math.ceil(DETAIL_SPACING / step_seconds)))
+            cost = DETAIL_COST if detail_cost is None else detail_cost
+            every = math.ceil(cost / (DETAIL_BUDGET * step_seconds))
+            self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, every))
 
     def detail_through(self, step: int) -> None:
         """Every step up to `step` is a detail step (apply mode's guarded steps), from the

@@ -89,6 +89,24 @@ def samples_rate(sums: dict[str, Any], steps: int) -> float | None:
     return batch * steps / seconds if batch is not None else None
 
 
+MIN_DETAIL_PAIRS = 8  # detail steps (each with the plain step after it) a cost estimate needs
+
+
+def detail_cost(columns: Columns) -> float | None:
+    """What a detail step costs the job, in seconds: its own time and the next step's, over two
+    plain steps' (medians). The next step pays too: the close's listeners run at its start (a
+    few microseconds each: the loss read, the sync sample's end; StepTimeline._notify) and
+    torch's code comes back into the caches that tuneup's wrappers filled. None with fewer than
+    MIN_DETAIL_PAIRS such pairs (or plain steps) in `columns`. On the 0.1 ms CPU step of
+    benchmarks/bench_overhead.py: 199 µs against 104 µs, and 137 µs the step after: ~130 µs."""
+    seconds, detailed = columns["step_seconds"], columns["detailed"]
+    pairs = [seconds[i] + seconds[i + 1] for i in range(len(seconds) - 1) if detailed[i] and not detailed[i + 1]]
+    plain = [seconds[i] for i in range(1, len(seconds)) if not detailed[i] and not detailed[i - 1]]
+    if len(pairs) < MIN_DETAIL_PAIRS or len(plain) < MIN_DETAIL_PAIRS:
+        return None
+    return max(0.0, median(pairs) - 2 * median(plain))
+
+
 def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
     "other", so both are reported as unknown rather than as a misleading zero."""
