@@ -148,8 +148,8 @@ class OneOf(Spec):
 
 
 class ListOf(Spec):
-    def __init__(self, item: Spec, max_items: int = 100_000) -> None:
-        self.item, self.max_items = item, max_items
+    def __init__(self, item: Spec, max_items: int = 100_000, min_items: int = 0) -> None:
+        self.item, self.max_items, self.min_items = item, max_items, min_items
         self.expected = "a list"
 
     def problem(self, value: Any, path: str) -> str | None:
@@ -157,6 +157,8 @@ class ListOf(Spec):
             return self._wrong(value, path)
         if len(value) > self.max_items:
             return f"{path} has {len(value):,} items, over {self.max_items:,}"
+        if len(value) < self.min_items:
+            return f"{path} has {len(value):,} items, under {self.min_items:,}"
         for index, item in enumerate(value):
             found = self.item.problem(item, f"{path}[{index}]")
             if found:
@@ -276,8 +278,14 @@ FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=SECONDS, ba
                batch=COUNT, dtype=TEXT, device=TEXT, device_name=TEXT, counts=COUNT, seconds=SECONDS,
                top_modules=ListOf(Obj(module=TEXT, flops=SECONDS, share=SECONDS, count=Opt(COUNT), **{"class": Opt(TEXT)}),
                                   max_items=100))
+# Python's garbage collections from the first step on, by generation (measure/gc_pauses.py)
+BY_GENERATION = 3
+GC = Obj(collections=ListOf(COUNT, max_items=BY_GENERATION, min_items=BY_GENERATION),
+         seconds=ListOf(SECONDS, max_items=BY_GENERATION, min_items=BY_GENERATION),
+         **_maybe(full_median_seconds=SECONDS, full_max_seconds=SECONDS, full_steps=ListOf(COUNT, max_items=64),
+                  frozen=COUNT, enabled=FLAG, thresholds=ListOf(COUNT, max_items=BY_GENERATION)).fields)
 HABITS = _maybe(
-    amp_trial=AMP_TRIAL, flops=FLOPS, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
+    amp_trial=AMP_TRIAL, gc=GC, flops=FLOPS, grad_norms=GRAD_NORMS, batch_transfer=BATCH_TRANSFER, main_process_fetches=MAIN_FETCHES,
     worker_fetches=WORKER_FETCHES,
     batches=_maybe(inspected=COUNT, devices=ListOf(TEXT), distinct_shapes=COUNT, shape_changes=COUNT,
                    pin_checked=COUNT, pinned=COUNT,

@@ -135,7 +135,7 @@ class AgentCollector(Collector):
         self.families = Families(BASE_LABELS, [_label(state.rank), _label(state.local_rank),
                                                str(state.run_info["training_job"])])
         self.sections: tuple[Callable[[], Iterator[Metric]], ...] = (
-            self.run, self.steps, self.compute, self.compiled, self.syncs, self.scaler, self.loss, self.gpu, self.allocator,
+            self.run, self.steps, self.compute, self.compiled, self.collections, self.syncs, self.scaler, self.loss, self.gpu, self.allocator,
             self.host, self.ddp, self.findings, self.health)
 
     def collect(self) -> Iterator[Metric]:
@@ -230,6 +230,20 @@ class AgentCollector(Collector):
         yield f.single("counter", "tuneup_graph_breaks", "Graph breaks torch.compile met while compiling",
                        summary["graph_breaks"])
         yield f.single("gauge", "tuneup_compiled_graphs", "Graphs torch.compile holds for the job", summary["graphs"])
+
+    def collections(self) -> Iterator[Metric]:
+        """Python's garbage collections from the first step on, by generation (measure/gc_pauses.py)."""
+        f = self.families
+        summary = self.state.recorder.collector.summary()
+        counts = f.counter("tuneup_gc_collections", "Python garbage collections while the job trained, by "
+                           "generation (2: full)", ["generation"])
+        pauses = f.counter("tuneup_gc_pause_seconds", "Time Python's garbage collections stopped the job (the GIL "
+                           "held), by generation", ["generation"])
+        for generation, (count, spent) in enumerate(zip(summary["collections"], summary["seconds"])):
+            f.add(counts, count, str(generation))
+            f.add(pauses, spent, str(generation))
+        yield counts
+        yield pauses
 
     def syncs(self) -> Iterator[Metric]:
         f = self.families

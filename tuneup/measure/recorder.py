@@ -38,6 +38,7 @@ from .objects import Tracked
 from .optimizer import OptimizerProbe
 from .own_cost import OwnCost
 from .flops import FlopCount
+from .gc_pauses import GcPauses
 from .precision import PrecisionTrial
 from .scaler import ScalerProbe
 from .stacks import InputSampler
@@ -77,6 +78,7 @@ class Recorder:
         self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())  # (None: paced)
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
+        self.collector = GcPauses(self.timeline)  # Python's garbage collections, timed
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
         self.flops = FlopCount(self.model)  # a step's FLOPs, counted on shapes when they change
         # The gradient norm each update uses, on sampled steps (exploding gradients).
@@ -113,6 +115,7 @@ class Recorder:
             probe.install(patches)
         self.calls.install()
         self.compile.watch()
+        self.collector.install()
 
     def quiet(self) -> None:
         """Every hot probe off (detach, a start that failed, a forked child)."""
@@ -124,6 +127,7 @@ class Recorder:
         self.calls.close()
         self.compile.on = False
         self.compile.close()
+        self.collector.close()
         self.precision.on = False
         self.precision.release()
         self.flops.on = False
@@ -136,6 +140,7 @@ class Recorder:
         self.syncs.sampling = False
         self.syncs.counting_reads = False
         self.calls.close()  # a worker forked during a watched step inherited the profile function
+        self.collector.close()  # (gc.callbacks is inherited too)
 
     def close(self) -> None:
         self.gpus.close()
@@ -360,7 +365,7 @@ class Recorder:
                     amp_trial=self.precision.result, grad_norms=self.gradients.summary(), flops=self.flops.summary(),
                     batch_transfer=self.batch_transfer, main_process_fetches=self.loader.fetch_cpu(),
                     worker_fetches=self.loader.ready_batches(),
-                    eval_forwards_with_grad=self.model.eval_with_grad,
+                    eval_forwards_with_grad=self.model.eval_with_grad, gc=self.collector.summary(),
                     step_boundary=self.step_boundary(),
                     input_lines=self.input_lines.summary() if self.input_lines is not None else None)
 

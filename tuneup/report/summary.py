@@ -260,9 +260,28 @@ def energy_line(spent: dict[str, Any] | None) -> str | None:
             + f" ({gpus} GPU{'s' if gpus != 1 else ''} at {spent.get('watts', 0):.0f} W, {spent.get('source')})")
 
 
+def gc_line(snapshot: dict[str, Any]) -> str | None:
+    """Python's garbage collections while the job trained (measure/gc_pauses.py): the full ones,
+    which stop the loop for as long as they walk the process's objects, and the young ones."""
+    collector = (snapshot.get("habits") or {}).get("gc")
+    if not isinstance(collector, dict) or not any(collector.get("collections") or ()):
+        return None
+    (young, middle, full), (young_s, middle_s, full_s) = collector["collections"], collector["seconds"]
+    trained = (snapshot.get("totals") or {}).get("seconds")
+    share = f", {percent(full_s / trained)} of training" if full and trained else ""
+    each = ""
+    if full and collector.get("full_median_seconds") is not None:
+        each = f", {seconds(collector['full_median_seconds'])} each, the longest {seconds(collector.get('full_max_seconds'))}"
+    frozen = f"; {collector['frozen']:,} objects frozen (gc.freeze())" if collector.get("frozen") else ""
+    return (f"Garbage collection: {full} full ({seconds(full_s)}{each}{share}), {young + middle:,} young "
+            f"({seconds(young_s + middle_s)}){frozen}")
+
+
 def work_lines(snapshot: dict[str, Any]) -> list[str]:
-    """What a step does and costs, for every report format: compute_lines, gpu_work_line, energy_line."""
-    extra = [line for line in (gpu_work_line(snapshot), energy_line(snapshot.get("energy"))) if line]
+    """What a step does and costs, for every report format: compute_lines, gpu_work_line,
+    energy_line, gc_line."""
+    extra = [line for line in (gpu_work_line(snapshot), energy_line(snapshot.get("energy")), gc_line(snapshot))
+             if line]
     counted = (snapshot.get("habits") or {}).get("flops")
     return compute_lines(snapshot.get("flops"), counted) + extra
 

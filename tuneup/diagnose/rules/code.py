@@ -1,6 +1,7 @@
 """The training loop's and model's code: zero_grad, Conv bias before BatchNorm, evaluation
 with autograd on, training forwards whose graph no backward uses, debugging tools left on,
-single-tensor optimizers, no LR schedule, no gradient clipping."""
+single-tensor optimizers, no LR schedule, no gradient clipping, file writes in the step, full
+garbage collections."""
 
 from __future__ import annotations
 
@@ -313,4 +314,60 @@ def file_writes_in_step(facts: Facts) -> Evidence | None:
             "# checkpoints off the training thread: torch.distributed.checkpoint.async_save;\n"
             "# figures: log the numbers every step, plot them after (or every N steps)",
         gain=min(1.0, share),
+    )
+
+
+GC_SHARE = 0.02  # of the training time, in full collections
+GC_SHARE_HIGH = 0.10
+MIN_FULL_COLLECTIONS = 2  # one alone may be the first after set-up: the job's own objects settling
+
+
+@rule(
+    id="gc-pauses",
+    title="Full garbage collections stop the training loop",
+    severity="medium",
+    inputs="Python's garbage collections from the first step on (gc.callbacks: each one's generation and "
+           "time, outside evaluation phases); the training time; gc.freeze()'s count",
+    threshold=f">= {MIN_FULL_COLLECTIONS} full (generation 2) collections taking >= {percent(GC_SHARE)} of the "
+              f"training time (high from {percent(GC_SHARE_HIGH)})",
+    why="A full collection traverses every container object the process holds (torch's import alone leaves "
+        "some 170,000) with the GIL held: every thread of the job stops, 100 ms or more each time on a CPU "
+        "host. It comes whenever enough objects have survived since the last one, so a loop that keeps a "
+        "little of each step meets one every few hundred steps. gc.freeze() once set-up is done takes what "
+        "exists out of every later collection; what the job makes afterwards is still collected.",
+    doc="https://docs.python.org/3/library/gc.html#gc.freeze",
+)
+def gc_pauses(facts: Facts) -> Evidence | None:
+    collector = facts.need(facts.habits.get("gc"), "garbage collections timed")
+    trained = facts.totals.get("seconds") or 0.0
+    full, spent = collector["collections"][2], collector["seconds"][2]
+    if full < MIN_FULL_COLLECTIONS or not trained:
+        return None
+    share = min(1.0, spent / trained)  # (the pauses fall inside the steps they stop)
+    if share < GC_SHARE:
+        return None
+    frozen = collector.get("frozen") or 0
+    each = collector.get("full_median_seconds") or spent / full
+    longest = collector.get("full_max_seconds") or each
+    if frozen:
+        fix = (f"# gc.freeze() has run ({frozen:,} objects frozen), and the full collections still take this long:\n"
+               "# what they traverse was made after it. Call it later, once everything set-up builds exists\n"
+               "# (datasets loaded, caches filled), and keep per-step objects out of long-lived lists\n"
+               "# (log Python floats, not dicts of tensors)")
+    else:
+        fix = ("import gc\n"
+               "# ... build the model, optimizer, datasets and DataLoaders, then, right before the training loop:\n"
+               "gc.collect()\n"
+               "gc.freeze()   # later collections skip every object that exists now")
+    return Evidence(
+        observed=f"{full} full garbage collections took {spent:.2f} s of {trained:.1f} s of training "
+                 f"({percent(share)}): {each * 1e3:.0f} ms each (median), the longest {longest * 1e3:.0f} ms; "
+                 f"the loop stops for each"
+                 + (f" ({frozen:,} objects already frozen by gc.freeze())" if frozen else ""),
+        numbers={"full_collections": full, "full_seconds": spent, "training_seconds": trained, "share": share,
+                 "full_median_seconds": each, "full_max_seconds": longest, "frozen": frozen,
+                 "collections": collector["collections"], "seconds": collector["seconds"]},
+        fix=fix,
+        gain=min(0.9, share),
+        severity="high" if share >= GC_SHARE_HIGH else None,
     )
