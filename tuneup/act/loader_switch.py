@@ -262,6 +262,12 @@ def build_iterator(loader: DataLoader, settings: Settings, sampler: TapedSampler
     set_settings(proxy, effective(settings))
     vars(proxy)["batch_sampler" if loader.batch_sampler is not None else "sampler"] = sampler
     vars(proxy)["generator"] = sampler.seeds
+    if settings["num_workers"] > sampler.job_workers:
+        # More workers than the job's are apply mode's (past the cores only for workers that wait
+        # on I/O, as data-stall advises): torch's warning that the count exceeds the CPUs
+        # (DataLoader._get_iterator calls check_worker_number_rationality) would be a line in the
+        # job's output about a setting it never made. The trial's record says what was set.
+        vars(proxy)["check_worker_number_rationality"] = lambda: None
     iterator = proxy._get_iterator()
     if settings["num_workers"] == 0 and sampler.job_workers > 0:
         fetcher = iterator._dataset_fetcher

@@ -88,6 +88,13 @@ class LoaderProbe:
         # Fetches of worker iterators past their start looked at: how many found a batch already
         # waiting in the data queue (made ahead: the wait, if any, is receiving it).
         self.ready_checked = self.ready_found = 0
+        # ... and how long those that found none waited: a moment where the next batch was in
+        # transit, a worker's whole making where the workers fall behind. Workers started
+        # together finish together: with two of them each second fetch finds the other's batch
+        # waiting (a ready share of one half) while the first waits out the making (70 ms).
+        self.unready_wait = 0.0
+        self.unready_checked = 0
+        self._ready_look: float | None = None  # the looked fetch's start, where it found no batch waiting
         # Per loader (id), the step its latest epoch began in: that step's data wait holds
         # iter() (worker start-up) and the epoch's first fetch (apply mode's persistent_workers).
         self.epoch_steps: dict[int, int] = {}
@@ -160,6 +167,8 @@ class LoaderProbe:
             if ready is not None:
                 self.ready_checked += 1
                 self.ready_found += ready
+                if not ready:
+                    self._ready_look = perf_counter()
         return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
 
     def _after_own_work(self) -> bool:
@@ -177,6 +186,7 @@ class LoaderProbe:
         try:
             batch = original(iterator)
         except BaseException as exc:  # the end of an epoch (StopIteration), a Dataset's error
+            self._looked = self._ready_look = None  # no batch: nothing to time
             unwind(exc)  # the job's own traceback, without this frame (_patching.py)
             raise
         self.look_after(rng, batch)
@@ -190,6 +200,10 @@ class LoaderProbe:
             self.fetch_thread_cpu += thread_time() - cpu
             self.fetch_wall += perf_counter() - wall
             self.fetches_timed += 1
+        if self._ready_look is not None:
+            self.unready_wait += perf_counter() - self._ready_look
+            self.unready_checked += 1
+            self._ready_look = None
         if rng is not None:
             self.rng_after(rng)
         habits, fetch = self.habits, self.timeline.fetches + 1  # (counted after the look)
@@ -206,10 +220,12 @@ class LoaderProbe:
                 "cpu_share": min(1.0, self.fetch_thread_cpu / self.fetch_wall)}
 
     def ready_batches(self) -> dict[str, Any] | None:
-        """The worker iterators' fetches looked at, and the share that found a batch waiting."""
+        """The worker iterators' fetches looked at, the share that found a batch waiting, and the
+        mean wait of those that found none."""
         if not self.ready_checked:
             return None
-        return {"checked": self.ready_checked, "ready_share": self.ready_found / self.ready_checked}
+        return {"checked": self.ready_checked, "ready_share": self.ready_found / self.ready_checked,
+                "unready_wait_seconds": self.unready_wait / self.unready_checked if self.unready_checked else None}
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:
         """On a checked fetch: the global RNG state, when this fetch runs the dataset in the

@@ -30,7 +30,8 @@ tried). A search that tries nothing says why, in one record. Workers are not add
 loader that runs in the main process when they would not fork (spawn re-imports the script) or
 when its dataset draws from torch's global RNG while the same RNG orders its samples (later
 epochs would come in another order). Bounds: no more workers than usable cores (affinity and
-cgroup quota), and no more than half the free RAM at the measured size of a worker (the
+cgroup quota) unless data-stall measured the job's workers waiting rather than computing and
+advises more (then its count), and no more than half the free RAM at the measured size of a worker (the
 main process's until a worker was measured). Changes land mid-epoch through a LoaderSwitch (see
 `act/loader_switch.py`): the sequence of samples the model sees does not change, and the global
 RNG is not drawn from. While tuneup's settings are in effect, each epoch's iterator is
@@ -254,7 +255,8 @@ class DataLoaderTuning(Action):
     id = "dataloader"
     title = "Tune the DataLoader (workers, prefetch, pinning, persistence)"
     fixes = ("data-stall", "pageable-copies")
-    summary = ("num_workers (sized from the measured split, at most the usable cores and half the free RAM), "
+    summary = ("num_workers (sized from the measured split, at most the usable cores, or data-stall's count for workers "
+               "that wait on I/O, and half the free RAM), "
                "then pin_memory (CUDA), persistent_workers (short epochs; kept unless slower) and "
                "prefetch_factor; switched mid-epoch with the same batches in the same order; the other "
                "moves kept only when faster.")
@@ -270,6 +272,7 @@ class DataLoaderTuning(Action):
         self.lowered = False  # a count below was kept: the job's workers cost more than they saved, none are added
         self.tried = 0  # changes proposed
         self.passed_over: list[str] = []  # why knobs were not tried (said when nothing was)
+        self.bound_said = "the usable cores"  # what bounds num_workers (max_workers)
         self.failed = False
         self.epoch_starts = _EpochStarts()
         self.in_effect: list[LoaderChange] = []
@@ -417,7 +420,7 @@ class DataLoaderTuning(Action):
         floor = max([count for count in self.rejected if count < workers] + [lowest - 1]) + 1
         if workers <= floor:
             if workers >= most and not self.rejected:
-                self._pass_over(f"num_workers is at the {most} usable cores" if workers else
+                self._pass_over(f"num_workers is at {self.bound_said}" if workers else
                                 "num_workers is 0 and no worker would fit")
             return None
         return max(floor, min(workers - 1, (workers + floor) // 2))  # halfway to the count rejected below
@@ -504,9 +507,23 @@ class DataLoaderTuning(Action):
         return min(most, max(workers + 1, needed))
 
     def max_workers(self, job: LiveJob) -> int:
+        """At most the usable cores; more where data-stall measured the job's workers idle for
+        most of their time (waiting on storage or a network: not CPU-bound) and advises more
+        than the cores (sleeping workers need no core of their own: the demo's reads went
+        from 2 workers on 2 cores to data-stall's 3 only by hand). Never over MAX_WORKERS, nor
+        half the free RAM at the measured size of a worker."""
         host = job.system.get("host") or {}
         cores = int(host.get("usable_cores") or usable_cores())
         bound = min(cores, MAX_WORKERS)
+        evidence = (job.finding("data-stall") or {}).get("evidence") or {}
+        advised = evidence.get("advised_workers")
+        self.bound_said = f"the {bound} usable cores"
+        # (Not where its plan found fewer workers better, or the wait to be the shipping.)
+        if (evidence.get("num_workers") and evidence.get("workers_cpu_bound") is False
+                and "suggested_workers" not in evidence and not evidence.get("shipping_bound")
+                and isinstance(advised, int) and advised > bound):
+            bound = min(advised, MAX_WORKERS)
+            self.bound_said = f"the {bound} data-stall advises for workers that wait on I/O"
         available = host.get("memory_available_bytes")
         measured = host.get("workers") or 0
         per_worker = (host.get("workers_rss_bytes") or 0) / measured if measured else host.get("rss_bytes")

@@ -42,10 +42,13 @@ def data_stall(facts: Facts) -> Evidence | None:
     host = (facts.snapshot.get("system") or {}).get("host") or {}
     cores = host.get("usable_cores")
     suggested = max(2, min(8, cores or 4)) if not workers else min(2 * workers, max(workers + 1, cores or 2 * workers))
-    # Workers busy nearly all the time are CPU-bound: more of them only help where there are
-    # free cores to run them (measured: the cores the job and other processes leave idle).
+    # Workers that want a core nearly all the time are CPU-bound (the CPU they used plus the
+    # CPU they waited for: beside other processes a busy worker gets less than it wants): more
+    # of them only help where there are free cores to run them (measured: the cores the job and
+    # other processes leave idle).
     cpu_bound = bool(workers and host.get("workers")
-                     and (host.get("workers_cpu_ratio") or 0) / host["workers"] >= CPU_BOUND_WORKER)
+                     and ((host.get("workers_cpu_ratio") or 0) + (host.get("workers_wait_cores") or 0))
+                     / host["workers"] >= CPU_BOUND_WORKER)
     free = cores - sum(_job_cpu(host)) if cores and host else None
     if cpu_bound and free is not None:
         suggested = min(suggested, workers + int(free))
@@ -66,7 +69,7 @@ def data_stall(facts: Facts) -> Evidence | None:
     if setting:
         observed += f" ({setting})"
     numbers = {"stall_ratio": stall, "data_wait_seconds": wait, "step_seconds": step, "num_workers": workers,
-               "usable_cores": cores, "workers_cpu_bound": cpu_bound}
+               "usable_cores": cores, "workers_cpu_bound": cpu_bound, "advised_workers": suggested}
     plan = _worker_plan(facts, host, workers, suggested, free)
     if plan is not None:
         numbers.update(plan)
@@ -174,7 +177,12 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
         if wait_batch <= SHIPPING_BOUND * ship:
             return dict(plan, suggested_workers=workers, gain=0.0, shipping_bound=True)  # the wait is the shipping
         fetched = facts.habits.get("worker_fetches") or {}
-        if (fetched.get("checked") or 0) >= MIN_READY_CHECKS and fetched["ready_share"] >= READY_SHARE:
+        # The fetches that found no batch waiting waited for the next one in transit, not for
+        # its making (None: every fetch looked at found one). Workers started together deliver
+        # together: a ready share of one half where each second fetch waits out the making.
+        unready = fetched.get("unready_wait_seconds")
+        if (fetched.get("checked") or 0) >= MIN_READY_CHECKS and fetched["ready_share"] >= READY_SHARE \
+                and (unready is None or unready <= SHIPPING_BOUND * ship):
             # Batches were waiting in the queue when the loop asked: the wait is receiving them
             # (under contention, more than `ship` measured alone), and more workers cannot help.
             # Fewer may: made here, a batch would cost its CPU (if its making is all CPU: unmeasured).
