@@ -117,3 +117,17 @@ def test_worker_fetches_tell_batches_made_ahead_from_batches_waited_for(run_dir)
     behind = ready_share(run_dir / "behind", 0.05, 0.0, workers=1, epochs=1)
     assert ahead["checked"] >= 3 and ahead["ready_share"] == 1.0
     assert behind["checked"] >= 3 and behind["ready_share"] == 0.0
+    # The fetches that found none waited out the making: 100 ms a batch against a bare step,
+    # half of it at least (load only slows the worker); where every fetch found one, nothing.
+    assert ahead["unready_wait_seconds"] is None
+    assert behind["unready_wait_seconds"] >= 0.05, behind
+
+
+def test_workers_that_hand_over_in_pairs_are_told_behind_by_their_wait(run_dir):
+    """Ground truth: two workers of 100 ms batches (50 ms samples) started together, a bare step:
+    they deliver together, so a fetch may find the other's batch waiting while the loop still
+    waits out the making on the rest. What the waiting fetches waited says behind: most of a
+    batch (half at least, however busy the machine), not a shipping's few milliseconds."""
+    pairs = ready_share(run_dir, 0.05, 0.0, workers=2, epochs=1)
+    assert pairs["checked"] >= 3 and pairs["ready_share"] < 1.0, pairs
+    assert pairs["unready_wait_seconds"] >= 0.05, pairs
