@@ -104,7 +104,8 @@ def ready_share(run_dir, sample_seconds: float, step_seconds: float, workers: in
                 optimizer.step()
                 optimizer.zero_grad()
                 time.sleep(step_seconds)
-        return agent.snapshot()["habits"]["worker_fetches"]
+        habits = agent.snapshot()["habits"]
+    return dict(habits["worker_fetches"], transfer=habits.get("batch_transfer") or {"main_seconds": None})
 
 
 def test_worker_fetches_tell_batches_made_ahead_from_batches_waited_for(run_dir):
@@ -126,8 +127,14 @@ def test_worker_fetches_tell_batches_made_ahead_from_batches_waited_for(run_dir)
 def test_workers_that_hand_over_in_pairs_are_told_behind_by_their_wait(run_dir):
     """Ground truth: two workers of 100 ms batches (50 ms samples) started together, a bare step:
     they deliver together, so a fetch may find the other's batch waiting while the loop still
-    waits out the making on the rest. What the waiting fetches waited says behind: most of a
-    batch (half at least, however busy the machine), not a shipping's few milliseconds."""
+    waits out the making on the rest. What the fetches that found none waited says behind: the
+    making on at least every other one (a fetch may also find its batch a moment from arriving),
+    so a mean of 25 ms at least, many times what shipping a batch of 2 costs (measured here:
+    data-stall reads a wait within 1.5x of it as the shipping)."""
+    from tuneup.diagnose.rules.input import SHIPPING_BOUND
+
     pairs = ready_share(run_dir, 0.05, 0.0, workers=2, epochs=1)
     assert pairs["checked"] >= 3 and pairs["ready_share"] < 1.0, pairs
-    assert pairs["unready_wait_seconds"] >= 0.05, pairs
+    assert pairs["unready_wait_seconds"] >= 0.025, pairs
+    shipping = pairs["transfer"]["main_seconds"]
+    assert pairs["unready_wait_seconds"] > 5 * SHIPPING_BOUND * shipping, pairs

@@ -268,7 +268,7 @@ def gc_line(snapshot: dict[str, Any]) -> str | None:
         return None
     (young, middle, full), (young_s, middle_s, full_s) = collector["collections"], collector["seconds"]
     trained = (snapshot.get("totals") or {}).get("seconds")
-    share = f", {percent(full_s / trained)} of training" if full and trained else ""
+    share = f", {percent(min(1.0, full_s / trained))} of training" if full and trained else ""
     each = ""
     if full and collector.get("full_median_seconds") is not None:
         each = f", {seconds(collector['full_median_seconds'])} each, the longest {seconds(collector.get('full_max_seconds'))}"
