@@ -81,6 +81,8 @@ WARMUP_STEPS = 30
 # and detach themselves are timed by bench_startup.py. Without it, the 0.4 ms workload's
 # 0.6 s of timed steps held those one-time costs too.
 SETTLE = 1.5
+PACED_STEPS = 1100  # past hotpath.PACED_FROM_STEP: the detail steps are paced by the next drain ...
+PACE_WAIT = 1.1  # ... a tick later (the default interval: 1 s)
 
 
 class Batches(Dataset):
@@ -117,14 +119,21 @@ def make(features, hidden, depth, batch, optimizer_class, pre_batched, device="c
 def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0) -> tuple[float, float]:
     """Run WARMUP_STEPS steps, and more until `settle` seconds have passed, then `steps -
     WARMUP_STEPS` timed steps; returns their wall and CPU time (CPU time of the whole process:
-    the agent's own thread included)."""
+    the agent's own thread included). With a `settle`, also until PACED_STEPS steps ran and a
+    tick's interval after them: tuneup paces its detail steps from PACED_FROM_STEP on, at its
+    next drain (the ~5 ms workload reaches that 3.6 s in, past SETTLE: its figures were those of
+    a run's first thousand steps, a detail step in four)."""
     step = 0
     started = None
     end = -1
     began = time.perf_counter()
+    paced_at = None if settle else began
     while True:
         for x, y in loader:
-            if started is None and step >= WARMUP_STEPS and time.perf_counter() - began >= settle:
+            if paced_at is None and step >= PACED_STEPS:
+                paced_at = time.perf_counter()
+            if started is None and step >= WARMUP_STEPS and time.perf_counter() - began >= settle \
+                    and paced_at is not None and time.perf_counter() - paced_at >= PACE_WAIT:
                 started = time.perf_counter(), time.process_time()
                 end = step + steps - WARMUP_STEPS
             optimizer.zero_grad()

@@ -31,7 +31,7 @@ from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
 
 from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_EVERY, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
                                    optimizer_hooks)
-from tuneup.measure.windows import MIN_DETAIL_PAIRS, STEP_BUCKETS, SPLIT, Totals, detail_cost, summarize
+from tuneup.measure.windows import MIN_DETAIL_PAIRS, STEP_BUCKETS, SPLIT, Totals, detail_cost, detail_pairs, summarize
 
 NAN, INF = math.nan, math.inf
 
@@ -1199,20 +1199,21 @@ def test_the_detail_rate_is_paced_by_the_step_time_and_their_cost_unless_set():
     """Unset, one detail step in 4, fewer where their cost (DETAIL_COST until measured) would
     add over DETAIL_BUDGET to the training time, never fewer than one in MAX_DETAIL_EVERY, and
     not before PACED_FROM_STEP steps; a rate the job set stays as set."""
-    assert (DETAIL_EVERY, DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.005, 150e-6, 256, 1000)
+    assert (DETAIL_EVERY, DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.002, 150e-6, 256, 1000)
     tl = timeline(capacity=2048)
     for step in range(1, PACED_FROM_STEP):
         tl.manual_step(now=float(step))
     tl.pace(0.0001)
     assert tl.detail_every == 4  # a short run: not yet
     tl.manual_step(now=float(PACED_FROM_STEP))
-    # 150 µs a detail step, at most 0.5% of the training: one in 150e-6 / (0.005 * median)
-    for median, every in ((0.01, 4), (0.005, 6), (0.002, 15), (0.001, 30), (0.00036, 84),
+    # 150 µs a detail step, at most 0.2% of the training: one in 150e-6 / (0.002 * median)
+    for median, every in ((0.04, 4), (0.01, 8), (0.005, 15), (0.002, 38), (0.001, 75), (0.00036, 209),
                           (0.0001, 256), (1e-6, 256), (2.0, 4), (0.0, 4)):  # (no median: as it was)
         tl.pace(median)
         assert tl.detail_every == every, (median, tl.detail_every)
     # A measured cost: a cheap detail step comes more often, a dear one less.
-    for median, cost, every in ((0.001, 20e-6, 4), (0.0001, 20e-6, 40), (0.001, 400e-6, 80), (0.0001, 0.0, 4)):
+    for median, cost, every in ((0.01, 20e-6, 4), (0.001, 20e-6, 10), (0.0001, 20e-6, 100), (0.001, 400e-6, 200),
+                                (0.0001, 0.0, 4)):
         tl.pace(median, cost)
         assert tl.detail_every == every, (median, cost, tl.detail_every)
     for chosen in (1, 4, 7):
@@ -1223,22 +1224,30 @@ def test_the_detail_rate_is_paced_by_the_step_time_and_their_cost_unless_set():
 
 
 def test_a_detail_step_s_cost_is_its_own_and_the_next_step_s_extra_time():
-    """windows.detail_cost on hand-made columns: detail steps of 300 µs whose next step takes
-    150 µs, among plain steps of 100 µs, cost 250 µs; a detail step followed by another gives no
-    pair; fewer than MIN_DETAIL_PAIRS pairs, or a cost that reads negative, are None and 0."""
+    """windows.detail_pairs and detail_cost on hand-made columns: detail steps of 300 µs whose
+    next step takes 150 µs, among plain steps of 100 µs, cost 250 µs; a detail step followed by
+    another gives no pair; fewer than MIN_DETAIL_PAIRS pairs, or a cost that reads negative,
+    are None and 0."""
+    def cost(columns):
+        return detail_cost(*detail_pairs(columns))
+
+    blocks = MIN_DETAIL_PAIRS + 2
     seconds, detailed = [], []
-    for block in range(10):
+    for block in range(blocks):
         seconds += [300e-6, 150e-6] + [100e-6] * 8
         detailed += [True] + [False] * 9
-    assert detail_cost({"step_seconds": seconds, "detailed": detailed}) == pytest.approx(250e-6)
-    # The run's first five steps are detail steps one after another: only the fifth pairs.
+    pairs, plain = detail_pairs({"step_seconds": seconds, "detailed": detailed})
+    assert pairs == [pytest.approx(450e-6)] * blocks and len(plain) == 8 * blocks  # (not the steps right after one)
+    assert cost({"step_seconds": seconds, "detailed": detailed}) == pytest.approx(250e-6)
+    # The run's first five steps are detail steps one after another (and the next block begins
+    # with one): none of them pairs.
     early = {"step_seconds": [400e-6] * 5 + seconds, "detailed": [True] * 5 + detailed}
-    assert detail_cost(early) == pytest.approx(250e-6)
+    assert len(detail_pairs(early)[0]) == blocks and cost(early) == pytest.approx(250e-6)
     few = {"step_seconds": seconds[:10 * (MIN_DETAIL_PAIRS - 1)], "detailed": detailed[:10 * (MIN_DETAIL_PAIRS - 1)]}
-    assert detail_cost(few) is None
+    assert cost(few) is None
     cheap = {"step_seconds": [90e-6, 100e-6] + [100e-6] * 8, "detailed": [True] + [False] * 9}
-    cheap = {name: values * 10 for name, values in cheap.items()}
-    assert detail_cost(cheap) == 0.0
+    cheap = {name: values * blocks for name, values in cheap.items()}
+    assert cost(cheap) == 0.0
 
 
 def test_paced_detail_steps_stay_drawn_from_blocks():
@@ -1246,7 +1255,7 @@ def test_paced_detail_steps_stay_drawn_from_blocks():
     tl = timeline(capacity=2048)
     for step in range(1, 1001):
         tl.manual_step(now=float(step))
-    tl.pace(0.003)  # one in 10 from here (DETAIL_COST / (DETAIL_BUDGET * 3 ms))
+    tl.pace(0.0075)  # one in 10 from here (DETAIL_COST / (DETAIL_BUDGET * 7.5 ms))
     assert tl.detail_every == 10
     for step in range(1001, 1901):
         tl.manual_step(now=float(step))

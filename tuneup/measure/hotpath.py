@@ -71,7 +71,7 @@ TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
 # Paced detail steps (StepTimeline.pace): their extra time at most this share of the training
 # time, from what a detail step is measured to cost (windows.detail_cost), DETAIL_COST until then.
-DETAIL_BUDGET = 0.005
+DETAIL_BUDGET = 0.002  # (at 0.5%, with the hot path's own ~0.45%, the ~3.3 ms CPU step paid 1.2%)
 DETAIL_COST = 150e-6  # seconds: ~130 µs measured on the 0.1 ms CPU step of a 2-core host (bench_overhead.py)
 MAX_DETAIL_EVERY = 256
 OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
@@ -682,7 +682,7 @@ class StepTimeline:
         detail steps as it is."""
         if self.paced and step_seconds > 0.0 and self.ring.count >= PACED_FROM_STEP:
             cost = DETAIL_COST if detail_cost is None else detail_cost
-            every = math.ceil(cost / (DETAIL_BUDGET * step_seconds))
+            every = math.ceil(cost / (DETAIL_BUDGET * step_seconds) - 1e-9)  # (10.000000000000002 is 10)
             self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, every))
 
     def detail_through(self, step: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterable
 
 import torch
@@ -44,8 +45,9 @@ from .scaler import ScalerProbe
 from .stacks import InputSampler
 from .hotpath import PACED_FROM_STEP, StepTimeline
 from .syncs import SyncCounter
-from .windows import Totals, detail_cost, summarize
+from .windows import Totals, detail_cost, detail_pairs, summarize
 
+DETAIL_PAIRS_KEPT = 64  # the latest detail steps whose cost paces them (windows.detail_cost)
 RING_CAPACITY = 16384  # steps held between background reads: > 16 s of 1 ms steps
 CONFIG_EVERY_TICKS = 10
 LIFECYCLE_EVERY_STEPS = 64
@@ -100,6 +102,8 @@ class Recorder:
         self.framework: dict[str, Any] | None = None
         self._drained = 0
         self.detail_cost: float | None = None  # a detail step's measured cost (windows.detail_cost)
+        self._detail_pairs: deque[float] = deque(maxlen=DETAIL_PAIRS_KEPT)
+        self._plain_steps: deque[float] = deque(maxlen=16 * DETAIL_PAIRS_KEPT)
         self._config_seen: tuple = ()
         self._next_lifecycle = 1
 
@@ -323,10 +327,15 @@ class Recorder:
         if interval is not None:
             # A detail step's cost, measured where they are paced: the early ones, one in
             # DETAIL_EVERY, run with tuneup's code still in the caches and cost a fraction of
-            # what a paced one does (37 µs against 285 µs on the 0.1 ms CPU step). None: too
-            # few detail steps here, the last measure (or DETAIL_COST) stands.
-            cost = detail_cost(columns) if first > PACED_FROM_STEP else None
-            self.detail_cost = cost if cost is not None else self.detail_cost
+            # what a paced one does (37 µs against 285 µs on the 0.1 ms CPU step). Over the
+            # latest pairs of the drains so far, not one drain's: a drain's few pairs of 3 ms
+            # steps read 1.07 ms, and paced that far apart no later drain had enough to correct it.
+            if first > PACED_FROM_STEP:
+                pairs, plain = detail_pairs(columns)
+                self._detail_pairs.extend(pairs)
+                self._plain_steps.extend(plain)
+                cost = detail_cost(self._detail_pairs, self._plain_steps)
+                self.detail_cost = cost if cost is not None else self.detail_cost  # (None: DETAIL_COST)
             self.timeline.pace(interval["step_seconds"]["median"], self.detail_cost)
             # The wall-clock end of the last step: its perf_counter close, moved to time.time().
             ended = ring.records[(last - 1) % ring.capacity][0]

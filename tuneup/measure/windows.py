@@ -89,19 +89,26 @@ def samples_rate(sums: dict[str, Any], steps: int) -> float | None:
     return batch * steps / seconds if batch is not None else None
 
 
-MIN_DETAIL_PAIRS = 8  # detail steps (each with the plain step after it) a cost estimate needs
+MIN_DETAIL_PAIRS = 16  # detail steps (each with the plain step after it) a cost estimate needs
 
 
-def detail_cost(columns: Columns) -> float | None:
-    """What a detail step costs the job, in seconds: its own time and the next step's, over two
-    plain steps' (medians). The next step pays too: the close's listeners run at its start (a
-    few microseconds each: the loss read, the sync sample's end; StepTimeline._notify) and
-    torch's code comes back into the caches that tuneup's wrappers filled. None with fewer than
-    MIN_DETAIL_PAIRS such pairs (or plain steps) in `columns`. On the 0.1 ms CPU step of
-    benchmarks/bench_overhead.py: 199 µs against 104 µs, and 137 µs the step after: ~130 µs."""
+def detail_pairs(columns: Columns) -> tuple[list[float], list[float]]:
+    """What detail_cost reads, from a run of steps: each detail step's time with the next
+    step's (where that is a plain one), and the plain steps that follow a plain step."""
     seconds, detailed = columns["step_seconds"], columns["detailed"]
     pairs = [seconds[i] + seconds[i + 1] for i in range(len(seconds) - 1) if detailed[i] and not detailed[i + 1]]
     plain = [seconds[i] for i in range(1, len(seconds)) if not detailed[i] and not detailed[i - 1]]
+    return pairs, plain
+
+
+def detail_cost(pairs: Sequence[float], plain: Sequence[float]) -> float | None:
+    """What a detail step costs the job, in seconds: its own time and the next step's, over two
+    plain steps' (medians; `detail_pairs`). The next step pays too: the close's listeners run at
+    its start (a few microseconds each: the loss read, the sync sample's end;
+    StepTimeline._notify) and torch's code comes back into the caches that tuneup's wrappers
+    filled. None with fewer than MIN_DETAIL_PAIRS pairs (or plain steps). On the 0.1 ms CPU
+    step of benchmarks/bench_overhead.py: 199 µs against 104 µs, and 137 µs the step after:
+    ~130 µs at one in 64."""
     if len(pairs) < MIN_DETAIL_PAIRS or len(plain) < MIN_DETAIL_PAIRS:
         return None
     return max(0.0, median(pairs) - 2 * median(plain))
