@@ -150,6 +150,30 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
     assert loader.num_workers == 0, "detach puts the job's own settings back"
 
 
+def test_the_configuration_reports_the_loader_settings_the_steps_run_with(run_dir):
+    """A kept num_workers change: the configuration while attached, and the final report's after
+    detach put the job's own back (a later trial cut short at detach undone first: the report
+    once read the job's num_workers=0 beside the waits two workers left), show the setting the
+    steps ran with, marked as apply mode's with the job's own value beside it."""
+    seen = {}
+
+    def kept_then_read(step, agent):
+        kept = records(agent, "dataloader", "kept")
+        if kept and step >= kept[0]["decided_step"] + 20 and "config" not in seen:
+            seen["kept"] = kept[0]
+            seen["config"] = agent.snapshot()["config"]["loaders"][0]
+        return "config" in seen and step >= seen["kept"]["decided_step"] + 25
+
+    _, _, _, agent, loader = io_bound_run(400, agent_options=apply_options(run_dir, actions=["dataloader"]),
+                                          after_step=kept_then_read)
+    assert "config" in seen, decisions(agent)
+    workers = seen["kept"]["after"]["num_workers"]
+    assert seen["config"]["num_workers"] == workers > 0 and seen["config"]["set_by_tuneup"] == {"num_workers": 0}, seen
+    assert loader.num_workers == 0  # the job's own, put back at detach (and never changed on the object)
+    final = agent.document()["runs"][0]["snapshot"]["config"]["loaders"][0]
+    assert final["num_workers"] == workers and final["set_by_tuneup"]["num_workers"] == 0, final
+
+
 def test_a_trial_is_judged_without_the_steps_that_began_an_epoch(run_dir):
     """Ground truth from the code: epochs of 20 batches (320 samples, batch 16), so steps
     1, 21, 41, ... begin one, and with workers each of those starts them afresh (not

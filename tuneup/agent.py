@@ -237,7 +237,9 @@ class Agent:
         self.ticker.stop()
         self.recorder.flush()
         if self.experimenter is not None:  # before the probes go: the changes patch what they patched
-            self.experimenter.revert_all("detach")
+            # The configuration read with the kept changes in effect (a trial cut short undone
+            # first), for the final report: what the run ran with, not the job's own put back.
+            self.experimenter.revert_all("detach", kept_reached=self.recorder.settle_config)
             self.experimenter.close()
             self.experimenter.on = False
         self._quiet()

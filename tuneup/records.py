@@ -343,7 +343,7 @@ SYSTEM = Obj(time=Opt(NUM), host=Opt(HOST),
              ddp=Opt(_maybe(allreduce_wait_seconds=SECONDS)))
 
 LOADER = Obj(num_workers=COUNT, prefetch_factor=Opt(COUNT), batch_size=Opt(COUNT), pin_memory=FLAG,
-             persistent_workers=FLAG)
+             persistent_workers=FLAG, set_by_tuneup=Opt(MapOf(ANY)))  # (apply mode's settings: the job's own values)
 LR_MEASURED = _maybe(changes=COUNT, first=NUM, min=NUM, max=NUM, last=NUM, reads=COUNT)
 OPTIMIZER = Obj(**{"class": TEXT}, implementation=TEXT, models=Opt(ListOf(TEXT)), parameters=Opt(COUNT),
                 lr_scheduler=Nullable(ANY), lr_measured=Opt(LR_MEASURED), lr=Opt(NUM), devices=Opt(ListOf(TEXT)))

@@ -199,7 +199,7 @@ class Experimenter:
         self._lock = threading.RLock()
         self.training_thread: int | None = None
         self._undone = 0
-        self._revert_request: tuple[str, threading.Event] | None = None
+        self._revert_request: tuple[str, threading.Event, Callable[[], None] | None] | None = None
         self._worth_looking = False  # some action is busy or has a finding to fix (see publish)
         # Undone trials whose settle steps after the undo have yet to close: (record, first, last)
         self._undo_settling: list[tuple[dict[str, Any], int, int]] = []
@@ -279,9 +279,9 @@ class Experimenter:
         with self._lock:
             try:
                 if self._revert_request is not None:
-                    reason, done = self._revert_request
+                    reason, done, kept_reached = self._revert_request
                     self._revert_request = None
-                    self._revert_now(reason)
+                    self._revert_now(reason, kept_reached)
                     done.set()
                     return
                 self._check_guards(step)
@@ -609,7 +609,8 @@ class Experimenter:
 
     # --- any thread ------------------------------------------------------------------------
 
-    def revert_all(self, reason: str = "revert_all()", wait: float = REVERT_WAIT_SECONDS) -> int:
+    def revert_all(self, reason: str = "revert_all()", wait: float = REVERT_WAIT_SECONDS,
+                   kept_reached: Callable[[], None] | None = None) -> int:
         """Undo every change in effect, newest first, and try nothing more. Returns how many
         changes were undone. From a thread other than the training thread, the training
         thread does it at its next step close (a change flipped in the middle of a step can
@@ -619,21 +620,30 @@ class Experimenter:
                 and threading.get_ident() != self.training_thread):
             done = threading.Event()
             with self._lock:
-                self._revert_request = (reason, done)
+                self._revert_request = (reason, done, kept_reached)
                 self.job.timeline.wake_at = 0  # the next close calls on_close
             if done.wait(wait):
                 return self._undone
             with self._lock:
                 self._revert_request = None
-        return self._revert_now(reason)
+        return self._revert_now(reason, kept_reached)
 
-    def _revert_now(self, reason: str) -> int:
+    def _revert_now(self, reason: str, kept_reached: Callable[[], None] | None = None) -> int:
+        """Undo newest first: the change on trial, then the kept ones; `kept_reached` runs once
+        the trial is undone, before the first kept change is (detach: the configuration the
+        kept settings give, for the final report)."""
         with self._lock:
             self.accepting = False
             step = self.job.timeline.ring.count + 1
             undone = 0
             errors = []
             for change, action, record in reversed(self.applied):
+                if kept_reached is not None and record["decision"] != "trying":
+                    try:
+                        kept_reached()
+                    except Exception as exc:  # the changes must still be undone
+                        errors.append(f"before {change.description}: {type(exc).__name__}: {exc}")
+                    kept_reached = None
                 try:
                     change.revert()
                 except Exception as exc:  # the others must still be undone

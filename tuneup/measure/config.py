@@ -40,11 +40,17 @@ def debug_tools() -> dict[str, Any]:
     return {"anomaly_detection": torch.is_anomaly_enabled(), "profiler": profiler}
 
 
-def loader_config(loader: DataLoader) -> dict[str, Any]:
+LOADER_KNOBS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+DEFAULT_PREFETCH_FACTOR = 2  # batches each worker keeps ahead where the loader leaves it unset
+
+
+def loader_config(loader: DataLoader, job_own: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loader's settings; with `job_own` (the job's own, where apply mode set others on
+    the loader), `set_by_tuneup`: the knobs that differ, each with the job's value."""
     context = loader.multiprocessing_context
     if context is not None and not isinstance(context, str):
         context = context.get_start_method()
-    return {
+    config = {
         "dataset": type(loader.dataset).__name__,
         "iterable_dataset": isinstance(loader.dataset, IterableDataset),
         "batch_size": loader.batch_size,
@@ -56,6 +62,16 @@ def loader_config(loader: DataLoader) -> dict[str, Any]:
         "multiprocessing_context": context,
         "worker_init_fn": loader.worker_init_fn is not None,
     }
+    if job_own:
+        own = dict(job_own)
+        if own.get("prefetch_factor") is None:  # workers' default (torch/utils/data/dataloader.py: None -> 2)
+            own["prefetch_factor"] = DEFAULT_PREFETCH_FACTOR
+        changed = {knob: job_own[knob] for knob in LOADER_KNOBS
+                   if knob in own and config[knob] != own[knob] and not (knob == "prefetch_factor"
+                                                                         and not config["num_workers"])}
+        if changed:
+            config["set_by_tuneup"] = changed
+    return config
 
 
 # Optimizers whose step() takes a closure and re-evaluates the model inside it.
@@ -312,6 +328,7 @@ def read_config(
     set_to_none: bool | None,
     grad_scaler: dict[str, Any],
     cpu_bf16: bool | None = None,
+    loaders_job_own: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     order = [m for m in (ref() for ref in leaf_order) if m is not None]
     models = [model for model in models if next(model.parameters(), None) is not None]
@@ -328,7 +345,7 @@ def read_config(
         "autocast": autocast,
         "zero_grad_set_to_none": set_to_none,
         "grad_scaler": {"present": grad_scaler["present"], "enabled": grad_scaler["enabled"]},
-        "loaders": [loader_config(loader) for loader in loaders],
+        "loaders": [loader_config(loader, (loaders_job_own or {}).get(id(loader))) for loader in loaders],
         "optimizers": [dict(optimizer_config(optimizer, rate_of(optimizer)), models=trained(optimizer, models))
                        for optimizer in optimizers],
         "models": [model_config(model, order) for model in models],

@@ -98,6 +98,10 @@ class LoaderProbe:
         # Per loader (id), the step its latest epoch began in: that step's data wait holds
         # iter() (worker start-up) and the epoch's first fetch (apply mode's persistent_workers).
         self.epoch_steps: dict[int, int] = {}
+        # Per loader (id), the job's own settings where apply mode has others in effect
+        # (act/actions/dataloader.py sets them on the loader for its next iterators): the
+        # configuration marks the knobs that differ as tuneup's, with the job's values.
+        self.job_own: dict[int, dict[str, Any]] = {}
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included

@@ -105,6 +105,7 @@ class Recorder:
         self._detail_pairs: deque[float] = deque(maxlen=DETAIL_PAIRS_KEPT)
         self._plain_steps: deque[float] = deque(maxlen=16 * DETAIL_PAIRS_KEPT)
         self._config_seen: tuple = ()
+        self._config_settled = False  # read for the last time (settle_config)
         self._next_lifecycle = 1
 
     # --- installing ---------------------------------------------------------------------
@@ -280,7 +281,7 @@ class Recorder:
             self._watch_input(final)
         self.system = self.sample_system(final)
         seen = self._config_inputs()
-        if final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1:
+        if not self._config_settled and (final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1):
             self._config_seen = seen
             with cost.part("config"):
                 self.refresh_config()
@@ -475,11 +476,21 @@ class Recorder:
 
     def _config_inputs(self) -> tuple:
         """What the probes have seen that the configuration is read from: when it changes
-        (a new loader, optimizer or model, autocast first seen), the configuration is read."""
+        (a new loader, optimizer or model, autocast first seen, apply mode's loader settings),
+        the configuration is read."""
         return (
             len(self.loader.loaders), len(self.optimizer.optimizers), len(self.model.roots),
             self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
+            repr(sorted(self.loader.job_own.items())),
         )
+
+    def settle_config(self) -> None:
+        """Read the configuration now, and not again: at detach, before apply mode puts the
+        job's own settings back, so the final report's evidence describes the settings the run's
+        last steps ran with (a kept num_workers 0 -> 2 read back as num_workers=0 beside the
+        waits two workers left)."""
+        self.refresh_config()
+        self._config_settled = True
 
     def note_framework(self, info: dict[str, Any]) -> None:
         """The training framework's own settings (Lightning, Transformers)."""
@@ -501,6 +512,7 @@ class Recorder:
                 set_to_none=self.optimizer.set_to_none,
                 grad_scaler=self.scaler.summary(),
                 cpu_bf16=self.options.cpu_bf16,
+                loaders_job_own=dict(self.loader.job_own),
             )
         except RuntimeError:
             return  # a dict changed size while the job mutated it: read again next time

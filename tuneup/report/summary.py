@@ -359,8 +359,12 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
     lines = []
     for loader in config["loaders"]:
         prefetch = f", prefetch_factor={loader['prefetch_factor']}" if loader["num_workers"] else ""
+        tuned = loader.get("set_by_tuneup") or {}
+        by_tuneup = ("; set by apply mode: " + ", ".join(f"{knob} (the job's own: {own})" for knob, own in tuned.items())
+                     if isinstance(tuned, dict) and tuned else "")
         lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
-                     f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}")
+                     f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}"
+                     f"{by_tuneup}")
     optimizers = config["optimizers"]
     for number, optimizer in enumerate(optimizers, 1):
         # Several optimizers: each by what it trains (a GAN's two Adams), else by its number.

@@ -240,6 +240,11 @@ class LoaderChange(Change):
             return
         switch_loader(loader, settings, self.job.loaders.iterators, self.tuning.job_settings,
                       self.tuning.source_failed, self.job.loaders.iterators.add)
+        # The configuration marks what apply mode set, with the job's own values beside it.
+        if effective(settings) == effective(self.tuning.job_settings):
+            self.job.loaders.job_own.pop(id(loader), None)
+        else:
+            self.job.loaders.job_own[id(loader)] = dict(self.tuning.job_settings)
 
 
 def _one_line(exc: BaseException) -> str:
