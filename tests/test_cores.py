@@ -1459,3 +1459,25 @@ def test_the_steps_after_an_undo_are_costed_once_they_closed():
     Experimenter._undo_settled(me, 40)
     assert record["undo_settle"]["steps"] == 5 and record["undo_settle"]["seconds"] == pytest.approx(0.150)
     assert me._undo_settling == []
+
+
+def test_the_loader_configuration_marks_apply_mode_s_settings_with_the_job_s_own():
+    """config.loader_config with the job's own settings beside a loader apply mode set others on:
+    the knobs that differ, each with the job's value; prefetch_factor left unset by the job is
+    the workers' default 2, not a setting of tuneup's; format.set_by_apply_mode says it."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tuneup.format import set_by_apply_mode
+    from tuneup.measure.config import loader_config
+
+    loader = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=4)
+    own = {"num_workers": 0, "pin_memory": False, "persistent_workers": False, "prefetch_factor": None}
+    assert "set_by_tuneup" not in loader_config(loader, own) and "set_by_tuneup" not in loader_config(loader)
+    vars(loader).update(num_workers=2, prefetch_factor=2)  # as the DataLoader action sets them
+    config = loader_config(loader, own)
+    assert (config["num_workers"], config["set_by_tuneup"]) == (2, {"num_workers": 0})
+    vars(loader).update(prefetch_factor=4)
+    assert loader_config(loader, own)["set_by_tuneup"] == {"num_workers": 0, "prefetch_factor": None}
+    assert set_by_apply_mode(config) == "set by apply mode: num_workers (the job's own: 0)"
+    assert set_by_apply_mode({}) == "" and set_by_apply_mode({"set_by_tuneup": ["damaged"]}) == ""

@@ -67,3 +67,12 @@ def one_line(text: str) -> str:
     text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in url(text))
     return re.sub(r"\S{%d,}" % (LONGEST_QUOTED + 1),
                   lambda match: f"{match[0][:80]}…[{len(match[0]):,} characters]…{match[0][-80:]}", text)
+
+
+def set_by_apply_mode(loader: dict) -> str:
+    """A DataLoader's settings apply mode made, from its configuration's `set_by_tuneup` (the
+    job's own values): "set by apply mode: num_workers (the job's own: 0)", or "" for none."""
+    tuned = loader.get("set_by_tuneup")
+    if not isinstance(tuned, dict) or not tuned:
+        return ""
+    return "set by apply mode: " + ", ".join(f"{knob} (the job's own: {own})" for knob, own in tuned.items())

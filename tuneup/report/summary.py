@@ -9,7 +9,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ..format import flops as flop_text, percent, read_rate, seconds, size
+from ..format import flops as flop_text, percent, read_rate, seconds, set_by_apply_mode, size
 from ..measure.history import nvml_utilization
 
 
@@ -359,9 +359,8 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
     lines = []
     for loader in config["loaders"]:
         prefetch = f", prefetch_factor={loader['prefetch_factor']}" if loader["num_workers"] else ""
-        tuned = loader.get("set_by_tuneup") or {}
-        by_tuneup = ("; set by apply mode: " + ", ".join(f"{knob} (the job's own: {own})" for knob, own in tuned.items())
-                     if isinstance(tuned, dict) and tuned else "")
+        by_tuneup = set_by_apply_mode(loader)
+        by_tuneup = f"; {by_tuneup}" if by_tuneup else ""
         lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}"
                      f"{by_tuneup}")

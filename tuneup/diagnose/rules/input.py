@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..rule import MIN_GAIN, Evidence, Facts, Missing, rule
-from ...format import percent, read_rate, seconds
+from ...format import percent, read_rate, seconds, set_by_apply_mode
 from ...measure.copies import BLOCKING_COPY_KIND
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
@@ -55,9 +55,9 @@ def data_stall(facts: Facts) -> Evidence | None:
     step, wait = window["step_seconds"]["median"], window["data_wait_seconds"]["median"]
     setting = ", ".join(f"{name}={loader.get(name)}" for name in ("num_workers", "pin_memory", "persistent_workers",
                                                                    "prefetch_factor") if name in loader)
-    tuned = loader.get("set_by_tuneup") or {}
+    tuned = set_by_apply_mode(loader)
     if setting and tuned:  # the settings the steps ran with, apply mode's where they are not the job's
-        setting += "; set by apply mode: " + ", ".join(f"{name} (the job's own: {own})" for name, own in tuned.items())
+        setting += f"; {tuned}"
     # The stall ratio is a ratio of sums (what throughput loses): the sentence gives the means
     # it comes from, and the median wait where the two differ (heavy-tailed waits: on an H100
     # conv net, 1 s stalls among 1.5 ms waits read "1.5 ms ... 36% of a 9.3 ms step").
