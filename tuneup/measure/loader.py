@@ -102,6 +102,7 @@ class LoaderProbe:
         # (act/actions/dataloader.py sets them on the loader for its next iterators): the
         # configuration marks the knobs that differ as tuneup's, with the job's values.
         self.job_own: dict[int, dict[str, Any]] = {}
+        self.settings_changes = 0  # apply mode's setting changes so far: the configuration is read again after each
 
     def focus(self, loaders: weakref.WeakSet) -> None:
         """Measure only these loaders from now on, their iterators already running included

@@ -481,7 +481,7 @@ class Recorder:
         return (
             len(self.loader.loaders), len(self.optimizer.optimizers), len(self.model.roots),
             self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
-            repr(sorted(self.loader.job_own.items())),
+            self.loader.settings_changes,
         )
 
     def settle_config(self) -> None:

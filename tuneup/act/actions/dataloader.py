@@ -240,7 +240,9 @@ class LoaderChange(Change):
             return
         switch_loader(loader, settings, self.job.loaders.iterators, self.tuning.job_settings,
                       self.tuning.source_failed, self.job.loaders.iterators.add)
-        # The configuration marks what apply mode set, with the job's own values beside it.
+        # The configuration marks what apply mode set, with the job's own values beside it (read
+        # again at the next tick: a trial undone showed its settings for ten more ticks).
+        self.job.loaders.settings_changes += 1
         if effective(settings) == effective(self.tuning.job_settings):
             self.job.loaders.job_own.pop(id(loader), None)
         else:
