@@ -43,12 +43,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
+from ..measure.config import DEFAULT_PREFETCH_FACTOR as DEFAULT_PREFETCH, LOADER_KNOBS as KNOBS
 from ..measure.device_values import raw_item
 from ..measure.loader import loader_of
 
-KNOBS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 _ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
-DEFAULT_PREFETCH = 2
 
 Settings = dict[str, Any]
 

@@ -40,7 +40,8 @@ def debug_tools() -> dict[str, Any]:
     return {"anomaly_detection": torch.is_anomaly_enabled(), "profiler": profiler}
 
 
-LOADER_KNOBS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+# The settings apply mode's DataLoader action tunes (act/loader_switch.py reads them from here).
+LOADER_KNOBS = ("num_workers", "prefetch_factor", "persistent_workers", "pin_memory")
 DEFAULT_PREFETCH_FACTOR = 2  # batches each worker keeps ahead where the loader leaves it unset
 
 
