@@ -436,26 +436,30 @@ def test_more_workers_than_cores_whose_wait_is_the_shipping_go_to_none_first(run
 
 
 def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
-    """Ground truth from the code: batches take 8 ms in-process (16 samples of 0.5 ms) against
-    a 5 ms step; in a worker of two, every sample costs 6x, so two workers make a batch every
-    24 ms (slower than none, ~13 ms a step) and one worker every 8 ms, overlapped with the
-    step: the estimate (1.25 x the wait over the rest of the step: two, up to a step of 10 ms
-    of its own; with 4.8 ms batches it said one on a loaded machine) is rejected, its
-    neighbour, one, is what pays. The step's own wait varies by +-90% (a seeded stream of the
-    test's), so windows (up to a second of ~13 ms steps) are longer than the 24 steps apply
-    mode waits after undoing a trial, and the undone trial's baseline serves the next."""
-    class SlowerInPairs(SlowIndexed):
+    """Ground truth from the code: batches take 10 ms in-process (16 samples of 0.625 ms)
+    against a 4 ms step; in a pool of n > 1 workers every sample costs 3n x, so n workers
+    make a batch every 30 ms whatever n (slower than none, ~14 ms a step) and one worker one
+    every 10 ms, overlapped with the step. The estimate (1.25 x the wait over the rest of the
+    step, 3.1: the usable cores, 2 on a 2-core machine) is rejected, and so is every count
+    above one; the neighbour halfway to it, down to one, is what pays. The split leaves room
+    for a loaded machine: with 8 ms batches against 5 ms (an estimate of 2.0) CI's full suite
+    once stretched the step's own part past the batch's and the estimate said one, which left
+    no count to reject. The step's own wait varies by +-90% (a seeded stream of the test's),
+    so windows (up to a second of ~14 ms steps) are longer than the 24 steps apply mode waits
+    after undoing a trial, and the undone trial's baseline serves the next."""
+    class SlowerInPools(SlowIndexed):
         def __getitems__(self, indices: list[int]):
             info = get_worker_info()
             if info is not None and info.num_workers > 1:
-                time.sleep(self.latency * len(indices) * 5)
+                time.sleep(self.latency * len(indices) * (3 * info.num_workers - 1))
             return super().__getitems__(indices)
 
-    def two_decided(step, agent):
-        return len([r for r in records(agent, "dataloader") if r["decision"] in ("kept", "reverted")]) >= 2
+    def one_decided(step, agent):
+        return any(r["after"]["num_workers"] == 1 for r in records(agent, "dataloader")
+                   if r["decision"] in ("kept", "reverted") and "after" in r)
 
-    clock = StepClock(then=two_decided)
-    _, _, _, agent, _ = io_bound_run(1500, dataset=SlowerInPairs(latency=0.0005), compute=0.005,
+    clock = StepClock(then=one_decided)
+    _, _, _, agent, _ = io_bound_run(1500, dataset=SlowerInPools(latency=0.000625), compute=0.004,
                                      after_step=clock, jitter=0.9,
                                      agent_options=apply_options(run_dir, actions=["dataloader"]),
                                      generator=torch.Generator().manual_seed(0))
@@ -463,15 +467,18 @@ def test_a_rejected_worker_count_has_its_neighbour_tried(run_dir):
     moves = [(r["before"]["num_workers"], r["after"]["num_workers"], r["decision"])
              for r in tried if r["before"]["num_workers"] != r["after"]["num_workers"]]
     assert len(moves) >= 2 and moves[0][0] == 0 and moves[0][1] >= 2 and moves[0][2] == "reverted", decisions(agent)
-    assert moves[1][:2] == (0, 1), decisions(agent)  # the neighbour of the rejected count
-    # Kept where it paid: idle, 1.5x by the test's clock.
+    # Each next count is halfway to the rejected one (2 -> 1 on two cores; 4 -> 2 -> 1 on four).
+    for (_, rejected, _), move in zip(moves, moves[1:]):
+        assert move[:2] == (0, rejected // 2), decisions(agent)
+    assert moves[-1][1] == 1, decisions(agent)
+    # Kept where it paid: idle, 1.4x by the test's clock.
     clock.check(next(r for r in tried if r["after"]["num_workers"] == 1), tried)
     # The neighbour's trial compares against the undone trial's baseline (the same settings,
     # a window earlier) instead of waiting a whole window again.
-    first, second = [r for r in records(agent, "dataloader") if "before" in r][:2]
+    first, second = tried[:2]
     window = second["trial"]["steps"]
     # The premise: windows longer than the MIN_WINDOW steps waited after an undo (a noise-sized
-    # window, at least half a second of steps: 36-66 steps of ~13 ms here), so the next trial's
+    # window, at least half a second of steps: ~40-70 steps of ~14 ms here), so the next trial's
     # baseline needs steps from before the undone trial.
     from tuneup.act.experimenter import MIN_WINDOW
 
