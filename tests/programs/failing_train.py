@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail", choices=("forward", "backward", "dataset"), required=True)
@@ -46,6 +46,12 @@ class Digits(Dataset):
 
     def __getitem__(self, index):
         if args.fail == "dataset" and index == args.at * BATCH:
+            if get_worker_info() is not None and not args.interrupt:
+                # The batch before it, from the other worker, arrives first: torch re-raises a
+                # worker's error from one of two lines, by whether its batch came in order
+                # (torch/utils/data/dataloader.py _next_data), and a traceback of either is
+                # the script's own.
+                time.sleep(1.0)
             trouble("reading a sample")
         generator = torch.Generator().manual_seed(index)
         return torch.randn(16, generator=generator), index % 4
