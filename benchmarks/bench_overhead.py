@@ -127,7 +127,7 @@ def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0
     started = None
     end = -1
     began = time.perf_counter()
-    paced_at = None if settle else began
+    paced_at = None if settle else began - PACE_WAIT  # no settling asked: none waited for
     while True:
         for x, y in loader:
             if paced_at is None and step >= PACED_STEPS:
