@@ -42,6 +42,10 @@ from typing import Any
 from .syncs import format_location
 
 MAX_LINES = 256
+# Fewer samples name no lines: a sample lands where the training thread next lets go of the GIL,
+# and a handful of them can all land on the loop's line after a long C call (a short run beside
+# busy processes: 3 of 8 on `x, y = make_batch(...)`'s line, 1 in encode()).
+MIN_SAMPLES = 20
 RATE_HZ = 250
 SWITCH_INTERVAL = 0.001  # seconds; see the module docstring
 _LIBRARY_DIRS = tuple(sorted({os.path.normcase(os.path.realpath(path)) + os.sep for path in (
@@ -147,7 +151,8 @@ class InputSampler:
             self.unattributed += 1
 
     def summary(self, top: int = 5) -> dict[str, Any] | None:
-        """The functions the samples fell in (with each one's most-sampled line), by share."""
+        """The functions the samples fell in (with each one's most-sampled line), by share;
+        none below MIN_SAMPLES samples."""
         samples = self.samples
         if not samples:
             return None
@@ -157,7 +162,7 @@ class InputSampler:
             entry[0] += count
             if count > entry[2]:
                 entry[1], entry[2] = line, count
-        ranked = sorted(functions.items(), key=lambda item: -item[1][0])[:top]
+        ranked = sorted(functions.items(), key=lambda item: -item[1][0])[:top] if samples >= MIN_SAMPLES else []
         return {
             "samples": samples,
             "top_lines": [{"location": format_location(filename, line), "function": function,

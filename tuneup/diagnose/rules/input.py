@@ -288,6 +288,8 @@ def input_in_loop(facts: Facts) -> Evidence | None:
                 f"the forward: {percent(share)} of a {seconds(window['step_seconds']['median'])} step")
     if where:
         observed += f": {where}"
+    elif sampled.get("samples"):  # stacks.py MIN_SAMPLES
+        observed += f" ({sampled['samples']} samples of its stack so far: too few to name its lines)"
     if window.get("fetches_per_step"):  # a DataLoader already: the work after the fetch belongs in it
         fix = ("# move the per-batch work after `for batch in loader:` into the Dataset or collate_fn,\n"
                "# where the loader's worker processes do it ahead of the step:\n"
