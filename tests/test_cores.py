@@ -925,6 +925,33 @@ def test_run_history_window_leaves_out_the_warm_up_when_enough_later_steps_exist
     assert (window["first_step"], window["steps"]) == (1, 30)
 
 
+def test_run_history_host_cpu_is_averaged_over_the_samples_past_the_warm_up():
+    # Steps 1-30 in intervals written at ticks 1001, 1011 and 1021 (the window: all 30 steps,
+    # too few past the warm-up; the first two hold warm-up steps only), each tick's host sample
+    # taken just before its steps: 0.5 cores at 1000.99 (since the start), 1.0 at 1010.99 (the
+    # warm-up's steps), then 2.0 at 1015.5 and 1020.99.
+    def system(time, cores):
+        return {"event": "system", "time": time, "host": {"cpu_ratio": cores, "busy_cores": cores}}
+
+    history = RunHistory()
+    history.add(system(1000.99, 0.5))
+    history.add(steps_event(1, 10, 1.0))
+    # Before an interval past the warm-up has closed: every sample in the window (991-1001).
+    assert history.snapshot()["system"]["host"]["cpu_ratio"] == pytest.approx(0.5)
+    history.add(system(1010.99, 1.0))
+    history.add(steps_event(11, 10, 1.0))
+    history.add(system(1015.5, 2.0))
+    history.add(system(1020.99, 2.0))
+    history.add(steps_event(21, 10, 1.0))
+    host = history.snapshot()["system"]["host"]
+    assert host["cpu_ratio"] == pytest.approx(2.0) and host["busy_cores"] == pytest.approx(2.0)
+    # No interval past the warm-up yet: the window's samples, as before.
+    early = RunHistory()
+    for event in (system(1000.99, 1.0), steps_event(1, 10, 1.0), system(1010.99, 3.0), steps_event(11, 10, 1.0)):
+        early.add(event)
+    assert early.snapshot()["system"]["host"]["cpu_ratio"] == pytest.approx(2.0)
+
+
 def test_run_history_window_of_nothing():
     assert RunHistory().window(100) is None
 

@@ -613,6 +613,35 @@ def test_data_stall_without_workers_predicts_from_making_and_shipping_a_batch(cp
     assert unknown.gain == pytest.approx(0.4) and "an estimate" in unknown.gain_text
 
 
+def test_data_stall_without_workers_predicts_no_gain_where_the_job_already_keeps_the_cores_busy(cpu_snapshot):
+    # benchmarks/apply_scripts/augment_classifier.py on 2 cores, as measured: a 6.4 ms wait of
+    # a 10.7 ms step (60%), the batch made in the main process at 0.99 of a core, shipping one
+    # 0.30 ms here and 0.18 ms in a worker, and the process's intra-op threads keeping 1.98 of
+    # the 2 cores busy. The overlap alone predicted 38% shorter steps; 0 -> 1 and 0 -> 2 workers
+    # measured 0.75x and 0.94x. The making moves, its CPU does not go away: no gain, no trial.
+    def finding(own, others=0.0, waited=0.0):
+        s = stalled(cpu_snapshot, stall=0.6, wait=0.0064, cores=2, own=own, busy=own + others, waited=waited,
+                    transfer=shipping(0.30, worker_ms=0.18), fetched={"timed": 42, "cpu_share": 0.99})
+        return stall_finding(s)
+
+    busy = finding(own=1.98)
+    assert busy.gain is None and not busy.can_apply and "num_workers" not in busy.fix
+    assert "this process's own threads already want 2.0 of the 2 usable cores" in busy.observed, busy.observed
+    assert "augmentation" in busy.fix and busy.evidence["cpu_bound"]
+    # The same loop using one of the two cores: a worker has the other (the overlap's prediction).
+    idle = finding(own=1.0)
+    assert "num_workers=2" in idle.fix and idle.can_apply and idle.gain > 0.3 and "cpu_bound" not in idle.evidence
+    # Beside a busy process the job gets a share of the cores when it wants one: the other
+    # process's CPU does not bound it (a loop that sleeps on I/O uses little, and workers
+    # overlap its waits).
+    crowded = finding(own=1.0, others=1.0)
+    assert crowded.gain == pytest.approx(idle.gain) and crowded.can_apply
+    # Beside busy processes the same loop gets 1.2 cores and waits for 0.8 more: its threads
+    # still want both, and none is left for a worker.
+    loaded = finding(own=1.2, others=0.8, waited=0.8)
+    assert loaded.gain is None and not loaded.can_apply, loaded.observed
+
+
 def test_data_stall_without_workers_plans_from_the_mean_wait_where_a_few_long_waits_make_most_of_it(cpu_snapshot):
     # The H100 conv net's figures, main-process loading: a 1.5 ms median wait, a 7 ms mean (a few
     # 1 s reads), 36% of a 19.5 ms mean step, 16 cores, shipping a batch 1.6 ms. From the median,

@@ -301,13 +301,37 @@ class RunHistory:
         inside = [sample for sample in self.system if start <= (sample.get("time") or 0) <= end]
         return inside or self.system[-1:]
 
+    def _warmed_up_at(self) -> float | None:
+        """The end of the run's intervals that hold warm-up steps only (the first
+        WARMUP_STEPS), once a later one closed; None: none such, or none later yet."""
+        ended = None
+        for interval in self.intervals:
+            if interval["last_step"] > WARMUP_STEPS:
+                return ended
+            ended = interval.get("time")
+        return None
+
     def _system_in_window(self, window: dict[str, Any] | None) -> dict[str, Any] | None:
         """The newest system sample, with the host's CPU use averaged over the window (one
-        sample says little, and the last one may be taken after the loop ended)."""
+        sample says little, and the last one may be taken after the loop ended): over the
+        samples taken since the intervals of warm-up steps only, where the window has some. A
+        sample measures the time since the one before it, and the run's first steps hold tuneup's
+        first-step work: an augmenting loop whose own threads kept 2 cores busy read 1.67 from
+        a window reaching back to them (samples of 1.35 and 1.99), and data-stall predicted
+        that workers would find a sixth of a core free."""
         if not self.system:
             return None
         latest = dict(self.system[-1])
-        hosts = [sample["host"] for sample in self._samples_in_window(window) if sample.get("host")]
+        samples = self._samples_in_window(window)
+        warmed = self._warmed_up_at()
+        if warmed is not None:
+            # The samples after the one taken at that interval's tick (a tick samples the
+            # system before it writes its steps, so that one is the last not later than them).
+            ticked = [i for i, sample in enumerate(self.system) if (sample.get("time") or 0) <= warmed]
+            chosen = {id(sample) for sample in samples}
+            later = [sample for sample in self.system[ticked[-1] + 1 if ticked else 0:] if id(sample) in chosen]
+            samples = later or samples
+        hosts = [sample["host"] for sample in samples if sample.get("host")]
         if hosts and latest.get("host"):
             latest["host"] = dict(latest["host"])
             for field in ("cpu_ratio", "workers_cpu_ratio", "busy_cores", "wait_cores", "workers_wait_cores"):

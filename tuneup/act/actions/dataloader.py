@@ -8,7 +8,9 @@ move an experiment of its own, on the loader the training loop is reading:
      load in-process, or `workers x step` with workers; one must be ready every
      `step - wait`), then verified by the trial; after a rejected count, the count halfway
      between the current one and it (0 -> 2 rejected: 1); not where data-stall found the wait
-     to be the shipping (more workers ship every batch still);
+     to be the shipping (more workers ship every batch still), nor from none where data-stall
+     found the job's own threads keeping the cores busy (a worker's making takes its CPU from
+     the step: `cpu_bound` with no gain);
    - down, where no count above the job's own was faster (or the job has more workers than
      usable cores): to the usable cores, then to 0 (where the batches are cheaper to make than
      to ship between processes, none is best, whatever one worker measured; first, where
@@ -391,9 +393,21 @@ class DataLoaderTuning(Action):
         workers, most = self.settings["num_workers"], self.max_workers(job)
         above = [count for count in self.rejected if count > workers]
         ceiling = min(above + [most + 1]) - 1
-        evidence = (job.finding("data-stall") or {}).get("evidence") or {}
+        finding = job.finding("data-stall") or {}
+        evidence = finding.get("evidence") or {}
         # The wait is the shipping (see below): more workers ship every batch still, so up is not tried.
         shipping = bool(workers and evidence.get("shipping_bound"))
+        if not workers and evidence.get("cpu_bound") and not finding.get("gain") and not self.rejected:
+            # data-stall: the job's own threads keep the cores busy, and a worker's making would
+            # take its CPU from the step (augment_classifier.py on 2 cores: 0 -> 2 and 0 -> 1
+            # measured 0.90x and 0.71x); the move it advises is to make samples cheaper.
+            self.closed.add("num_workers")
+            if not self.job_settings["num_workers"]:
+                self.not_applicable = (f"num_workers stays 0: the job's own threads want "
+                                       f"{evidence.get('job_cores', 0):.1f} of the {evidence.get('usable_cores')} "
+                                       "usable cores, and workers would take the CPU they make batches with "
+                                       "from the step")
+            return None
         if workers < ceiling and not self.lowered and not shipping:
             refusal = self._why_no_workers(job, loader) if workers == 0 else None
             if refusal is _LATER:
