@@ -107,7 +107,7 @@ def data_stall(facts: Facts) -> Evidence | None:
         else:
             if plan.get("cpu_bound"):
                 why = (f"this process's own threads already want {plan['job_cores']:.1f} of the {cores} usable "
-                       "cores: workers would take the CPU they make batches with from the step's own work")
+                       "cores, so workers would make batches with CPU the step's own work needs")
             elif ship >= 0.5 * make:
                 why = f"shipping one from a worker would cost this process {seconds(ship)} ({plan['tensors']} tensors)"
             else:
