@@ -12,6 +12,7 @@ stay fine-grained for the window the rules read, and old ones coarsen for the pl
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from typing import Any, Iterable, Sequence
 
 from .utilization import energy, utilization
@@ -327,9 +328,9 @@ class RunHistory:
         if warmed is not None:
             # The samples after the one taken at that interval's tick (a tick samples the
             # system before it writes its steps, so that one is the last not later than them).
-            ticked = [i for i, sample in enumerate(self.system) if (sample.get("time") or 0) <= warmed]
+            after = bisect_right(self.system, warmed, key=lambda sample: sample.get("time") or 0)
             chosen = {id(sample) for sample in samples}
-            later = [sample for sample in self.system[ticked[-1] + 1 if ticked else 0:] if id(sample) in chosen]
+            later = [sample for sample in self.system[after:] if id(sample) in chosen]
             samples = later or samples
         hosts = [sample["host"] for sample in samples if sample.get("host")]
         if hosts and latest.get("host"):

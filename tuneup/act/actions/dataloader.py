@@ -400,13 +400,12 @@ class DataLoaderTuning(Action):
         if not workers and evidence.get("cpu_bound") and not finding.get("gain") and not self.rejected:
             # data-stall: the job's own threads keep the cores busy, and a worker's making would
             # take its CPU from the step (augment_classifier.py on 2 cores: 0 -> 2 and 0 -> 1
-            # measured 0.90x and 0.71x); the move it advises is to make samples cheaper.
+            # measured 0.90x and 0.71x); the move it advises is to make samples cheaper. (Nothing
+            # rejected yet: no move made, so 0 is the job's own count.)
             self.closed.add("num_workers")
-            if not self.job_settings["num_workers"]:
-                self.not_applicable = (f"num_workers stays 0: the job's own threads want "
-                                       f"{evidence.get('job_cores', 0):.1f} of the {evidence.get('usable_cores')} "
-                                       "usable cores, and workers would take the CPU they make batches with "
-                                       "from the step")
+            self.not_applicable = (f"num_workers stays 0: the job's own threads want "
+                                   f"{evidence.get('job_cores', 0):.1f} of the {evidence.get('usable_cores')} "
+                                   "usable cores, and workers would take the CPU they make batches with from the step")
             return None
         if workers < ceiling and not self.lowered and not shipping:
             refusal = self._why_no_workers(job, loader) if workers == 0 else None

@@ -226,15 +226,15 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
     # read "38% shorter steps": 0 -> 1 and 0 -> 2 workers measured 0.75x and 0.94x
     # (benchmarks/apply_scripts/augment_classifier.py). (Not a job that wants less: one that
     # sleeps on I/O beside busy processes uses little CPU, and workers overlap its waits.)
-    wanted = (host.get("cpu_ratio") or 0.0) + (host.get("wait_cores") or 0.0) if host else 0.0
+    wanted = (host.get("cpu_ratio") or 0.0) + (host.get("wait_cores") or 0.0)
     cores, step = host.get("usable_cores"), window["step_seconds"].get("mean") or window["step_seconds"]["median"]
     if cores and step and wanted >= CORES_WANTED * cores:
-        shortest = (wanted * step + (ship + ship_worker) * fetches) / cores
-        if 1.0 - shortest / step < gain:
+        bound = 1.0 - (wanted * step + (ship + ship_worker) * fetches) / cores / step
+        if bound < gain:
             # A bound, reached only where the cores split the work perfectly: below
             # CORES_BOUND_MIN_GAIN nothing a trial could tell from noise (the loop above,
             # bounded at 2%, measured 0.92x with two workers).
-            gain = 1.0 - shortest / step if 1.0 - shortest / step >= CORES_BOUND_MIN_GAIN else 0.0
+            gain = bound if bound >= CORES_BOUND_MIN_GAIN else 0.0
             plan.update(cpu_bound=True, job_cores=wanted)
     return dict(plan, suggested_workers=suggested, runnable_cores=runnable, predicted_wait_seconds=after * fetches,
                 gain=gain)
