@@ -118,6 +118,9 @@ def test_worker_fetches_tell_batches_made_ahead_from_batches_waited_for(run_dir)
     behind = ready_share(run_dir / "behind", 0.05, 0.0, workers=1, epochs=1)
     assert ahead["checked"] >= 3 and ahead["ready_share"] == 1.0
     assert behind["checked"] >= 3 and behind["ready_share"] == 0.0
+    # Ahead, the workers idle on the prefetch limit: at least 3 of the 4 batches asked for made
+    # at each look (one may be a moment from its queue); behind, none.
+    assert ahead["queue_fill"] >= 0.75 and behind["queue_fill"] == 0.0, (ahead, behind)
     # The fetches that found none waited out the making: 100 ms a batch against a bare step,
     # half of it at least (load only slows the worker); where every fetch found one, nothing.
     assert ahead["unready_wait_seconds"] is None
@@ -135,6 +138,11 @@ def test_workers_that_hand_over_in_pairs_are_told_behind_by_their_wait(run_dir):
 
     pairs = ready_share(run_dir, 0.05, 0.0, workers=2, epochs=1)
     assert pairs["checked"] >= 3 and pairs["ready_share"] < 1.0, pairs
+    # Of the 4 batches asked for, at most the other worker's is made when the loop asks: the
+    # queue is never more than a quarter full, short of what data-stall reads as idling ahead.
+    from tuneup.diagnose.rules.input import QUEUE_FULL
+
+    assert pairs["queue_fill"] <= 0.25 < QUEUE_FULL, pairs
     assert pairs["unready_wait_seconds"] >= 0.025, pairs
     shipping = pairs["transfer"]["main_seconds"]
     assert pairs["unready_wait_seconds"] > 5 * SHIPPING_BOUND * shipping, pairs

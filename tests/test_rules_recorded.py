@@ -679,11 +679,23 @@ def test_data_stall_asks_for_fewer_workers_where_a_batch_costs_less_to_make_than
                                  transfer=shipping(0.4)))
     assert "num_workers=0" not in idle.fix and "an estimate" in idle.gain_text
     # The case: 5 idle workers on 2 cores, a batch already waiting at every fetch looked
-    # at, the loop still waiting 1 ms a batch (receiving under contention): fewer, not more.
+    # at, 9 of the 10 asked for made (they idle ahead), the loop still waiting 1 ms a batch
+    # (receiving under contention): fewer, not more.
     ready = stall_finding(stalled(cpu_snapshot, stall=0.7, wait=0.001, own=0.5, workers=(0.05,) * 5,
-                                  transfer=shipping(0.2), ready={"checked": 8, "ready_share": 1.0}))
+                                  transfer=shipping(0.2), ready={"checked": 8, "ready_share": 1.0, "queue_fill": 0.9}))
     assert ready.fix.endswith("num_workers=0)") and "an estimate" in ready.gain_text
-    assert "already waiting in the queue at 100%" in ready.observed
+    assert "already waiting in the queue at 100% of the fetches looked at, 90% of the batches asked for made" \
+        in ready.observed
+    # The same fetches where the workers only keep up (one or two of the ten made at each look):
+    # their time off the CPU may be their making (storage), not idling, so a batch made here may
+    # cost more than their CPU: no fewer workers, and none more (the wait is receiving them).
+    for fill in (0.15, None):
+        kept_up = stall_finding(stalled(cpu_snapshot, stall=0.7, wait=0.001, own=0.5, workers=(0.05,) * 5,
+                                        transfer=shipping(0.2),
+                                        ready={"checked": 8, "ready_share": 1.0,
+                                               **({} if fill is None else {"queue_fill": fill})}))
+        assert "num_workers=" not in kept_up.fix and kept_up.gain is None, (fill, kept_up.fix)
+        assert "already waiting in the queue at 100%" in kept_up.observed
     # A wait within 1.5x the shipping: that is the wait; more workers would not recover it.
     shipped = stall_finding(stalled(cpu_snapshot, stall=0.5, wait=0.0005, own=1.0, workers=(0.06,) * 5,
                                     transfer=shipping(0.4)))

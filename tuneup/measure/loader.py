@@ -25,6 +25,18 @@ from .hotpath import TAG, StepTimeline, loader_next
 RNG_CHECKS = (12, 40, 120, 400)  # fetches on which the global RNG is compared around the fetch
 
 
+def ready_schedule(fetch: int) -> int:
+    """The fetch after `fetch` on which a worker iterator's queue is looked at: each one to the
+    64th (data-stall reads the share early: apply mode's first trial starts near step 50), every
+    7th to the 512th, then every 101st (the share is the run's: later looks add little, and each
+    costs the hot path some 150 operations). The strides are prime, never a multiple of the
+    worker count, which torch hands batches out to in turn: every second fetch of two workers
+    that deliver in pairs looks at the same one of each pair. Four looks at the inspected
+    fetches alone read 4 of 4 ready beside busy processes, where each second fetch waited
+    40-60 ms for the making (tests/test_apply.py: the I/O-bound workers)."""
+    return fetch + (1 if fetch < 64 else 7 if fetch < 512 else 101)
+
+
 def batch_size(batch: Any) -> int:
     """Samples in a batch: dim 0 of its first tensor; len() of a list of samples."""
     for _ in range(4):
@@ -77,8 +89,8 @@ class LoaderProbe:
         # know before it moves that work into worker processes).
         self.rng_check_at = RNG_CHECKS[0]
         self.main_process_rng_draws: bool | None = None
-        # The hot path's one test for both: the fetch count (before the fetch) at which one
-        # of them wants to see a fetch.
+        # The hot path's one test for both and for the ready looks below: the fetch count
+        # (before the fetch) at which one of them wants to see a fetch.
         self.next_look = 0
         # Fetches of single-process iterators among those looked at: their wall and this
         # thread's CPU (how much of making a batch is CPU, and how much waiting on I/O).
@@ -88,13 +100,19 @@ class LoaderProbe:
         # Fetches of worker iterators past their start looked at: how many found a batch already
         # waiting in the data queue (made ahead: the wait, if any, is receiving it).
         self.ready_checked = self.ready_found = 0
+        # ... and how full the queue was: workers ahead of the loop idle on the prefetch limit
+        # with nearly all their batches made; workers that just keep up hand over each as it
+        # is made (a batch or two waiting of the prefetch_factor x workers asked for).
+        self.queue_fill = 0.0
+        self.ready_look_at = ready_schedule(0)  # the next fetch (its number) looked at for that
         # ... and how long those that found none waited: a moment where the next batch was in
         # transit, a worker's whole making where the workers fall behind. Workers started
         # together finish together: with two of them each second fetch finds the other's batch
         # waiting (a ready share of one half) while the first waits out the making (70 ms).
         self.unready_wait = 0.0
         self.unready_checked = 0
-        self._ready_look: float | None = None  # the looked fetch's start, where it found no batch waiting
+        # the looked fetch's start, the batches waiting and the queue's fill, until its batch comes
+        self._ready_look: tuple[float, int, float] | None = None
         # Per loader (id), the step its latest epoch began in: that step's data wait holds
         # iter() (worker start-up) and the epoch's first fetch (apply mode's persistent_workers).
         self.epoch_steps: dict[int, int] = {}
@@ -166,14 +184,14 @@ class LoaderProbe:
             self._looked = (perf_counter(), thread_time())
         elif getattr(iterator, "_num_yielded", 0) >= workers and not self._after_own_work():
             try:  # multiprocessing.Queue.qsize: its semaphore's count (Linux); queue.Queue's too
-                ready = iterator._data_queue.qsize() > 0
+                queued = iterator._data_queue.qsize()
             except Exception:  # NotImplementedError on macOS
-                ready = None
-            if ready is not None:
-                self.ready_checked += 1
-                self.ready_found += ready
-                if not ready:
-                    self._ready_look = perf_counter()
+                queued = None
+            if queued is not None:
+                # Of the batches asked for and not yet received (torch keeps prefetch_factor x
+                # workers of them asked for: dataloader.py, _try_put_index), those made.
+                asked = getattr(iterator, "_tasks_outstanding", 0) or 1
+                self._ready_look = (perf_counter(), queued, min(1.0, queued / asked))
         return self.rng_before(iterator) if self.timeline.fetches >= self.rng_check_at else None
 
     def _after_own_work(self) -> bool:
@@ -205,16 +223,23 @@ class LoaderProbe:
             self.fetch_thread_cpu += thread_time() - cpu
             self.fetch_wall += perf_counter() - wall
             self.fetches_timed += 1
-        if self._ready_look is not None:
-            self.unready_wait += perf_counter() - self._ready_look
-            self.unready_checked += 1
+        if self._ready_look is not None:  # counted once a batch came (not an epoch's end)
+            began, queued, fill = self._ready_look
             self._ready_look = None
+            self.ready_checked += 1
+            self.ready_found += queued > 0
+            self.queue_fill += fill
+            if not queued:
+                self.unready_wait += perf_counter() - began
+                self.unready_checked += 1
         if rng is not None:
             self.rng_after(rng)
         habits, fetch = self.habits, self.timeline.fetches + 1  # (counted after the look)
         if fetch >= habits.next_inspect:
             habits.inspect(batch, fetch)
-        self.next_look = min(self.rng_check_at, habits.next_inspect - 1)
+        if fetch >= self.ready_look_at:
+            self.ready_look_at = ready_schedule(fetch)
+        self.next_look = min(self.rng_check_at, habits.next_inspect - 1, self.ready_look_at - 1)
 
     def fetch_cpu(self) -> dict[str, Any] | None:
         """The single-process fetches looked at: how many, and the share of their time this
@@ -230,6 +255,7 @@ class LoaderProbe:
         if not self.ready_checked:
             return None
         return {"checked": self.ready_checked, "ready_share": self.ready_found / self.ready_checked,
+                "queue_fill": self.queue_fill / self.ready_checked,
                 "unready_wait_seconds": self.unready_wait / self.unready_checked if self.unready_checked else None}
 
     def rng_before(self, iterator: Any) -> torch.Tensor | None:

@@ -18,7 +18,10 @@ CORES_WANTED = 0.9
 CORES_BOUND_MIN_GAIN = 0.05
 SHIPPING_BOUND = 1.5  # a wait per batch within this many times the measured shipping cost is that cost
 READY_SHARE = 0.5  # of the worker fetches looked at that found a batch waiting: the workers keep up
-MIN_READY_CHECKS = 3
+# ... and the mean share of the batches asked for that were made, at those looks: workers that idle
+# ahead of the loop (their CPU is then their whole making)
+QUEUE_FULL = 0.6
+MIN_READY_CHECKS = 8  # (measure/loader.py: ready_schedule)
 
 
 @rule(
@@ -87,8 +90,11 @@ def data_stall(facts: Facts) -> Evidence | None:
                      f"batch, and shipping each batch to this process costs it {seconds(plan['ship_seconds'])}: "
                      f"made here, a batch would take {seconds(plan['make_seconds'])}")
         if plan.get("estimate"):
-            observed += (f"; a batch was already waiting in the queue at {percent(numbers['ready_share'])} of the "
-                         "fetches looked at: the wait is receiving them, and more workers would not shorten it")
+            observed += f"; a batch was already waiting in the queue at {percent(numbers['ready_share'])} of the fetches looked at"
+            if plan.get("queue_fill") is not None:
+                observed += (f", {percent(plan['queue_fill'])} of the batches asked for made (its workers idle ahead "
+                             "of the loop)")
+            observed += ": the wait is receiving them, and more workers would not shorten it"
         gain_text = (f"up to {percent(plan['gain'])} shorter steps: an estimate (if making a batch is all CPU work, "
                      "as its workers' CPU says)" if plan.get("estimate") else _predicted(plan["gain"]))
         # Apply mode's DataLoader search moves down to no workers too, except where the job
@@ -188,7 +194,8 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
         # Their CPU is what a batch costs only if they want a core all the time (the CPU they
         # used plus what they waited for); else some of their time went to I/O, unmeasured.
         demand = workers_cpu + (host.get("workers_wait_cores") or 0.0)
-        if demand >= CPU_BOUND_WORKER * (host.get("workers") or workers) and make < wait_batch:
+        cpu_bound = demand >= CPU_BOUND_WORKER * (host.get("workers") or workers)
+        if cpu_bound and make < wait_batch:
             # made here, a batch would cost less than the wait for a worker's
             return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch))
         if wait_batch <= SHIPPING_BOUND * ship:
@@ -204,7 +211,16 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
             # (under contention, more than `ship` measured alone), and more workers cannot help.
             # Fewer may: made here, a batch would cost its CPU (if its making is all CPU: unmeasured).
             plan.update(ready_share=fetched["ready_share"], shipping_bound=True)
-            if make < wait_batch:
+            # Made here, a batch would cost its CPU only where that is all its making: workers
+            # that are CPU-bound, or that idle ahead of the loop (most of what was asked for made).
+            # Workers that sleep on storage keep one batch or two waiting of the four asked for,
+            # and made here each would cost its I/O too: two of them that slept 80 ms a batch,
+            # beside six CPU burners, read ready at 80% of the looks and 1.2 ms of CPU a batch,
+            # and 2 -> 0 measured 0.38x (tests/test_apply.py: the I/O-bound workers).
+            fill = fetched.get("queue_fill")
+            if fill is not None:
+                plan["queue_fill"] = fill
+            if make < wait_batch and (cpu_bound or (fill is not None and fill >= QUEUE_FULL)):
                 return dict(plan, suggested_workers=0, gain=stall * (1.0 - make / wait_batch), estimate=True)
             return dict(plan, suggested_workers=workers, gain=0.0)
         return None
