@@ -11,6 +11,9 @@ first trial, where its finding predicts a larger gain, is sized to tell half tha
 at twice: at its own W (held to p < FIRST_LOOK_ALPHA) and, where that read faster but not
 certain, again at the 10% W (held to the rest of ALPHA): a job gains a large change as soon as
 a short window can show it, and a smaller gain than predicted is not thrown away for it.
+A job noisier than a second of steps can tell 10% from gets two looks as well: at that second
+(p < FIRST_LOOK_ALPHA) and, where it read faster but not certain, at the steps the noise asks
+for, up to NOISY_LOOK_FACTOR times as many (a real gain is not undone for the cap).
 A kept change's trial window is the next change's baseline; after a revert the job settles
 again first, and the undone trial's baseline serves the next trial (the same configuration, a
 window earlier).
@@ -36,7 +39,7 @@ from typing import Any, Callable
 from ..measure.history import WARMUP_STEPS
 from ..measure.windows import DETECT, summarize
 from .action import FASTER, Action, Change, LiveJob
-from .judge import ALPHA, BLOCKS, judge
+from .judge import ALPHA, BLOCKS, MIN_SPEEDUP, judge
 
 NEVER = 1 << 62
 # A trial's windows hold enough steps to tell a DETECT gain in mean step time (windows.py) from the
@@ -65,15 +68,19 @@ MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop t
 # spends ALPHA across its looks: this much at the first, the rest at the second (Bonferroni:
 # the chance that either look keeps a change that does not pay stays under ALPHA).
 FIRST_LOOK_ALPHA = 0.01
+# Where the noise asks for more steps than MAX_SECONDS holds, a trial that reads faster but not
+# certain at that window looks again at what the noise asks, up to this many times the window.
+NOISY_LOOK_FACTOR = 4
 
 
-def default_window(step_times: list[float], detect: float = DETECT) -> int:
+def default_window(step_times: list[float], detect: float = DETECT, seconds: float | None = MAX_SECONDS) -> int:
     """Steps per window, a multiple of BLOCKS within [MIN_WINDOW, MAX_WINDOW], from the recent
     steps' times. The judge compares BLOCKS block means a side; for a `detect` gain to stand
     about two spreads clear of the noise, a block must hold k steps with
     cv(k) = cv(NOISE_BLOCK) x sqrt(NOISE_BLOCK / k) <= detect / 2, where cv(NOISE_BLOCK) is the
     robust relative spread (1.4826 MAD / median) of the recent steps' means over NOISE_BLOCK
-    steps (a loader with workers alternates fast and slow steps; their means do not)."""
+    steps (a loader with workers alternates fast and slow steps; their means do not). At most
+    `seconds` of steps (None: what the noise asks)."""
     if not step_times:
         return MIN_WINDOW
     means = [sum(step_times[i:i + NOISE_BLOCK]) / NOISE_BLOCK
@@ -83,9 +90,21 @@ def default_window(step_times: list[float], detect: float = DETECT) -> int:
         return MIN_WINDOW
     spread = 1.4826 * median(abs(mean - center) for mean in means) / center
     per_block = math.ceil(NOISE_BLOCK * (2 * spread / detect) ** 2)
-    steps = min(max(BLOCKS * per_block, math.ceil(MIN_SECONDS / center)), math.ceil(MAX_SECONDS / center))
+    steps = max(BLOCKS * per_block, math.ceil(MIN_SECONDS / center))
+    if seconds is not None:
+        steps = min(steps, math.ceil(seconds / center))
     steps = min(MAX_WINDOW, max(MIN_WINDOW, steps))
     return BLOCKS * math.ceil(steps / BLOCKS)
+
+
+def second_look_window(step_times: list[float]) -> int:
+    """A trial's second look: the 10% window (default_window), or where the job is noisier than
+    MAX_SECONDS of steps can tell 10% from, what the noise asks, up to NOISY_LOOK_FACTOR times
+    that: a capped window is underpowered, and one that read faster but not certain runs on
+    (beside busy processes, two workers' 1.37x read p=0.12 at 30 steps a side and was undone:
+    tests/test_apply.py, the I/O-bound workers)."""
+    capped = default_window(step_times)
+    return min(default_window(step_times, seconds=None), NOISY_LOOK_FACTOR * capped)
 
 
 @dataclass
@@ -104,6 +123,7 @@ class _Trial:
     energy_start: tuple[int, float, float] | None = None
     alpha: float = ALPHA  # the level this look is held to
     longer: int | None = None  # a second look's window, where this (first) look reads undecided
+    longer_if_faster: bool = False  # ... only where it read faster (a noisy job's capped window)
 
     def due(self, step: int) -> bool:
         """At the close of `step`, whose ring holds the steps before it. The deadline's clock
@@ -395,7 +415,10 @@ class Experimenter:
         times = list(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last)["step_seconds"])
         detect = self._first_look_detect(action, change)
         window = change.window_steps or default_window(times, detect)
-        longer = default_window(times) if detect > DETECT else None
+        # A second look: after a first sized for a predicted gain, either way; after one that the
+        # MAX_SECONDS cap left short of what the noise asks, only where it read faster.
+        longer = second_look_window(times) if not change.window_steps and change.keep == FASTER else None
+        if_faster = detect <= DETECT
         first = last - window + 1
         if first >= self.stable_since:
             baseline = ring.columns(first, last)
@@ -431,7 +454,8 @@ class Experimenter:
                             effective + change.settle_steps + window - 1,
                             DEADLINE_FACTOR * max(expected, MIN_SECONDS), baseline_energy=baseline_energy,
                             energy_start=before if not change.settle_steps else None,
-                            **({"alpha": FIRST_LOOK_ALPHA, "longer": longer} if longer and longer > window else {}))
+                            **({"alpha": FIRST_LOOK_ALPHA, "longer": longer, "longer_if_faster": if_faster}
+                               if longer and longer > window else {}))
         timeline = self.job.timeline
         timeline.detail_through(step + change.guard_steps)
         self._emit(record)
@@ -451,11 +475,14 @@ class Experimenter:
 
     def _look_again(self, trial: _Trial, verdict: dict[str, Any], step: int) -> None:
         """A first look that read faster but not certain: the trial goes on to the DETECT-sized
-        window, held to what is left of ALPHA, against a baseline reaching back as far (where the
-        job ran the old configuration that long before the change)."""
+        window (a noisy job's: what its noise asks, `longer`), held to what is left of ALPHA,
+        against a baseline reaching back as far (where the job ran the old configuration that
+        long before the change)."""
         record = trial.record
         record["first_look"] = {"steps": step - trial.first, "speedup": verdict["speedup"],
-                                "p_faster": verdict["p_faster"], "alpha": trial.alpha}
+                                "p_faster": verdict["p_faster"], "alpha": trial.alpha,
+                                "sized": (f"a second's worth, where the noise asks for {trial.longer}"
+                                          if trial.longer_if_faster else "sized for the gain predicted")}
         longer = trial.longer or 0
         base_first, base_last = trial.baseline["step"][0], trial.baseline["step"][-1]
         reach = max(self.stable_since, base_last - longer + 1)
@@ -506,7 +533,8 @@ class Experimenter:
         columns = self.job.timeline.ring.columns(trial.first, min(trial.last, step - 1))
         verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics,
                         trial.change.cut_epoch_starts, alpha=trial.alpha)
-        if verdict["undecided"] and trial.longer is not None and step > trial.last:
+        if verdict["undecided"] and trial.longer is not None and step > trial.last \
+                and (not trial.longer_if_faster or verdict["speedup"] >= MIN_SPEEDUP):
             self._look_again(trial, verdict, step)
             return
         record = trial.record
@@ -521,7 +549,7 @@ class Experimenter:
         look = record.get("first_look")
         if look:
             record["reason"] += (f"; looked at twice: {look['speedup']:.2f}x (p={look['p_faster']:.2f}) after "
-                                 f"{look['steps']} steps, sized for the gain predicted")
+                                 f"{look['steps']} steps, {look['sized']}")
         self._energy_change(trial, step)
         if verdict["keep"]:
             self.stable_since = trial.first
