@@ -292,14 +292,18 @@ class Recorder:
 
     def catch_up(self, refresh_config: bool = False) -> None:
         """Before a read (snapshot()): the closed steps into the history, a first system
-        sample, the configuration if none was read yet."""
+        sample, the configuration if none was read yet or what it is read from changed since
+        (a read just after apply mode undid a num_workers trial reported the trial's count
+        until the next tick)."""
         interval = self.drain()
         if interval is not None:
             self.emit(self._steps_event(interval))
         if self.system is None:
             self.system = self.sample_system()
             self.emit({"event": "system", **self.system})
-        if self.config is None or refresh_config:
+        seen = self._config_inputs()
+        if self.config is None or refresh_config or (not self._config_settled and seen != self._config_seen):
+            self._config_seen = seen
             self.refresh_config()
 
     def drain(self, final: bool = False) -> dict[str, Any] | None:
