@@ -157,7 +157,7 @@ def test_a_first_look_that_is_not_certain_looks_again_at_the_ten_percent_window(
         pytest.fail("no seed of 40 gave a first look that was not certain and a keep at the second")
     look = record["first_look"]
     recent = recent_before(off, record)
-    short, longer = default_window(recent, detect=0.22), second_look_window(recent)
+    short, longer = default_window(recent, detect=0.22), second_look_window(recent, default_window(recent, detect=0.22))
     assert short < default_window(recent) < longer
     assert look["steps"] == short and look["p_faster"] >= FIRST_LOOK_ALPHA and look["speedup"] > 1
     assert look["alpha"] == FIRST_LOOK_ALPHA
@@ -208,7 +208,8 @@ def test_a_first_look_that_reads_no_faster_looks_again_before_it_is_undone():
     else:
         pytest.fail("no seed of 60 gave a first look at 1.00x or less")
     assert record["decision"] == "reverted", record["reason"]
-    assert record["trial"]["steps"] == second_look_window(recent_before(off, record))
+    recent = recent_before(off, record)
+    assert record["trial"]["steps"] == second_look_window(recent, default_window(recent, detect=0.22))
     assert not was_on[-1]
 
 
@@ -234,9 +235,9 @@ def test_a_noisy_jobs_trial_that_reads_faster_but_not_certain_runs_on_to_what_th
     look = record["first_look"]
     assert look["steps"] == capped and look["alpha"] == FIRST_LOOK_ALPHA
     assert look["speedup"] > 1 and look["p_faster"] >= FIRST_LOOK_ALPHA
-    assert record["trial"]["steps"] == record["baseline"]["steps"] == second_look_window(recent) \
-        == min(asked, NOISY_LOOK_FACTOR * capped)
-    assert "a second's worth, where the noise asks for" in record["reason"], record["reason"]
+    assert record["trial"]["steps"] == record["baseline"]["steps"] == second_look_window(recent, capped) \
+        == max(min(asked, NOISY_LOOK_FACTOR * capped), 2 * capped)
+    assert f"after {capped} steps, then run on to {record['trial']['steps']}" in record["reason"], record["reason"]
     assert record["decision"] == "kept" and record["p_faster"] < ALPHA - FIRST_LOOK_ALPHA, record["reason"]
     assert was_on[-1]
 
@@ -254,22 +255,44 @@ def test_a_noisy_jobs_trial_that_reads_no_faster_is_undone_at_its_first_look():
     else:
         pytest.fail("no seed of 60 gave a trial reading 1.00x or less")
     recent = recent_before(off, record)
-    assert default_window(recent) < second_look_window(recent)  # a second look was there to take
+    assert default_window(recent) < second_look_window(recent, default_window(recent))  # a second look to take
     assert record["decision"] == "reverted" and "first_look" not in record, record["reason"]
     assert record["trial"]["steps"] == default_window(recent)
     assert not was_on[-1]
 
 
-def test_a_quiet_jobs_trial_is_looked_at_once():
-    """Ground truth: 10 ms +-5% off, 9.5 ms +-5% on (1.05x), no gain predicted: a second holds
-    more steps than that noise needs to tell 10%, so the window is the noise's own (the
-    half-second floor here) and its one look is held to ALPHA."""
+def test_a_quiet_jobs_clear_gain_is_kept_at_its_first_look():
+    """Ground truth: 10 ms +-5% off, 9.5 ms +-5% on (1.05x), no gain predicted: the window is
+    the noise's own (the half-second floor here, well under the second's cap) and the gain
+    shows at its first look, held to FIRST_LOOK_ALPHA."""
     off, on = noisy(0.010, 0.05, 400, seed=9), noisy(0.0095, 0.05, 400, seed=10)
     experimenter, _ = drive(off, on, gain=0.0, steps=400)
     record = next(r for r in experimenter.records if r["action"] == "flag")
     recent = recent_before(off, record)
-    assert default_window(recent) == second_look_window(recent) == record["trial"]["steps"]
+    assert default_window(recent) == default_window(recent, seconds=None) == record["trial"]["steps"]
     assert "first_look" not in record and record["decision"] == "kept", record["reason"]
+    assert record["p_faster"] < FIRST_LOOK_ALPHA
+
+
+def test_a_quiet_jobs_trial_that_reads_faster_but_not_certain_runs_on_to_twice_its_window():
+    """Ground truth: 10 ms +-5% off, 9.8 ms +-5% on (1.02x), no gain predicted, the job's noise
+    well within the second's cap. A first look that reads faster but not certain is not the
+    end of it: the trial runs on to twice its window (the noise of the recent steps may not be
+    the trial's), held to the rest of ALPHA."""
+    for seed in range(60):
+        off, on = noisy(0.010, 0.05, 700, seed=900 + seed), noisy(0.0098, 0.05, 700, seed=1000 + seed)
+        experimenter, _ = drive(off, on, gain=0.0, steps=700, from_step=250)
+        record = next(r for r in experimenter.records if r["action"] == "flag")
+        if "first_look" in record:
+            break
+    else:
+        pytest.fail("no seed of 60 gave a first look that read faster but not certain")
+    look = record["first_look"]
+    recent = recent_before(off, record)
+    assert default_window(recent) == default_window(recent, seconds=None) == look["steps"]
+    assert look["speedup"] > 1 and look["p_faster"] >= FIRST_LOOK_ALPHA and look["alpha"] == FIRST_LOOK_ALPHA
+    assert record["trial"]["steps"] == record["baseline"]["steps"] == 2 * look["steps"], record
+    assert record["decision"] in ("kept", "reverted") and "looked at twice" in record["reason"]
 
 
 def test_a_change_set_at_start_runs_from_the_first_step():

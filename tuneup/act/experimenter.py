@@ -11,9 +11,10 @@ first trial, where its finding predicts a larger gain, is sized to tell half tha
 at twice: at its own W (held to p < FIRST_LOOK_ALPHA) and, where that read faster but not
 certain, again at the 10% W (held to the rest of ALPHA): a job gains a large change as soon as
 a short window can show it, and a smaller gain than predicted is not thrown away for it.
-A job noisier than a second of steps can tell 10% from gets two looks as well: at that second
-(p < FIRST_LOOK_ALPHA) and, where it read faster but not certain, at the steps the noise asks
-for, up to NOISY_LOOK_FACTOR times as many (a real gain is not undone for the cap).
+Every other trial of a change kept for speed is looked at twice as well: at its W (p <
+FIRST_LOOK_ALPHA) and, where that read faster but not certain, at twice W or, where the noise
+asks for more than the second's cap holds, at what it asks (up to NOISY_LOOK_FACTOR times the
+capped W): a real gain is not undone for a window too short to show it.
 A kept change's trial window is the next change's baseline; after a revert the job settles
 again first, and the undone trial's baseline serves the next trial (the same configuration, a
 window earlier).
@@ -68,8 +69,8 @@ MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop t
 # spends ALPHA across its looks: this much at the first, the rest at the second (Bonferroni:
 # the chance that either look keeps a change that does not pay stays under ALPHA).
 FIRST_LOOK_ALPHA = 0.01
-# Where the noise asks for more steps than MAX_SECONDS holds, a trial that reads faster but not
-# certain at that window looks again at what the noise asks, up to this many times the window.
+# A second look (second_look_window) runs to twice the first's window at least; where the noise
+# asks for more steps than MAX_SECONDS holds, to what it asks, up to this many times the window.
 NOISY_LOOK_FACTOR = 4
 
 
@@ -97,14 +98,16 @@ def default_window(step_times: list[float], detect: float = DETECT, seconds: flo
     return BLOCKS * math.ceil(steps / BLOCKS)
 
 
-def second_look_window(step_times: list[float]) -> int:
-    """A trial's second look: the 10% window (default_window), or where the job is noisier than
-    MAX_SECONDS of steps can tell 10% from, what the noise asks, up to NOISY_LOOK_FACTOR times
-    that: a capped window is underpowered, and one that read faster but not certain runs on
-    (beside busy processes, two workers' 1.37x read p=0.12 at 30 steps a side and was undone:
-    tests/test_apply.py, the I/O-bound workers)."""
+def second_look_window(step_times: list[float], first: int) -> int:
+    """A trial's second look, after a first of `first` steps: the 10% window (default_window),
+    or where the job is noisier than MAX_SECONDS of steps can tell 10% from, what the noise
+    asks, up to NOISY_LOOK_FACTOR times that; at least twice `first` (within MAX_WINDOW). The
+    noise of the recent steps is not the trial's: in CI's full suite two I/O-bound workers'
+    1.37x and three's 1.57x read p=0.12 at 24-30 steps a side, their steps alternating in a
+    pattern the baseline's 4-step means had smoothed (tests/test_apply.py, the I/O-bound workers)."""
     capped = default_window(step_times)
-    return min(default_window(step_times, seconds=None), NOISY_LOOK_FACTOR * capped)
+    asked = min(default_window(step_times, seconds=None), NOISY_LOOK_FACTOR * capped)
+    return min(MAX_WINDOW, max(asked, 2 * first))
 
 
 @dataclass
@@ -123,7 +126,7 @@ class _Trial:
     energy_start: tuple[int, float, float] | None = None
     alpha: float = ALPHA  # the level this look is held to
     longer: int | None = None  # a second look's window, where this (first) look reads undecided
-    longer_if_faster: bool = False  # ... only where it read faster (a noisy job's capped window)
+    longer_if_faster: bool = False  # ... only where it read faster (a first look not sized for a predicted gain)
 
     def due(self, step: int) -> bool:
         """At the close of `step`, whose ring holds the steps before it. The deadline's clock
@@ -415,9 +418,9 @@ class Experimenter:
         times = list(ring.columns(max(self.stable_since, last - RECENT_STEPS + 1), last)["step_seconds"])
         detect = self._first_look_detect(action, change)
         window = change.window_steps or default_window(times, detect)
-        # A second look: after a first sized for a predicted gain, either way; after one that the
-        # MAX_SECONDS cap left short of what the noise asks, only where it read faster.
-        longer = second_look_window(times) if not change.window_steps and change.keep == FASTER else None
+        # A second look: after a first sized for a predicted gain, either way; after any other,
+        # only where it read faster.
+        longer = second_look_window(times, window) if not change.window_steps and change.keep == FASTER else None
         if_faster = detect <= DETECT
         first = last - window + 1
         if first >= self.stable_since:
@@ -481,8 +484,8 @@ class Experimenter:
         record = trial.record
         record["first_look"] = {"steps": step - trial.first, "speedup": verdict["speedup"],
                                 "p_faster": verdict["p_faster"], "alpha": trial.alpha,
-                                "sized": (f"a second's worth, where the noise asks for {trial.longer}"
-                                          if trial.longer_if_faster else "sized for the gain predicted")}
+                                "sized": (f"then run on to {trial.longer}" if trial.longer_if_faster
+                                          else "sized for the gain predicted")}
         longer = trial.longer or 0
         base_first, base_last = trial.baseline["step"][0], trial.baseline["step"][-1]
         reach = max(self.stable_since, base_last - longer + 1)
