@@ -246,10 +246,6 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
     cores, step = host.get("usable_cores"), window["step_seconds"].get("mean") or window["step_seconds"]["median"]
     if cores and step and wanted >= CORES_WANTED * cores:
         bound = 1.0 - (wanted * step + (ship + ship_worker) * fetches) / cores / step
-        # ... but the making's time off the CPU (a read, a decode that sleeps on storage) needs
-        # no core: workers overlap it however busy the cores are. The demo (its decode sleeps)
-        # beside the suite's other processes wanted 1.8 of 2 cores and was refused its workers.
-        bound = max(bound, stall * (1.0 - cpu_share) - ship * fetches / step)
         if bound < gain:
             # A bound, reached only where the cores split the work perfectly: below
             # CORES_BOUND_MIN_GAIN nothing a trial could tell from noise (the loop above,
