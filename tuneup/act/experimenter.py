@@ -477,8 +477,8 @@ class Experimenter:
         return max(DETECT, min(gain, 1.0) / 2)
 
     def _look_again(self, trial: _Trial, verdict: dict[str, Any], step: int) -> None:
-        """A first look that read faster but not certain: the trial goes on to the DETECT-sized
-        window (a noisy job's: what its noise asks, `longer`), held to what is left of ALPHA,
+        """A first look that read undecided (after one not sized for a predicted gain: faster):
+        the trial goes on to `longer` steps (second_look_window), held to what is left of ALPHA,
         against a baseline reaching back as far (where the job ran the old configuration that
         long before the change)."""
         record = trial.record

@@ -280,11 +280,9 @@ class Recorder:
             interval = self.drain(final)
             self._watch_input(interval, final)
         self.system = self.sample_system(final)
-        seen = self._config_inputs()
-        if not self._config_settled and (final or seen != self._config_seen or tick % CONFIG_EVERY_TICKS == 1):
-            self._config_seen = seen
+        if (not self._config_settled and (final or tick % CONFIG_EVERY_TICKS == 1)) or self._config_stale():
             with cost.part("config"):
-                self.refresh_config()
+                self._read_config()
         with cost.part("outputs"):
             self.emit({"event": "system", **self.system})
             if interval is not None:
@@ -301,10 +299,8 @@ class Recorder:
         if self.system is None:
             self.system = self.sample_system()
             self.emit({"event": "system", **self.system})
-        seen = self._config_inputs()
-        if self.config is None or refresh_config or (not self._config_settled and seen != self._config_seen):
-            self._config_seen = seen
-            self.refresh_config()
+        if self.config is None or refresh_config or self._config_stale():
+            self._read_config()
 
     def drain(self, final: bool = False) -> dict[str, Any] | None:
         """Move closed steps into the totals; return their interval summary. Steps whose
@@ -494,6 +490,15 @@ class Recorder:
             self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
             self.loader.settings_changes,
         )
+
+    def _config_stale(self) -> bool:
+        """Whether what the configuration is read from changed since it was last read (while it
+        is still read: not after settle_config)."""
+        return not self._config_settled and self._config_inputs() != self._config_seen
+
+    def _read_config(self) -> None:
+        self._config_seen = self._config_inputs()
+        self.refresh_config()
 
     def settle_config(self) -> None:
         """Read the configuration now, and not again: at detach, before apply mode puts the
