@@ -131,7 +131,15 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step_and_their_cost(run_di
             plain = [own[k] for k in steps if k not in near]
             by_the_loop = statistics.median(triples) - 3 * statistics.median(plain)
             spread = statistics.quantiles(plain, n=4)[2] - statistics.quantiles(plain, n=4)[0]
-            assert abs(cost - max(0.0, by_the_loop)) <= 2 * spread + 0.2 * abs(by_the_loop), (cost, by_the_loop, spread)
+            # The two are medians of a few dozen detail steps each (tuneup's pairs, the loop's
+            # triples), drawn from the same steps at different boundaries: each has a median's
+            # standard error, ~0.93 IQR / sqrt(n) of its own draws (beside the suite's other
+            # process a triple's IQR reached 0.2 ms, where 2 plain IQRs and 20% left 164 µs
+            # and the two differed by 167 µs).
+            quartiles = statistics.quantiles(triples, n=4)
+            error = 0.93 * (quartiles[2] - quartiles[0]) / math.sqrt(len(triples))
+            assert abs(cost - max(0.0, by_the_loop)) <= 2 * spread + 3 * error + 0.2 * abs(by_the_loop), (
+                cost, by_the_loop, spread, error)
         else:
             assert every == 4
 
