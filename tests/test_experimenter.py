@@ -137,7 +137,7 @@ def test_a_large_predicted_gain_starts_the_first_trial_on_a_shorter_baseline():
     assert record["applied_step"] < WARMUP_STEPS + 1 + default_window(recent), record["applied_step"]
     assert was_on.index(True) == record["applied_step"]  # on from the step after the close that applied it
     assert "first_look" not in record and "looked at twice" not in record["reason"]
-    assert record["p_faster"] < FIRST_LOOK_ALPHA
+    assert record["p_faster"] < FIRST_LOOK_ALPHA == record["alpha"]
 
 
 def test_a_first_look_that_is_not_certain_looks_again_at_the_ten_percent_window():
@@ -165,7 +165,7 @@ def test_a_first_look_that_is_not_certain_looks_again_at_the_ten_percent_window(
     # The baseline reaches back as far as the job ran the old setting (past the warm-up)
     assert record["baseline"]["steps"] == min(longer, record["applied_step"] - 1 - WARMUP_STEPS)
     assert record["baseline"]["last_step"] == record["applied_step"] - 1
-    assert record["p_faster"] < ALPHA - FIRST_LOOK_ALPHA
+    assert record["p_faster"] < ALPHA - FIRST_LOOK_ALPHA == record["alpha"]
     assert "looked at twice" in record["reason"] and f"after {look['steps']} steps" in record["reason"]
     # The ground truth: its trial steps, from the test's own list, are faster on average.
     trial = range(record["trial"]["first_step"], record["trial"]["last_step"] + 1)

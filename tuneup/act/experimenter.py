@@ -547,6 +547,7 @@ class Experimenter:
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
                       p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], criterion=verdict["criterion"],
+                      alpha=trial.alpha,  # what this look's p was held to (a second look: ALPHA's rest)
                       decided_step=step,
                       time=time.time())
         look = record.get("first_look")
