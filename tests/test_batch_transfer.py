@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -36,17 +37,18 @@ def test_the_shipping_of_the_jobs_batch_is_measured_once_and_the_fetches_are_mos
     model = nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Files(), batch_size=32, shuffle=True)
-    own_cpu = own_wall = 0.0
+    own_cpu = own_wall = own_queued = 0.0
     with tuneup.attach(run_dir=run_dir, port=0, interval=0.1) as agent:
         for _ in range(3):
             iterator = iter(loader)
             while True:
-                wall, cpu = time.perf_counter(), time.thread_time()
+                wall, cpu, queued = time.perf_counter(), time.thread_time(), run_queue_wait()
                 try:
                     x, y = next(iterator)
                 except StopIteration:
                     break
                 own_cpu, own_wall = own_cpu + time.thread_time() - cpu, own_wall + time.perf_counter() - wall
+                own_queued += run_queue_wait() - queued
                 loss = nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad()
                 loss.backward()
@@ -59,6 +61,16 @@ def test_the_shipping_of_the_jobs_batch_is_measured_once_and_the_fetches_are_mos
     assert fetched["timed"] >= 3
     # The loop's own measure of all its fetches: asleep most of the time, whatever the load.
     assert own_cpu / own_wall < 0.5 and fetched["cpu_share"] < 0.5
+    # ... and how much of the rest it waited for a core (a busy machine's share): every one of
+    # the 24 fetches is looked at (loader.py ready_schedule), so tuneup's split is the loop's.
+    assert fetched["timed"] == 24 and fetched["core_wait_share"] is not None
+    assert fetched["core_wait_share"] == pytest.approx(own_queued / own_wall, abs=0.1), (fetched, own_queued / own_wall)
+
+
+def run_queue_wait() -> float:
+    """This thread's run-queue wait so far (Linux: schedstat's second field, in ns)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stats:
+        return int(stats.read().split()[1]) / 1e9
 
 
 def open_fds() -> int:

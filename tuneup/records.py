@@ -271,7 +271,7 @@ GRAD_NORMS = _maybe(skipped=TEXT, samples=COUNT, spikes=COUNT, nonfinite=COUNT, 
                     largest_step=COUNT)
 # What shipping a batch from a worker costs (measure/transfer.py), and the main process's fetches
 BATCH_TRANSFER = _maybe(main_seconds=SECONDS, worker_seconds=SECONDS, bytes=COUNT, tensors=COUNT, reps=COUNT)
-MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS)
+MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS, core_wait_share=SECONDS)
 WORKER_FETCHES = _maybe(checked=COUNT, ready_share=SECONDS, queue_fill=SECONDS, unready_wait_seconds=SECONDS)
 # A training step's FLOPs, counted on the model's shapes (measure/flops.py)
 FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=SECONDS, backward_flops=SECONDS, flops=SECONDS,

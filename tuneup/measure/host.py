@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -82,6 +83,31 @@ class RunQueue:
                 total += wait - self._seen.get(key, wait)
         self._seen = seen
         return total / 1e9
+
+
+class ThreadRunQueue:
+    """The calling thread's run-queue wait so far, in seconds: the second field of its
+    /proc/self/task/TID/schedstat (see RunQueue), read through a file kept open per thread
+    (a read is ~1 µs, an open ~9 µs). None where the file is missing. A forked child or
+    another thread opens its own (the thread id differs); the file closes with this object."""
+
+    def __init__(self, root: Path = Path("/proc")) -> None:
+        self.root = root
+        self.available = (root / "self" / "schedstat").exists()
+        self._tid: int | None = None
+        self._file: Any = None
+
+    def waited(self) -> float | None:
+        if not self.available:
+            return None
+        tid = threading.get_native_id()
+        try:
+            if tid != self._tid:
+                self._file = open(self.root / "self" / "task" / str(tid) / "schedstat", "rb", buffering=0)
+                self._tid = tid
+            return int(os.pread(self._file.fileno(), 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return None
 
 
 class HostProbe:

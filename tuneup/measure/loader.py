@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .._patching import PatchSet, unwind
 from .habits import HabitsProbe
+from .host import ThreadRunQueue
 from .hotpath import TAG, StepTimeline, loader_next
 
 RNG_CHECKS = (12, 40, 120, 400)  # fetches on which the global RNG is compared around the fetch
@@ -92,11 +93,15 @@ class LoaderProbe:
         # The hot path's one test for both and for the ready looks below: the fetch count
         # (before the fetch) at which one of them wants to see a fetch.
         self.next_look = 0
-        # Fetches of single-process iterators among those looked at: their wall and this
-        # thread's CPU (how much of making a batch is CPU, and how much waiting on I/O).
-        self._looked: tuple[float, float] | None = None
-        self.fetch_wall = self.fetch_thread_cpu = 0.0
+        # Fetches of single-process iterators among those looked at: their wall, this thread's
+        # CPU and its run-queue wait (Linux): how much of making a batch is CPU, how much
+        # waiting for a core (other processes hold them), and the rest, asleep on storage,
+        # the network or a sleep (which workers overlap however busy the cores are).
+        self._looked: tuple[float, float, float | None] | None = None
+        self.fetch_wall = self.fetch_thread_cpu = self.fetch_core_wait = 0.0
         self.fetches_timed = 0
+        self.core_wait_known = True  # on every fetch timed
+        self.run_queue = ThreadRunQueue()
         # Fetches of worker iterators past their start looked at: how many found a batch already
         # waiting in the data queue (made ahead: the wait, if any, is receiving it).
         self.ready_checked = self.ready_found = 0
@@ -181,7 +186,7 @@ class LoaderProbe:
         state, where this fetch is an RNG check."""
         workers = getattr(iterator, "_num_workers", 1)
         if not workers:
-            self._looked = (perf_counter(), thread_time())
+            self._looked = (perf_counter(), thread_time(), self.run_queue.waited())
         elif getattr(iterator, "_num_yielded", 0) >= workers and not self._after_own_work():
             try:  # multiprocessing.Queue.qsize: its semaphore's count (Linux); queue.Queue's too
                 queued = iterator._data_queue.qsize()
@@ -218,11 +223,16 @@ class LoaderProbe:
     def look_after(self, rng: torch.Tensor | None, batch: Any) -> None:
         """After that fetch (before it is counted): the RNG compared, the batch inspected where due."""
         if self._looked is not None:
-            wall, cpu = self._looked
+            wall, cpu, queued = self._looked
             self._looked = None
             self.fetch_thread_cpu += thread_time() - cpu
             self.fetch_wall += perf_counter() - wall
             self.fetches_timed += 1
+            queued_now = self.run_queue.waited() if queued is not None else None
+            if queued_now is None:
+                self.core_wait_known = False
+            else:
+                self.fetch_core_wait += queued_now - queued
         if self._ready_look is not None:  # counted once a batch came (not an epoch's end)
             began, queued, fill = self._ready_look
             self._ready_look = None
@@ -242,12 +252,15 @@ class LoaderProbe:
         self.next_look = min(self.rng_check_at, habits.next_inspect - 1, self.ready_look_at - 1)
 
     def fetch_cpu(self) -> dict[str, Any] | None:
-        """The single-process fetches looked at: how many, and the share of their time this
-        thread spent on the CPU (the rest: waiting on files, the network, a sleep)."""
+        """The single-process fetches looked at: how many, the share of their time this thread
+        spent on the CPU, and the share it waited for one (None: not known, off Linux); the
+        rest it slept (on files, the network, a sleep)."""
         if not self.fetches_timed or self.fetch_wall <= 0.0:
             return None
-        return {"timed": self.fetches_timed, "seconds": self.fetch_wall,
-                "cpu_share": min(1.0, self.fetch_thread_cpu / self.fetch_wall)}
+        cpu = min(1.0, self.fetch_thread_cpu / self.fetch_wall)
+        return {"timed": self.fetches_timed, "seconds": self.fetch_wall, "cpu_share": cpu,
+                "core_wait_share": min(1.0 - cpu, self.fetch_core_wait / self.fetch_wall)
+                if self.core_wait_known else None}
 
     def ready_batches(self) -> dict[str, Any] | None:
         """The worker iterators' fetches looked at, the share that found a batch waiting, and the
