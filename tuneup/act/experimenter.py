@@ -67,8 +67,12 @@ REUSE_WINDOWS = 4  # an undone trial's baseline serves the next trial while it e
 MIN_UNDONE_TO_STOP = 2  # an action's trials undone before their cost can stop the next (_not_worth_a_trial)
 # A trial looked at twice (sized from its finding's predicted gain first, _first_look_detect)
 # spends ALPHA across its looks: this much at the first, the rest at the second (Bonferroni:
-# the chance that either look keeps a change that does not pay stays under ALPHA).
-FIRST_LOOK_ALPHA = 0.01
+# the chance that either look keeps a change that does not pay stays under ALPHA). The judge's
+# exact test of BLOCKS block means a side reaches only k/924: 0.0011, 0.0022, 0.0043, 0.0076,
+# 0.013, 0.021, 0.032, 0.047 (judge.p_smaller). At 0.01 and 0.04 the looks used 0.0076 and
+# 0.032 of the 0.05, and a 1.82x trial of I/O-bound workers at 0.047 (one block pair in
+# seven out of order) was undone at its second look; at 0.0025 and 0.0475, 0.0022 and 0.047.
+FIRST_LOOK_ALPHA = 0.0025
 # A second look (second_look_window) runs to twice the first's window at least; where the noise
 # asks for more steps than MAX_SECONDS holds, to what it asks, up to this many times the window.
 NOISY_LOOK_FACTOR = 4
