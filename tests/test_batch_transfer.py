@@ -38,6 +38,7 @@ def test_the_shipping_of_the_jobs_batch_is_measured_once_and_the_fetches_are_mos
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Files(), batch_size=32, shuffle=True)
     own_cpu = own_wall = own_queued = 0.0
+    fds = open_fds()
     with tuneup.attach(run_dir=run_dir, port=0, interval=0.1) as agent:
         for _ in range(3):
             iterator = iter(loader)
@@ -54,6 +55,7 @@ def test_the_shipping_of_the_jobs_batch_is_measured_once_and_the_fetches_are_mos
                 loss.backward()
                 optimizer.step()
         habits = agent.snapshot()["habits"]
+    assert open_fds() == fds  # the run-queue reads' file (and the run log's) closed at detach
     shipped = habits["batch_transfer"]
     assert (shipped["tensors"], shipped["bytes"]) == (2, 32 * 16 * 4 + 32 * 4)
     assert shipped["main_seconds"] > 0 and shipped["worker_seconds"] > 0 and shipped["reps"] == transfer.REPS

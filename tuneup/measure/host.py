@@ -89,7 +89,7 @@ class ThreadRunQueue:
     """The calling thread's run-queue wait so far, in seconds: the second field of its
     /proc/self/task/TID/schedstat (see RunQueue), read through a file kept open per thread
     (a read is ~1 µs, an open ~9 µs). None where the file is missing. A forked child or
-    another thread opens its own (the thread id differs); the file closes with this object."""
+    another thread opens its own (the thread id differs); detach closes it (close())."""
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = root
@@ -100,14 +100,20 @@ class ThreadRunQueue:
     def waited(self) -> float | None:
         if not self.available:
             return None
-        tid = threading.get_native_id()
+        tid, file = threading.get_native_id(), self._file
         try:
-            if tid != self._tid:
-                self._file = open(self.root / "self" / "task" / str(tid) / "schedstat", "rb", buffering=0)
+            if tid != self._tid or file is None:
+                file = self._file = open(self.root / "self" / "task" / str(tid) / "schedstat", "rb", buffering=0)
                 self._tid = tid
-            return int(os.pread(self._file.fileno(), 128, 0).split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
+            return int(os.pread(file.fileno(), 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):  # (ValueError too: closed by close() meanwhile)
             return None
+
+    def close(self) -> None:
+        """Close the open file (detach); a later read opens another."""
+        file, self._file, self._tid = self._file, None, None
+        if file is not None:
+            file.close()
 
 
 class HostProbe:
