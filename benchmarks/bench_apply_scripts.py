@@ -2,12 +2,13 @@
 and the best hand-picked setting.
 
     python benchmarks/bench_apply_scripts.py [--rounds 3] [--steps 600[,3000]] [--scripts a,b]
-                                             [--variants plain,apply,workers=0]
+                                             [--variants plain,apply,workers=0] [--busy N]
 
 Scripts (benchmarks/apply_scripts/, each says what its loop does):
 - augment_classifier.py: CPU augmentation in the Dataset, num_workers=0;
 - collate_lm.py: a transformer LM tokenizing in its collate_fn, num_workers=0;
-- many_workers.py: num_workers=8 over in-memory rows on a small machine.
+- many_workers.py: num_workers=8 over in-memory rows on a small machine;
+- remote_images.py: samples read from network storage (the thread asleep) in the main process.
 
 Variants, each a fresh process (the script's own command line, as a user runs it):
 plain `python script.py`, `tuneup run script.py` (advise), `tuneup run --apply script.py`,
@@ -19,7 +20,9 @@ the share of the hand-picked gain apply mode got: (plain - apply) / (plain - han
 end-to-end wall time (goal: >= 90%). Several run lengths (--steps 600,3000) are interleaved
 in the same rounds: apply mode pays for its start (tuneup's own start-up, the warm-up and the
 baseline before the first change, about half a second of steps), so its share grows with the
-run's length, and a run of a few seconds cannot reach 90%.
+run's length, and a run of a few seconds cannot reach 90%. --busy N runs N CPU-bound processes
+beside every variant for the whole benchmark (a shared machine: what the advice and the trials
+must get right when the cores are not the job's alone).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ HAND = {  # worker counts a user would try by hand
     "augment_classifier": lambda cores: sorted({1, 2, cores}),
     "collate_lm": lambda cores: sorted({1, 2, cores}),
     "many_workers": lambda cores: sorted({0, 1, 2, cores}),
+    "remote_images": lambda cores: sorted({1, 2, cores}),
 }
 
 
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--scripts", default=",".join(HAND))
     parser.add_argument("--variants", default=None,
                         help="only these variants (plain and apply always run; more rounds in the same time)")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside every variant")
     args = parser.parse_args()
     cores = usable_cores()
     scripts = args.scripts.split(",")
@@ -85,14 +90,21 @@ def main() -> None:
                 for script, commands in plan.items()}
     lengths = [int(steps) for steps in args.steps.split(",")]
     results: dict[tuple[str, int, str], list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as run_dir:
-        for round_ in range(args.rounds):
-            order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
-            random.shuffle(order)
-            for script, steps, name in order:
-                results.setdefault((script, steps, name), []).append(run(plan[script][name], steps, run_dir))
-            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"{args.rounds} rounds, {cores} usable cores; medians (ratio to plain)")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            for round_ in range(args.rounds):
+                order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
+                random.shuffle(order)
+                for script, steps, name in order:
+                    results.setdefault((script, steps, name), []).append(run(plan[script][name], steps, run_dir))
+                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    beside = f", beside {args.busy} busy processes" if args.busy else ""
+    print(f"{args.rounds} rounds, {cores} usable cores{beside}; medians (ratio to plain)")
     for script, steps in [(script, steps) for script in scripts for steps in lengths]:
         runs = {name: results[(script, steps, name)] for name in plan[script]}
         report(script, steps, runs)
