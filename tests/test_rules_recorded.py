@@ -546,11 +546,28 @@ def test_cpu_oversubscribed_blames_the_jobs_own_threads_and_busy_workers(cpu_sna
 
 def test_cpu_oversubscribed_names_other_processes_not_idle_workers(cpu_snapshot):
     # The machine's 2 cores are busy (1.9), but the job uses 0.3 and its 2 workers nothing:
-    # other processes take 1.6 cores. Fewer torch threads would not help.
+    # other processes take 1.6 cores. Its threads want under a core (none run in parallel):
+    # fewer torch threads would not help.
     s = on_host(cpu_snapshot, own=0.3, workers=(0.0, 0.0), busy=1.9)
     finding = next(f for f in evaluate(s).findings if f.rule == "cpu-oversubscribed")
     assert finding.observed.startswith("the machine is busy with other work: other processes use 1.6 of")
     assert "set_num_threads" not in finding.fix and "workers" not in finding.observed
+
+
+def test_cpu_oversubscribed_advises_a_thread_per_free_core_where_other_processes_hold_the_rest(cpu_snapshot):
+    # tuneup demo beside two busy processes, as measured: 2 torch threads using 0.87 cores and
+    # waiting for 0.87 more, other processes 1.13 of the 2 cores. Its intra-op threads wait
+    # for each other at every op (bench_threads_busy.py: 2 threads 1.4x slower than 1 there).
+    s = on_host(cpu_snapshot, own=0.87, busy=2.0, waited=0.87)
+    finding = next(f for f in evaluate(s).findings if f.rule == "cpu-oversubscribed")
+    assert finding.observed.startswith("the machine is busy with other work: other processes use 1.1 of")
+    assert "its 2 torch threads want 1.7 cores where the others leave 0.9" in finding.observed, finding.observed
+    assert finding.fix.endswith("torch.set_num_threads(1)") and "taskset" in finding.fix
+    assert finding.evidence["advised_threads"] == 1
+    # Already at one thread: the cores alone.
+    at_one = next(f for f in evaluate(on_host(cpu_snapshot, threads=1, own=0.87, busy=2.0, waited=0.87)).findings
+                  if f.rule == "cpu-oversubscribed")
+    assert "set_num_threads" not in at_one.fix and "advised_threads" not in at_one.evidence
 
 
 def test_cpu_oversubscribed_is_silent_for_a_job_already_at_one_thread_or_on_a_quiet_machine(cpu_snapshot):

@@ -489,8 +489,10 @@ def _job_cpu(host: dict) -> tuple[float, float, float]:
     why="Workers and torch's intra-op threads then preempt each other; the configured demand alone is "
         "not enough (idle I/O workers cost nothing), so the job's own measured demand must be high too: "
         "what it used, and what it waited for, which on a machine busy with other work is what it "
-        "did not get. When the load is other processes', fewer torch threads would not help: the job "
-        "needs the cores.",
+        "did not get. When the load is other processes', the job needs the cores; until it has them, "
+        "intra-op threads beyond the cores the others leave free wait for each other at every op: a small "
+        "CNN's step on 2 cores with torch's 2 threads against 1 ran 2.1x, 1.4x and 3.5x slower beside 1, 2 "
+        "and 3 busy processes, and 0.58x on a quiet machine (benchmarks/bench_threads_busy.py).",
     doc="https://docs.pytorch.org/docs/stable/notes/cpu_threading_torchscript_inference.html",
 )
 def cpu_oversubscribed(facts: Facts) -> Evidence | None:
@@ -523,12 +525,18 @@ def cpu_oversubscribed(facts: Facts) -> Evidence | None:
             gain_text="less contention between the loader workers and the training thread",
         )
     if busy >= BUSY_SHARE * cores and others >= OTHERS_MIN_CORES:
-        return Evidence(
-            observed=f"the machine is busy with other work: other processes use {others:.1f} of the job's "
-                     f"{cores} usable cores (the job itself {own + workers_cpu:.1f})",
-            numbers=numbers,
-            fix="# run the job where its cores are free, or give it cores of its own:\n"
-                "#   taskset / numactl --physcpubind, a cgroup cpuset, your scheduler's exclusive CPUs",
-            gain_text="the CPU time other processes take from the training thread and its workers",
-        )
+        observed = (f"the machine is busy with other work: other processes use {others:.1f} of the job's "
+                    f"{cores} usable cores (the job itself {own + workers_cpu:.1f})")
+        fix = ("# run the job where its cores are free, or give it cores of its own:\n"
+               "#   taskset / numactl --physcpubind, a cgroup cpuset, your scheduler's exclusive CPUs")
+        # Its intra-op threads in parallel (the training process wants more than a core) beyond
+        # the cores the others leave: each op's threads wait for the one not scheduled.
+        keep = max(1, math.floor(cores - others))
+        if threads > keep and own + own_wait >= 1.0:
+            numbers["advised_threads"] = keep
+            observed += (f"; its {threads} torch threads want {own + own_wait:.1f} cores where the others leave "
+                         f"{max(0.0, cores - others):.1f}, and wait for each other at every op")
+            fix += f"\n# until then, a torch thread per core left free:\ntorch.set_num_threads({keep})"
+        return Evidence(observed=observed, numbers=numbers, fix=fix,
+                        gain_text="the CPU time other processes take from the training thread and its workers")
     return None
