@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benchmarks" / "apply_scripts"
 sys.path.insert(0, str(ROOT))
-from tests.conftest import child_env  # noqa: E402
+from tests.conftest import busy_processes, child_env  # noqa: E402
 from tuneup.measure.host import usable_cores  # noqa: E402
 
 HAND = {  # worker counts a user would try by hand
@@ -88,21 +88,19 @@ def main() -> None:
         chosen = set(args.variants.split(",")) | {"plain", "apply"}
         plan = {script: {name: command for name, command in commands.items() if name in chosen}
                 for script, commands in plan.items()}
+        for script, commands in plan.items():
+            if not any(name.startswith("workers=") for name in commands):
+                parser.error(f"--variants has no hand-picked count for {script} (one of "
+                             f"{', '.join(f'workers={n}' for n in HAND[script](cores))}): its share of the gain needs one")
     lengths = [int(steps) for steps in args.steps.split(",")]
     results: dict[tuple[str, int, str], list[dict[str, float]]] = {}
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    try:
-        with tempfile.TemporaryDirectory() as run_dir:
-            for round_ in range(args.rounds):
-                order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
-                random.shuffle(order)
-                for script, steps, name in order:
-                    results.setdefault((script, steps, name), []).append(run(plan[script][name], steps, run_dir))
-                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
+    with busy_processes(args.busy), tempfile.TemporaryDirectory() as run_dir:
+        for round_ in range(args.rounds):
+            order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
+            random.shuffle(order)
+            for script, steps, name in order:
+                results.setdefault((script, steps, name), []).append(run(plan[script][name], steps, run_dir))
+            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     beside = f", beside {args.busy} busy processes" if args.busy else ""
     print(f"{args.rounds} rounds, {cores} usable cores{beside}; medians (ratio to plain)")
     for script, steps in [(script, steps) for script in scripts for steps in lengths]:

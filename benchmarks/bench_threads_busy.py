@@ -20,8 +20,12 @@ import random
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.conftest import busy_processes  # noqa: E402
 
 LOOP = r"""
 import json, sys, time, torch
@@ -65,14 +69,9 @@ def main() -> None:
     results: dict[tuple[int, int], list[dict[str, float]]] = {}
     for round_ in range(args.rounds):
         for busy in random.sample(levels, len(levels)):
-            burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-            try:
+            with busy_processes(busy):
                 for threads in random.sample([1, 0], 2):  # 0: torch's default
                     results.setdefault((busy, threads), []).append(run(threads, args.steps))
-            finally:
-                for burner in burners:
-                    burner.kill()
-                    burner.wait()
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     default = torch.get_num_threads()
     print(f"{args.rounds} rounds, {args.steps} timed steps a run; torch's default: {default} intra-op threads")

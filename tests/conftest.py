@@ -56,6 +56,19 @@ def one_intra_op_thread():
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes spinning on the CPU for the block, as other jobs on a shared machine;
+    killed and reaped after it."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
+
+
 def free_port() -> int:
     """A loopback port free right now (for a server a test starts itself)."""
     import socket

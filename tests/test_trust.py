@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import tuneup
+from tests.conftest import busy_processes
 from tuneup.diagnose.rules.code import FILE_WRITE_SHARE
 
 
@@ -143,13 +144,8 @@ def test_with_no_step_the_report_says_what_it_could_not_check(run_dir):
 @pytest.fixture
 def two_busy_processes():
     """Two processes spinning on the CPU, as other jobs on a shared machine (this one has 2 cores)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with busy_processes(2) as hogs:
         yield hogs
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait(10)
 
 
 def test_a_machine_busy_with_other_work_is_said_so_and_the_idle_workers_are_not_blamed(run_dir, two_busy_processes):

@@ -251,6 +251,10 @@ class LoaderProbe:
             self.ready_look_at = ready_schedule(fetch)
         self.next_look = min(self.rng_check_at, habits.next_inspect - 1, self.ready_look_at - 1)
 
+    def close(self) -> None:
+        """Close the run-queue reads' file (detach; in a forked child, the parent thread's)."""
+        self.run_queue.close()
+
     def fetch_cpu(self) -> dict[str, Any] | None:
         """The single-process fetches looked at: how many, the share of their time this thread
         spent on the CPU, and the share it waited for one (None: not known, off Linux); the

@@ -126,7 +126,7 @@ class Recorder:
         """Every hot probe off (detach, a start that failed, a forked child)."""
         for probe in self.hot_probes:
             probe.on = False
-        self.loader.run_queue.close()
+        self.loader.close()
         if self.input_lines is not None:
             self.input_lines.stop()
         self.syncs.close()
@@ -143,7 +143,7 @@ class Recorder:
     def forked(self) -> None:
         for probe in self.hot_probes:
             probe.on = False
-        self.loader.run_queue.close()
+        self.loader.close()
         self.syncs.sampling = False
         self.syncs.counting_reads = False
         self.calls.close()  # a worker forked during a watched step inherited the profile function

@@ -265,16 +265,17 @@ def _worker_plan(facts: Facts, host: dict, workers: int | None, suggested: int,
     cores, step = host.get("usable_cores"), window["step_seconds"].get("mean") or window["step_seconds"]["median"]
     if cores and step and wanted >= CORES_WANTED * cores:
         bound = 1.0 - (wanted * step + (ship + ship_worker) * fetches) / cores / step
-        overlap = stall * asleep - ship * fetches / step if asleep is not None else 0.0
-        if bound < gain and overlap >= max(bound, CORES_BOUND_MIN_GAIN):
-            gain = min(gain, overlap)
-            plan.update(sleep_overlap=True, job_cores=wanted)
-        elif bound < gain:
-            # A bound, reached only where the cores split the work perfectly: below
-            # CORES_BOUND_MIN_GAIN nothing a trial could tell from noise (the loop above,
-            # bounded at 2%, measured 0.92x with two workers).
-            gain = bound if bound >= CORES_BOUND_MIN_GAIN else 0.0
-            plan.update(cpu_bound=True, job_cores=wanted)
+        if bound < gain:
+            overlap = stall * asleep - ship * fetches / step if asleep is not None else 0.0
+            if overlap >= max(bound, CORES_BOUND_MIN_GAIN):
+                gain = min(gain, overlap)
+                plan.update(sleep_overlap=True, job_cores=wanted)
+            else:
+                # A bound, reached only where the cores split the work perfectly: below
+                # CORES_BOUND_MIN_GAIN nothing a trial could tell from noise (the loop above,
+                # bounded at 2%, measured 0.92x with two workers).
+                gain = bound if bound >= CORES_BOUND_MIN_GAIN else 0.0
+                plan.update(cpu_bound=True, job_cores=wanted)
     return dict(plan, suggested_workers=suggested, runnable_cores=runnable, predicted_wait_seconds=after * fetches,
                 gain=gain)
 
