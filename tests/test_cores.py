@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 
 from tuneup.act.action import FASTER, NOT_SLOWER
 from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_smaller, window_numbers
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
-from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing
+from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, LATE, StepRing
 
 from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_EVERY, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
                                    optimizer_hooks)
@@ -1007,7 +1008,7 @@ class HookProbe:
     reads `now`."""
 
     def __init__(self, tl):
-        self.timeline, self.now, self.measured, self.total_steps = tl, 0.0, set(), 0
+        self.timeline, self.now, self.measured, self.unmeasured_steps = tl, 0.0, set(), 0
         self.guard_before = self.guard_after = self.gradients = None
 
     def clock(self):
@@ -1179,6 +1180,66 @@ def test_step_ring_skipped_steps_add_late_skips():
     ring.put("late_skips", 4, 1.0, add=True)
     ring.put("late_skips", 4, 1.0, add=True)
     assert ring.columns(1, 4)["skipped_steps"] == [0, 0, 2, 2]
+
+
+def reference_columns(ring, first, last):
+    """StepRing.columns written step by step, the obvious way (a slot's side value counts
+    only for the step that owns it; a step's time less its evaluation, own and compile time,
+    never below 0; late skips added to the record's)."""
+    first = max(first, ring.count - ring.capacity + 2, 1)
+    last = min(last, ring.count)
+    out = {"step": list(range(first, last + 1))}
+    rows = [ring.origin if s == 1 else ring.records[(s - 2) % ring.capacity] for s in out["step"]]
+    now = [ring.records[(s - 1) % ring.capacity] for s in out["step"]]
+    for index, name in enumerate(CUMULATIVE, start=1):
+        out[name] = [b[index] - a[index] for a, b in zip(rows, now)]
+    for name, missing in LATE:
+        slots = [(s - 1) % ring.capacity for s in out["step"]]
+        out[name] = [getattr(ring, name)[i] if getattr(ring, name + "_step")[i] == s else missing
+                     for s, i in zip(out["step"], slots)]
+    out["loss_known"] = [ring.loss_step[(s - 1) % ring.capacity] == s for s in out["step"]]
+    out["step_seconds"] = [max(0.0, b[0] - a[0] - ev - own - comp) for a, b, ev, own, comp
+                           in zip(rows, now, out["evaluation_seconds"], out["own_seconds"], out["compile_seconds"])]
+    out["skipped_steps"] = [a + b for a, b in zip(out["skipped_steps"], out.pop("late_skips"))]
+    out["detailed"] = [r[-1] and not comp for r, comp in zip(now, out["compile_seconds"])]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_ring_columns_equal_the_step_by_step_reference(seed):
+    # Random running totals in a ring that wrapped, side values on some steps only (some
+    # sparse, one on every step), evaluation and own time, a step whose close came before its
+    # predecessor's end (it reads 0 s, not less).
+    rng = random.Random(seed)
+    capacity, count = 64, 64 * 3 + rng.randrange(64)
+    ring = StepRing(capacity)
+    ring.origin = record(0.0)
+    end, totals = 0.0, {name: 0 for name in CUMULATIVE}
+    for step in range(1, count + 1):
+        end += rng.choice((0.5, 1.0, 1.5, -0.25 if step % 17 == 0 else 0.75))
+        totals["samples"] += rng.randrange(1, 9)
+        totals["data_wait_seconds"] += rng.random()
+        if rng.random() < 0.1:
+            totals["evaluation_seconds"] += rng.random()
+            totals["evaluations"] += 1
+        ring.records[(step - 1) % capacity] = record(end, detailed=rng.random() < 0.3, **totals)
+        ring.count = step
+        ring.put("gpu_seconds", step, rng.random())  # every step
+        if rng.random() < 0.2:
+            ring.put("loss", step, rng.random())
+        if rng.random() < 0.05:
+            ring.put("syncs", step, float(rng.randrange(4)))
+            ring.put("own_seconds", step, rng.random() / 4)
+            ring.put("late_skips", step, 1.0, add=True)
+        if rng.random() < 0.02:
+            ring.put("compile_seconds", step, rng.random())
+    for first, last in ((1, count), (count - 40, count - 3), (count - capacity + 5, count - capacity + 30)):
+        got, expected = ring.columns(first, last), reference_columns(ring, first, last)
+        assert list(got.pop("step")) == expected.pop("step")
+        assert got.keys() == expected.keys()
+        for name, values in expected.items():
+            assert len(got[name]) == len(values), name
+            assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got[name], values)), name
 
 
 def test_timeline_steps_close_at_the_next_fetch():

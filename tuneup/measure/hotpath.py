@@ -4,9 +4,9 @@ A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.back
 opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
 ~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
 gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
-intercepting these calls costs before any work is done (bench_instructions.py --floor); 342
-Python operations and 9 calls of tuneup's own off detail steps, 396 a step with the detail steps'
-share (counted by benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
+intercepting these calls costs before any work is done (bench_instructions.py --floor); 355
+Python operations a step, the paced detail steps' share included (counted by
+benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
 and a detail step 1,000 operations more, paced by what detail steps are measured to cost (some
 300 µs each on that step, the gradient norm's included: StepTimeline.pace), one in 256 there):
 
@@ -173,7 +173,7 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
             return None
         result = None
         if (key := id(optimizer)) in measured or probe.admit(optimizer):
-            if tl.group or tl.detail or kwargs or len(args) > 1:
+            if tl.group or tl.detail or kwargs or args[1:]:  # (a slice of a 1-tuple: the empty one, no call)
                 result = step_begins(optimizer, key, args, kwargs)
             else:  # most steps: nothing to close, time or wrap
                 tl.in_optimizer = True
@@ -215,9 +215,9 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
     def optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if dynamo() or flags._is_compiling_flag:
             return
-        probe.total_steps += 1  # every step that ran, measured or not: GradScaler skip detection
-        key = id(optimizer)
-        if key in measured:
+        # Every step that ran is counted (GradScaler's skip detection: OptimizerProbe.total_steps):
+        # a measured one in the timeline's optimizer_steps, any other here.
+        if (key := id(optimizer)) in measured:
             try:
                 tl.in_optimizer = False
                 tl.group.append(key)
@@ -238,6 +238,8 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                     tl.step_loss, tl.loss, tl.wake_at = tl.loss, None, 0  # the close reads it
             except Exception as exc:
                 probe.fail(exc)
+        else:
+            probe.unmeasured_steps += 1
         if probe.guard_after is not None:
             probe.guard_after(optimizer)
 

@@ -71,7 +71,7 @@ class OptimizerProbe:
         self.first_step: dict[int, int] = {}  # id -> the order of its first step (reports number them so)
         self.classes: list[str] = []  # the class of every optimizer seen stepping, in order
         self.set_to_none: bool | None = None  # as last passed to zero_grad
-        self.total_steps = 0  # optimizer.step() calls that ran, of any optimizer (monotonic)
+        self.unmeasured_steps = 0  # optimizer.step() calls that ran of optimizers not measured (total_steps)
         # Run around every optimizer step by the hooks when set (apply mode's guards): its
         # guards are called from here, as hooks registered mid-step would break torch's loop.
         self.guard_before: Callable[[Any], None] | None = None
@@ -97,6 +97,12 @@ class OptimizerProbe:
                         lambda original: measured(original, before, after, self.fail, gate=self.timeline,
                                                   skip=OPTIMIZER_OFF_DETAIL))
         patches.replace(nn.Module, "zero_grad", lambda original: measured(original, before, after, self.fail))
+
+    @property
+    def total_steps(self) -> int:
+        """optimizer.step() calls that ran, of any optimizer (monotonic; the post-hook counts
+        a measured one's in the timeline, any other's in unmeasured_steps)."""
+        return self.timeline.optimizer_steps + self.unmeasured_steps
 
     @property
     def on(self) -> bool:

@@ -10,7 +10,9 @@ its figures come from those steps alone.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_right
+from itertools import compress
+from operator import not_, or_
 from statistics import median
 from typing import Any, Mapping, Sequence
 
@@ -32,6 +34,11 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+def _known(values: Sequence[float]) -> list[float]:
+    """The values that are not negative (a side column's -1: not measured on that step)."""
+    return list(compress(values, map((0.0).__le__, values)))
+
+
 def distribution(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {
@@ -44,7 +51,7 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
 
 
 def loss_summary(columns: Columns) -> dict[str, Any] | None:
-    known = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
+    known = list(compress(columns["loss"], columns["loss_known"]))
     if not known:
         return None
     finite = [value for value in known if math.isfinite(value)]
@@ -96,8 +103,9 @@ def detail_pairs(columns: Columns) -> tuple[list[float], list[float]]:
     """What detail_cost reads, from a run of steps: each detail step's time with the next
     step's (where that is a plain one), and the plain steps that follow a plain step."""
     seconds, detailed = columns["step_seconds"], columns["detailed"]
-    pairs = [seconds[i] + seconds[i + 1] for i in range(len(seconds) - 1) if detailed[i] and not detailed[i + 1]]
-    plain = [seconds[i] for i in range(1, len(seconds)) if not detailed[i] and not detailed[i - 1]]
+    pairs = [seconds[i] + seconds[i + 1] for i in compress(range(len(seconds) - 1), detailed) if not detailed[i + 1]]
+    # (a step neither detailed nor after one: map and compress, no Python loop over the steps)
+    plain = list(compress(seconds[1:], map(not_, map(or_, detailed[1:], detailed[:-1]))))
     return pairs, plain
 
 
@@ -121,10 +129,11 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
     if not steps:
         return None
     step_seconds = columns["step_seconds"]
-    detailed = [i for i, flag in enumerate(columns["detailed"]) if flag]
-    known_losses = [value for value, read in zip(columns["loss"], columns["loss_known"]) if read]
-    synced = [value for value in columns["syncs"] if value >= 0]
-    gpu = [value for value in columns["gpu_seconds"] if value >= 0]
+    # (compress and map: the steps are walked at C speed, on the thread the training one waits for)
+    detailed = list(compress(range(steps), columns["detailed"]))
+    known_losses = list(compress(columns["loss"], columns["loss_known"]))
+    synced = _known(columns["syncs"])
+    gpu = _known(columns["gpu_seconds"])
     data_wait = columns["data_wait_seconds"]
     # Plain sums, kept in the summary so the agent's running totals add them up.
     sums = {
@@ -249,9 +258,16 @@ class Totals:
             self.sums[name] += sums.get(name, 0)  # logs from older versions lack the newer sums
         if sums["last_loss"] is not None:
             self.last_loss = sums["last_loss"]
-        buckets = self.step_buckets
-        for value in step_seconds:
-            buckets[bisect_left(STEP_BUCKETS, value)] += 1
+        if step_seconds:
+            # Steps at most each bound (a bucket holds those above the bound before it), by
+            # bisecting the sorted times: 15 bisections, not one per step.
+            ordered = sorted(step_seconds)
+            below = 0
+            for index, bound in enumerate(STEP_BUCKETS):
+                upto = bisect_right(ordered, bound)
+                self.step_buckets[index] += upto - below
+                below = upto
+            self.step_buckets[-1] += len(ordered) - below
         if last_step_time is not None:
             self.last_step_time = last_step_time
 
