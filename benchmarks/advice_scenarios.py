@@ -141,8 +141,10 @@ class Truth:
     # reports it, totals.tuneup_seconds, and keeps it out of the job's wait; test_steps checks
     # the two add up to the loop's clock): the loop's stall holds it, the job's does not.
     own_share: float = 0.0
-    # (step, the wait before it, its time with the wait) for each step past the warm-up: the loop's step k
-    # is tuneup's step k (both begin at the k-th fetch)
+    # (step, the wait before it, its time with the wait) for every step, the warm-up's too: tuneup's
+    # window takes whole intervals, and the one the warm-up ends in begins inside it (a window of
+    # steps 15..80 was judged against the loop's 21..80 alone: a 7-point stall apart on a busy
+    # machine). The loop's step k is tuneup's step k (both begin at the k-th fetch)
     waits: tuple[tuple[int, float, float], ...] = ()
 
     def over(self, first: int, last: int) -> Truth:
@@ -193,7 +195,7 @@ def _train(job: Job) -> Truth:
         table = numpy.random.default_rng(0).standard_normal((job.batch_size, 128 * FEATURES)).astype("float32")
     step, copying = 0, 0.0
     norms: list[torch.Tensor] = []  # the loop's own gradient norms (job.spike_every), read after the run
-    waits: list[tuple[int, float, float]] = []  # (step, the wait before it, its time with the wait), past the warm-up
+    waits: list[tuple[int, float, float]] = []  # (step, the wait before it, its time with the wait), every step
     ended = time.perf_counter()
     while step < job.steps:
         for x, y in loader:
@@ -234,16 +236,16 @@ def _train(job: Job) -> Truth:
                 net(x[:8])  # evaluation without torch.no_grad()
                 net.train()
             now = time.perf_counter()
-            if step > WARMUP:
-                waits.append((step, began - ended, now - ended))
+            waits.append((step, began - ended, now - ended))
             ended = now
             if step >= job.steps:
                 break
         ended = time.perf_counter()  # a new epoch's workers start: not the steady state's wait
     counted = max(1, job.steps - WARMUP)
-    total = sum(seconds for _, _, seconds in waits)
+    warm = [(wait, seconds) for step, wait, seconds in waits if step > WARMUP]  # the run's figures: past the warm-up
+    total = sum(seconds for _, seconds in warm)
     spikes = _spikes([norm.item() for norm in norms])
-    return Truth(**_stalls([(wait, seconds) for _, wait, seconds in waits]),
+    return Truth(**_stalls(warm),
                  copy_share=copying / total if total else 0.0, step_seconds=total / counted,
                  spike_steps=spikes, judged_steps=max(0, len(norms) - SPIKE_HISTORY), waits=tuple(waits))
 
