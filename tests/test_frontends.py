@@ -308,6 +308,10 @@ def phases(request, tmp_path_factory):
         # inside it until one of them closes the step (the compiled train step's optimizer).
         agent.recorder.calls._start(agent.recorder.timeline.ring.count)
         waiting.append(sys.getprofile() is not None)
+        # And a sampled step counting host reads: on CPU their wrappers are in place only then
+        # (syncs.py SyncCounter.install), and the front-ends meet them there.
+        agent.recorder.syncs._start()
+        waiting.append("item" in vars(torch.Tensor))
         results["attached"] = {name: outcome(name, job) for name in FRONT_ENDS}
         waiting.append(flops.state == "capturing")
         flops.counts.clear()  # counted again from the next training forward it is given
@@ -327,10 +331,10 @@ def phases(request, tmp_path_factory):
 
 def test_a_capture_waiting_for_the_next_forward_leaves_no_trace_and_is_given_it(phases):
     """The front-ends ran while the FLOP count waited for a training forward (nothing of it on
-    the model: see the test below), from inside a watched step, and none of their calls was
+    the model: see the test below), from inside a watched and sync-sampled step, and none of their calls was
     taken for the training forward; the job's next
     training forward on a detail step was, and counted."""
-    assert phases["waiting"] == [True, True, True]
+    assert phases["waiting"] == [True, True, True, True]
     assert phases["recount"] == ("counted", 1)
 
 

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 import tuneup
 from benchmarks import scenarios
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tuneup.measure.syncs import HOST_READS
 
 
 def line_of(function, text: str) -> str:
@@ -126,6 +127,74 @@ def test_only_sampled_steps_are_counted(run_dir):
     detailed = {step for step, flag in zip(columns["step"], columns["detailed"]) if flag}
     assert sampled <= detailed
     assert agent.snapshot()["syncs"]["sampled_steps"] == len(sampled)
+
+
+READ_NAMES = [attribute for owner, attribute in HOST_READS if owner is torch.Tensor]
+
+
+def test_the_host_read_wrappers_are_in_place_on_sampled_steps_only(run_dir):
+    # An Adam loop (its step reads each parameter's step count with .item(): 6 reads a step
+    # through a wrapper left in place) with one .item() of its own. Ground truth: 40 steps, each
+    # beginning at its fetch; tuneup samples the steps sample_after lists (3-5, then one in 8).
+    loader, model, optimizer = job(torch.optim.Adam)
+    in_place = {}
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=8) as agent:
+        for step, (x, y) in enumerate(loader, start=1):
+            in_place[step] = {name for name in READ_NAMES if name in vars(torch.Tensor)}
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            if step == 40:
+                break
+        closed = agent.recorder.timeline.ring.count  # step 40 closes at detach
+        columns = agent.recorder.timeline.ring.columns(1, closed)
+    assert closed == 39
+    sampled = {step for step, syncs in zip(columns["step"], columns["syncs"]) if syncs >= 0}
+    wrapped = {step for step, names in in_place.items() if names and step <= closed}
+    assert {3, 4, 5} <= sampled and len(sampled) >= 6
+    assert wrapped == sampled
+    assert all(names in (set(), set(READ_NAMES)) for names in in_place.values())  # all or none
+    assert agent.snapshot()["syncs"]["per_step"] == 1  # the loop's read, on every sampled step
+    assert not set(READ_NAMES) & set(vars(torch.Tensor))  # after detach: torch's own
+
+
+def test_a_host_read_someone_wrapped_meanwhile_is_neither_covered_nor_removed(run_dir):
+    # A profiler of the job's wraps Tensor.item between two of tuneup's sampled steps: from then
+    # on its wrapper is the one in place, on sampled steps too and after detach; tuneup counts
+    # the other kinds of reads as before.
+    loader, model, optimizer = job()
+    calls = []
+
+    def item(tensor):
+        calls.append(1)
+        return torch._C.TensorBase.item(tensor)
+
+    seen = []
+    try:
+        with tuneup.attach(run_dir=run_dir, sync_sample_every=2) as agent:
+            for step, (x, y) in enumerate(loader, start=1):
+                if "item" not in vars(torch.Tensor) and step > 6 and not calls:
+                    torch.Tensor.item = item
+                seen.append(vars(torch.Tensor).get("item") is item)
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+                loss.item()
+                bool(loss > 0)
+                if step == 30:
+                    break
+        first = seen.index(True)
+        assert all(seen[first:]) and len(calls) == 30 - first
+        assert vars(torch.Tensor)["item"] is item  # after detach: still theirs
+        by_kind = agent.snapshot()["syncs"]["by_kind"]  # per sampled step
+        assert by_kind["bool"] == 1.0  # counted on every sampled step
+        assert 0 < by_kind["item"] < 1.0  # only on those before the profiler's wrapper came
+    finally:
+        if vars(torch.Tensor).get("item") is item:
+            del torch.Tensor.item
 
 
 def test_sync_sampling_can_be_turned_off(run_dir):

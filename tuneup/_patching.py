@@ -291,6 +291,30 @@ def _defined(template: str) -> str:
     return template.strip().split("(", 1)[0].split()[-1]
 
 
+class Switch:
+    """A replacement of `owner.name` put in place (`on`) and taken out (`off`) at will; each
+    only where the attribute is as the other left it: a wrapper someone put there meanwhile
+    (a profiler's) is neither covered nor removed."""
+
+    def __init__(self, owner: Any, name: str, own: Any, replacement: Any) -> None:
+        self.owner, self.name, self.own, self.replacement = owner, name, own, replacement
+
+    @property
+    def in_place(self) -> bool:
+        return vars(self.owner).get(self.name, _MISSING) is self.replacement
+
+    def on(self) -> None:
+        if vars(self.owner).get(self.name, _MISSING) is self.own:
+            setattr(self.owner, self.name, self.replacement)
+
+    def off(self) -> None:
+        if self.in_place:
+            if self.own is _MISSING:
+                delattr(self.owner, self.name)
+            else:
+                setattr(self.owner, self.name, self.own)
+
+
 class PatchSet:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
@@ -315,6 +339,18 @@ class PatchSet:
                 setattr(owner, name, own)
 
         self._undo.append(undo)
+
+    def switch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> Switch:
+        """`make(original)`, built now and put in place only between `on()` and `off()`: for a
+        wrapper that has work only now and then, where being in place costs every call (a
+        host read's wrapper: AdamW's step reads each parameter's step count with .item()).
+        Undo leaves the original in place."""
+        own = vars(owner).get(name, _MISSING)
+        original = getattr(owner, name)
+        switch = Switch(owner, name, own, make(original))
+        self.replaced.append((owner, name, original))
+        self._undo.append(switch.off)
+        return switch
 
     def add_handle(self, handle: Any) -> None:
         """Keep a RemovableHandle (torch hooks) for removal at undo time."""

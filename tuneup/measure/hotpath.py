@@ -26,7 +26,7 @@ and a detail step 1,000 operations more, paced by what detail steps are measured
                                                 without a fetch; optimizer time on detail steps;
                                                 a closure passed to step() wrapped (closure_of:
                                                 the loop's code, its reads the loop's)
-    x.item() ...       HOST_READ                one attribute test off sampled steps
+    x.item() ...       HOST_READ                torch's own off sampled steps (syncs.py install)
 
 On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
 more on steps under a millisecond, StepTimeline.pace; and apply mode's guarded steps) the
@@ -368,9 +368,9 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
 
 
 # --- host reads (.item(), ...): a Tensor method, posing as it (syncs.py) ---------------------------
-# Like _patching.measured, but it tests counting_reads before anything else: host reads may
-# come many to a step, and off sampled steps this one attribute is all they pay for
-# (the compile check costs several times as much). Dynamo never inlines it: it handles tensor
+# Like _patching.measured, but it tests counting_reads before anything else. It is in place only
+# while a sampled step counts (syncs.py: SyncCounter.install), so the test fails only where it
+# outlives the count: a process forked mid-step, a read on another thread. Dynamo never inlines it: it handles tensor
 # methods by name (torch/_dynamo/variables/tensor.py call_method), and skips this wrapper's
 # frame as one of torch/_tensor.py's.
 HOST_READ = f"""

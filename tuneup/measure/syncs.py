@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._patching import PatchSet, compile_bindings, posing_as, quiet_dynamo_switch
+from .._patching import PatchSet, Switch, compile_bindings, posing_as, quiet_dynamo_switch
 from .copies import BLOCKING_COPY_KIND, is_blocking_copy
 from .hotpath import HOST_READ, StepTimeline
 from .steps import sampled_after
@@ -219,6 +219,7 @@ class SyncCounter:
         self.unattributed = 0
         self.off_reason: str | None = None
         self._busy = False
+        self._reads: list[Switch] = []  # the host reads' wrappers (install), in place while counting_reads
         self._cuda_state: tuple[Any, ...] | None = None
         self._explicit = explicit_sync_codes()
 
@@ -271,12 +272,18 @@ class SyncCounter:
         self._stop()
 
     def install(self, patches: PatchSet) -> None:
-        """Wrap the host reads for the whole attach (CPU backend); they count only when asked."""
+        """Build the host reads' wrappers (CPU backend), in place only while a sampled step
+        counts them (`_start`/`_stop`). In place on every step they cost each read some ten
+        operations for nothing: AdamW's step reads every parameter's step count with .item()
+        (torch/optim/optimizer.py _get_value; 64 operations a step for the 6 of
+        bench_overhead.py's ~5 ms step, one a parameter in a transformer on a GPU, where these
+        wrappers never count: the CUDA backend counts syncs through torch's sync debug mode).
+        Swapping costs some 5 µs a sampled step (8 attributes of torch.Tensor, set and deleted)."""
         if not self.on:
             return
-        for owner, attribute in HOST_READS:
-            kind = attribute.strip("_")
-            patches.replace(owner, attribute, lambda original, kind=kind: self._counting(kind, original))
+        self._reads = [patches.switch(owner, attribute, lambda original, kind=attribute.strip("_"):
+                                      self._counting(kind, original))
+                       for owner, attribute in HOST_READS]
 
     def _start(self) -> None:
         self.calls = 0
@@ -292,12 +299,16 @@ class SyncCounter:
             self._start_cuda()
         else:
             self.backend = "cpu"
+            for read in self._reads:
+                read.on()
             self.counting_reads = True
         self.sampling = True
 
     def _stop(self) -> None:
         self.sampling = False
         self.counting_reads = False
+        for read in self._reads:
+            read.off()
         if self._cuda_state is not None:
             self._stop_cuda()
 
