@@ -308,6 +308,8 @@ class Switch:
             setattr(self.owner, self.name, self.replacement)
 
     def off(self) -> None:
+        # Someone wrapped ours after it was put in place: their wrapper stays. Ours checks
+        # whether the agent is active, so it passes calls straight through.
         if self.in_place:
             if self.own is _MISSING:
                 delattr(self.owner, self.name)
@@ -321,24 +323,9 @@ class PatchSet:
         self.replaced: list[tuple[Any, str, Any]] = []  # (owner, name, original) of each replace, in effect or not
 
     def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """Replace `owner.name` with `make(original)`; undo restores the exact prior state."""
-        own = vars(owner).get(name, _MISSING)
-        original = getattr(owner, name)
-        replacement = make(original)
-        setattr(owner, name, replacement)
-        self.replaced.append((owner, name, original))
-
-        def undo() -> None:
-            if vars(owner).get(name, _MISSING) is not replacement:
-                # Someone wrapped us after we patched; leave their wrapper in place. Ours
-                # checks whether the agent is active, so it passes calls straight through.
-                return
-            if own is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)
-
-        self._undo.append(undo)
+        """Replace `owner.name` with `make(original)`; undo restores the exact prior state (a
+        switch put in place until undo)."""
+        self.switch(owner, name, make).on()
 
     def switch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> Switch:
         """`make(original)`, built now and put in place only between `on()` and `off()`: for a
