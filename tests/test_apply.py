@@ -214,9 +214,14 @@ def test_a_change_row_shows_the_gpus_energy_a_step_before_and_after(run_dir, cou
     from tuneup.report.summary import change_rows
 
     fake_nvml.reset(own_gpu=1, no_energy=not counter)
+
+    def judged(step, agent):  # up to 400 steps: a busy machine had the first trial begin at step 55 of 150, undecided at detach
+        return any(r.get("trial") for r in records(agent, "dataloader"))
+
     try:
-        _, _, _, agent, _ = io_bound_run(150, agent_options=apply_options(run_dir, actions=["dataloader"],
-                                                                           nvml_module="tests.fake_nvml"))
+        _, _, _, agent, _ = io_bound_run(400, agent_options=apply_options(run_dir, actions=["dataloader"],
+                                                                           nvml_module="tests.fake_nvml"),
+                                         after_step=judged)
     finally:
         fake_nvml.reset()
     decided = [r for r in records(agent, "dataloader") if r.get("trial")]
