@@ -28,9 +28,11 @@ import pytest
 from tuneup.act.action import FASTER, NOT_SLOWER
 from tuneup.act.judge import ALPHA, BLOCKS, MIN_SPEEDUP, block_means, judge, p_smaller, window_numbers
 from tuneup.measure.history import MAX_INTERVALS, RunHistory, combine, weighted_median
+from tuneup.measure import steps as step_records
 from tuneup.measure.steps import CUMULATIVE, EARLY_DETAIL_STEPS, LATE, StepRing
 
-from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_EVERY, MAX_DETAIL_EVERY, PACED_FROM_STEP, StepTimeline,
+from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_EVERY, DETAIL_PERIOD, MAX_DETAIL_EVERY,
+                                    MIN_PERIOD_EVERY, PACED_FROM_STEP, StepTimeline,
                                    optimizer_hooks)
 from tuneup.measure.windows import MIN_DETAIL_PAIRS, STEP_BUCKETS, SPLIT, Totals, detail_cost, detail_pairs, summarize
 
@@ -1044,10 +1046,12 @@ def timeline(capacity=16):
 
 def record(end, skipped=0, detailed=True, **totals):
     """A ring record: the close time, running totals (0 unless given), the detail flag."""
-    values = {name: 0 for name in CUMULATIVE}
-    values["skipped_steps"] = skipped
-    values.update(totals)
-    return (end,) + tuple(values[name] for name in CUMULATIVE) + (detailed,)
+    return step_records.record(end, detailed, **{"skipped_steps": skipped, **totals})
+
+
+def totals_of(record):
+    """A record's running totals by name, read the plain way (steps.record's layout)."""
+    return dict(zip(CUMULATIVE, record[1:-1] + record[-1][:-1]))
 
 
 def ring_of(capacity, count, origin=0.0):
@@ -1191,8 +1195,8 @@ def reference_columns(ring, first, last):
     out = {"step": list(range(first, last + 1))}
     rows = [ring.origin if s == 1 else ring.records[(s - 2) % ring.capacity] for s in out["step"]]
     now = [ring.records[(s - 1) % ring.capacity] for s in out["step"]]
-    for index, name in enumerate(CUMULATIVE, start=1):
-        out[name] = [b[index] - a[index] for a, b in zip(rows, now)]
+    for name in CUMULATIVE:
+        out[name] = [totals_of(b)[name] - totals_of(a)[name] for a, b in zip(rows, now)]
     for name, missing in LATE:
         slots = [(s - 1) % ring.capacity for s in out["step"]]
         out[name] = [getattr(ring, name)[i] if getattr(ring, name + "_step")[i] == s else missing
@@ -1201,7 +1205,7 @@ def reference_columns(ring, first, last):
     out["step_seconds"] = [max(0.0, b[0] - a[0] - ev - own - comp) for a, b, ev, own, comp
                            in zip(rows, now, out["evaluation_seconds"], out["own_seconds"], out["compile_seconds"])]
     out["skipped_steps"] = [a + b for a, b in zip(out["skipped_steps"], out.pop("late_skips"))]
-    out["detailed"] = [r[-1] and not comp for r, comp in zip(now, out["compile_seconds"])]
+    out["detailed"] = [r[-1][-1] and not comp for r, comp in zip(now, out["compile_seconds"])]
     return out
 
 
@@ -1222,7 +1226,11 @@ def test_step_ring_columns_equal_the_step_by_step_reference(seed):
         if rng.random() < 0.1:
             totals["evaluation_seconds"] += rng.random()
             totals["evaluations"] += 1
-        ring.records[(step - 1) % capacity] = record(end, detailed=rng.random() < 0.3, **totals)
+        made = record(end, detailed=rng.random() < 0.3, **totals)
+        previous = ring.records[(step - 2) % capacity] if step > 1 else None
+        if previous is not None and previous[-1] == made[-1]:  # plain steps share `rest`, as the close writes them
+            made = made[:-1] + (previous[-1],)
+        ring.records[(step - 1) % capacity] = made
         ring.count = step
         ring.put("gpu_seconds", step, rng.random())  # every step
         if rng.random() < 0.2:
@@ -1285,9 +1293,11 @@ def test_timeline_detail_steps():
 
 def test_the_detail_rate_is_paced_by_the_step_time_and_their_cost_unless_set():
     """Unset, one detail step in 4, fewer where their cost (DETAIL_COST until measured) would
-    add over DETAIL_BUDGET to the training time, never fewer than one in MAX_DETAIL_EVERY, and
-    not before PACED_FROM_STEP steps; a rate the job set stays as set."""
-    assert (DETAIL_EVERY, DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP) == (4, 0.002, 150e-6, 256, 1000)
+    add over DETAIL_BUDGET to the training time, yet one in every DETAIL_PERIOD of training (one
+    in 256 always allowed) and never fewer than one in MAX_DETAIL_EVERY, and not before
+    PACED_FROM_STEP steps; a rate the job set stays as set."""
+    assert (DETAIL_EVERY, DETAIL_BUDGET, DETAIL_COST, DETAIL_PERIOD, MIN_PERIOD_EVERY, MAX_DETAIL_EVERY,
+            PACED_FROM_STEP) == (4, 0.002, 150e-6, 0.1, 256, 4096, 1000)
     tl = timeline(capacity=2048)
     for step in range(1, PACED_FROM_STEP):
         tl.manual_step(now=float(step))
@@ -1295,13 +1305,16 @@ def test_the_detail_rate_is_paced_by_the_step_time_and_their_cost_unless_set():
     assert tl.detail_every == 4  # a short run: not yet
     tl.manual_step(now=float(PACED_FROM_STEP))
     # 150 µs a detail step, at most 0.2% of the training: one in 150e-6 / (0.002 * median)
+    # (the period binds below 0.4 ms: 0.1 s of 0.1 ms steps is 1,000 of them; 0.1 s of 1 µs ones, over 4,096)
     for median, every in ((0.04, 4), (0.01, 8), (0.005, 15), (0.002, 38), (0.001, 75), (0.00036, 209),
-                          (0.0001, 256), (1e-6, 256), (2.0, 4), (0.0, 4)):  # (no median: as it was)
+                          (0.0001, 750), (0.00002, 3750), (1e-6, 4096), (2.0, 4), (0.0, 4)):  # (no median: as it was)
         tl.pace(median)
         assert tl.detail_every == every, (median, tl.detail_every)
     # A measured cost: a cheap detail step comes more often, a dear one less.
+    # ... and where the budget would space them further: one in every DETAIL_PERIOD of training
+    # (0.1 s of 0.1 ms steps), or one in MIN_PERIOD_EVERY where that is sooner (1 ms steps).
     for median, cost, every in ((0.01, 20e-6, 4), (0.001, 20e-6, 10), (0.0001, 20e-6, 100), (0.001, 400e-6, 200),
-                                (0.0001, 0.0, 4)):
+                                (0.0001, 0.0, 4), (0.0001, 400e-6, 1000), (0.001, 1e-3, 256)):
         tl.pace(median, cost)
         assert tl.detail_every == every, (median, cost, tl.detail_every)
     for chosen in (1, 4, 7):
@@ -1439,6 +1452,48 @@ def test_timeline_skips_recorded_and_late():
     columns = tl.ring.columns(1, 4)
     assert columns["skipped_steps"] == [0, 1, 2, 1]
     assert columns["optimizer_steps"] == [1, 1, 1, 0]
+
+
+def test_plain_steps_share_one_record_of_the_detail_totals_and_events_write_it_anew():
+    """steps.record: past the first five, plain steps' records share one tuple of the totals
+    that move on detail steps; an evaluation phase ending or a GradScaler skip on a plain step
+    makes its close write them anew, so each lands in its own step, and the columns read every
+    total under its own name (the close writes them in ON_DETAIL's order)."""
+    tl, optimizer = StepTimeline(64, lambda name, exc: None, detail_every=1000), Optimizer()
+    tl.attached_at, tl.wake_at = 0.0, 10**6  # (no listener asks for a close)
+    t = 0.0
+    for step in range(1, 13):
+        t += 1.0
+        fetch(tl, t, t + 0.125)
+        if step == 4:  # the open step 4 is a detail step: every total of its split moves
+            assert tl.detail
+            tl.forward += 0.25
+            tl.backward += 0.5
+            tl.input += 0.0625
+            tl.backward_passes += 1
+        if step == 8:  # a plain step: an evaluation phase inside it, from 8.25 to 8.5
+            assert not tl.detail
+            tl.evaluation_forward(t + 0.25)
+            tl.evaluation_forward_ended(t + 0.5)
+            tl.evaluation_ends(t + 0.5)
+        if step == 10:  # a plain step whose update GradScaler skips
+            tl.optimizer_skipped(optimizer, t + 0.75)
+            continue
+        optimizer_step(tl, optimizer, t + 0.5, t + 0.75)
+    tl.flush()
+    rest = {step: tl.ring.records[step - 1][-1] for step in range(6, 13)}
+    assert rest[7] is rest[6] and rest[9] is rest[8] and rest[12] is rest[11]  # one tuple, until an event
+    assert rest[8] is not rest[7] and rest[10] is not rest[9]
+    columns = tl.ring.columns(1, 12)
+    assert columns["detailed"] == [True] * 5 + [False] * 7
+    assert columns["forward_seconds"][3] == 0.25 and columns["backward_seconds"][3] == 0.5
+    assert columns["input_seconds"][3] == 0.0625 and columns["backward_passes"][3] == 1
+    assert columns["evaluations"] == [0] * 7 + [1] + [0] * 4
+    assert columns["evaluation_seconds"] == [0.0] * 7 + [0.25] + [0.0] * 4
+    assert columns["step_seconds"][7] == 0.75  # 1 s from close to close, less the phase
+    assert columns["skipped_steps"] == [0] * 9 + [1] + [0] * 2
+    assert all(name in columns for name in CUMULATIVE)
+    assert sum(columns["forward_seconds"]) == 0.25 and sum(columns["evaluation_seconds"]) == 0.25
 
 
 def test_timeline_skip_reported_while_a_step_closes_goes_to_that_step():

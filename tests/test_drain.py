@@ -88,10 +88,12 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step_and_their_cost(run_di
     import math
     import statistics
 
-    from tuneup.measure.hotpath import DETAIL_BUDGET, DETAIL_COST, MAX_DETAIL_EVERY, PACED_FROM_STEP
+    from tuneup.measure.hotpath import (DETAIL_BUDGET, DETAIL_COST, DETAIL_PERIOD, MAX_DETAIL_EVERY, MIN_PERIOD_EVERY,
+                                        PACED_FROM_STEP)
 
     def paced(median, cost):
-        return max(4, min(MAX_DETAIL_EVERY, math.ceil(cost / (DETAIL_BUDGET * median))))
+        most = min(MAX_DETAIL_EVERY, max(MIN_PERIOD_EVERY, int(DETAIL_PERIOD / median)))
+        return max(4, min(most, math.ceil(cost / (DETAIL_BUDGET * median))))
 
     model = mlp(hidden=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -99,7 +101,8 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step_and_their_cost(run_di
     for chosen in (None, 4):
         with tuneup.attach(run_dir=run_dir / str(chosen), interval=60, detail_every=chosen) as agent:
             ends = []
-            for step in range(PACED_FROM_STEP + 100 + 6000):
+            steps, step = PACED_FROM_STEP + 100 + 6000, 0
+            while step < steps:  # at the paced rate, some 24 detail steps after the first drain
                 x, y = data[step % 8]
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
@@ -109,6 +112,8 @@ def test_a_drain_paces_the_detail_steps_by_the_median_step_and_their_cost(run_di
                     interval = agent.recorder.drain()
                     first = (interval["step_seconds"]["median"], agent.recorder.timeline.detail_every,
                              agent.recorder.detail_cost)
+                    steps = max(steps, step + 1 + 24 * first[1])
+                step += 1
             ring = agent.recorder.timeline.ring
             later = ring.columns(PACED_FROM_STEP + 101, ring.count)
             detailed = dict(zip(later["step"], later["detailed"]))

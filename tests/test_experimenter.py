@@ -16,7 +16,7 @@ from tuneup.act.action import Action, Change, LiveJob
 from tuneup.act.experimenter import (ALPHA, FIRST_LOOK_ALPHA, NOISY_LOOK_FACTOR, RECENT_STEPS, Experimenter,
                                     default_window, second_look_window)
 from tuneup.measure.history import WARMUP_STEPS
-from tuneup.measure.steps import CUMULATIVE, StepRing
+from tuneup.measure.steps import StepRing, record
 from tuneup.measure.windows import DETECT
 
 
@@ -25,7 +25,7 @@ class HandTimeline:
 
     def __init__(self) -> None:
         self.ring = StepRing(8192)
-        self.ring.origin = (0.0,) + (0,) * len(CUMULATIVE) + (True,)
+        self.ring.origin = record(0.0, detailed=True)
         self.detail = False
         self.closed_at_update = False  # closes come at a fetch
         self.clock = 0.0
@@ -38,7 +38,7 @@ class HandTimeline:
         ring holding the steps before it), then the step published."""
         ring = self.ring
         self.clock += seconds
-        ring.records[ring.count % ring.capacity] = (self.clock,) + (0,) * len(CUMULATIVE) + (False,)
+        ring.records[ring.count % ring.capacity] = record(self.clock)
         listener(ring.count + 1)
         ring.count += 1
 

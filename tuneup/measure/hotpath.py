@@ -4,11 +4,11 @@ A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.back
 opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
 ~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
 gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
-intercepting these calls costs before any work is done (bench_instructions.py --floor); 355
+intercepting these calls costs before any work is done (bench_instructions.py --floor); 308
 Python operations a step, the paced detail steps' share included (counted by
 benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
 and a detail step 1,000 operations more, paced by what detail steps are measured to cost (some
-300 µs each on that step, the gradient norm's included: StepTimeline.pace), one in 256 there):
+260 µs each on that step, the gradient norm's included: StepTimeline.pace), one in ~900 there):
 
     next(it)           loader_next       clock x2, data wait, samples; the step boundary
                         └ when an optimizer stepped since the last fetch: StepTimeline.close
@@ -47,7 +47,9 @@ break one probe alone), and hands any error of its own to the probe's `fail` (on
 the probe off), never to the job.
 
 Allocations per step: the wrappers' call tuples (args, and kwargs where given), one record
-tuple at the close; on detail steps the loss's detached tensor. Counters only grow (no
+tuple of six at the close (the totals that move only on detail steps: one tuple those steps'
+closes make, steps.py record) and the empty list of the next step's optimizers; on detail
+steps the loss's detached tensor. Counters only grow (no
 per-step reset): the background thread takes differences between consecutive records
 (steps.py: StepRing.columns).
 
@@ -65,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 from .._patching import CALL_ORIGINAL, COMPILING, compile_check, unwind
-from .steps import CUMULATIVE, EARLY_DETAIL_STEPS, StepRing, sampled_after
+from .steps import EARLY_DETAIL_STEPS, StepRing, record, sampled_after
 
 TAG = "_tuneup_measured"  # an iterator of a loader the job named (explicit mode)
 DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): StepTimeline.pace
@@ -73,7 +75,11 @@ DETAIL_EVERY = 4  # one detail step drawn from every 4 (after the first five): S
 # time, from what a detail step is measured to cost (windows.detail_cost), DETAIL_COST until then.
 DETAIL_BUDGET = 0.002  # (at 0.5%, with the hot path's own ~0.45%, the ~3.3 ms CPU step paid 1.2%)
 DETAIL_COST = 150e-6  # seconds: ~130 µs measured on the 0.1 ms CPU step of a 2-core host (bench_overhead.py)
-MAX_DETAIL_EVERY = 256
+# However short the steps, a detail step at least once in this much training time (ten a second:
+# the split, the loss and the sync samples keep coming), and at most one in MAX_DETAIL_EVERY.
+DETAIL_PERIOD = 0.1  # seconds
+MAX_DETAIL_EVERY = 4096  # (steps.py's table of draws repeats after 4,096 blocks)
+MIN_PERIOD_EVERY = 256  # ... but one in 256 is always allowed (a step of 0.4 ms or more: the period is not what binds)
 OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
 PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
 
@@ -104,11 +110,15 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             raise
         tl.in_loader = False
         try:
-            # A batch fetched after an optimizer stepped closes the step (StepTimeline.moved_on,
-            # called only when it has something to do: a step to close or none begun yet);
-            # `own`: tuneup's time at the close (its listeners), not the loop's wait.
-            own = tl.moved_on(began) if tl.group or tl.step_start is None else 0.0
-            tl.in_optimizer = False
+            # A batch fetched after an optimizer stepped closes the step: StepTimeline.moved_on's
+            # rule for a fetch, written out here (the call it saves is some 15 operations of
+            # every step), moved_on itself where no step began yet. `own`: tuneup's time at the
+            # close (its listeners), not the loop's wait.
+            if tl.group:
+                tl.closed_at_update = False
+                own = tl.close(began)
+            else:
+                own = tl.moved_on(began) if tl.step_start is None else 0.0
             tl.fetches += 1
             try:
                 # size(0), not len() (a Python function: torch/_tensor.py) nor shape[0] (a new
@@ -222,8 +232,9 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
                 tl.in_optimizer = False
                 tl.group.append(key)
                 tl.optimizer_steps += 1
-                now = tl.last_optimizer_end = clock()
+                tl.last_optimizer_end = clock()
                 if tl.detail:
+                    now = tl.last_optimizer_end
                     tl.optimizer += now - tl.forward - tl.backward - tl.closure_other - tl.optimizer_start
                     probe.read_rate(optimizer)  # the learning rate this update used
                     if tl.gpu_timer is not None:  # the step's GPU work is queued up to here
@@ -459,6 +470,9 @@ class StepTimeline:
         # is open, 0. Lowered by every writer of wake_at and next_detail, so one comparison
         # tells the common close from the others.
         self.due = 0
+        # The totals that move only on detail steps, as the last close that was due left them
+        # (steps.py record: plain steps' records share this tuple; `moved` makes a close due).
+        self.rest: tuple = record(0.0)[-1]
         # Running totals since attach (never reset: see the module docstring).
         self.data_wait = 0.0
         self.forward = 0.0
@@ -518,7 +532,7 @@ class StepTimeline:
         stepped in one iteration are one step). Otherwise `now` may open the first step.
         Returns the seconds tuneup's listeners took at the close (0.0: none ran)."""
         group = self.group
-        if group and (optimizer is None or optimizer in group):
+        if group and (optimizer is None or optimizer in group):  # (loader_next writes out a fetch's case)
             self.closed_at_update = optimizer is not None
             return self.close(now)
         if self.step_start is None:
@@ -565,6 +579,7 @@ class StepTimeline:
             end, end_wait = now, self.data_wait
         self.evaluation += max(0.0, (end - self.evaluation_start) - (end_wait - self.evaluation_wait))
         self.evaluations += 1
+        self.moved()
 
     def hand_update(self, now: float) -> None:
         """The step boundary of a loop that updates its parameters by hand: the next forward
@@ -585,6 +600,7 @@ class StepTimeline:
         self.not_by_hand()
         self.moved_on(now, id(optimizer))
         self.skipped += 1
+        self.moved()
         self.last_optimizer_end = now
         if self.detail and self.gpu_timer is not None:
             self.gpu_timer.optimizer_ended()
@@ -619,16 +635,22 @@ class StepTimeline:
         record and publish it; the rest (`due`) go on in `_close_due`."""
         ring = self.ring
         step = ring.count + 1
+        # (steps.py record: the totals that move on plain steps, and `rest` as the last close
+        # that was due left it; where it may have moved since, that close is due: `_close_due`)
         ring.records[ring.count % ring.capacity] = (
-            now, self.data_wait, self.forward, self.backward, self.optimizer, self.input, self.samples,
-            self.fetches, self.backward_passes, self.optimizer_steps, self.skipped, self.evaluation,
-            self.evaluations, self.detail,
-        )
-        self.group.clear()
+            now, self.data_wait, self.samples, self.fetches, self.optimizer_steps, self.rest)
+        self.group = []  # (a new list: three operations, clear() six)
         if step < self.due:
             ring.count = step  # publish last: readers only see complete records
             return 0.0
         return self._close_due(step, now)
+
+    def moved(self) -> None:
+        """A total that plain steps' records share (`rest`) moved off a detail step (an
+        evaluation phase ended, GradScaler skipped): the open step's close is due, and writes
+        them anew. (Only the training thread calls it: a write of `due` racing a close would
+        move the value to a later step's record, not lose it; the totals only grow.)"""
+        self.due = 0
 
     def _close_due(self, step: int, now: float) -> float:
         """The rest of a close that is due: the first step's origin, the listeners (on detail
@@ -636,7 +658,19 @@ class StepTimeline:
         ring = self.ring
         if step == 1:
             start = self.step_start if self.step_start is not None else self.attached_at
-            ring.origin = (start,) + (0,) * len(CUMULATIVE) + (True,)
+            ring.origin = record(start, detailed=True)
+        # The totals that move on detail steps (and at the events that make a close due:
+        # `moved`), as they stand: this step's record, and (as not detailed) the next plain ones'.
+        totals = (self.forward, self.backward, self.optimizer, self.input, self.backward_passes, self.skipped,
+                  self.evaluation, self.evaluations)
+        self.rest = totals + (False,)
+        ring.records[ring.count % ring.capacity] = (
+            now, self.data_wait, self.samples, self.fetches, self.optimizer_steps,
+            totals + (True,) if self.detail else self.rest)
+        # An optimizer step that raised left its region open (its post-hook never ran): it is
+        # over by a close that is due, at the latest (host reads are counted on detail steps,
+        # whose closes those are: syncs.py).
+        self.in_optimizer = False
         own = 0.0
         if self.detail or step >= self._wake_at:  # (a loss to read: wake_at 0)
             own = self._notify(step)
@@ -677,15 +711,20 @@ class StepTimeline:
         sample_after puts those on detail steps), but in place it costs more than that count
         says: ~95 µs on a 0.1 ms CPU step, and ~33 µs the step after (torch's code and data
         evicted by tuneup's). Paced by the 35 µs the count suggested (one every 10 ms), they
-        cost that step 2.6 µs, of the 13 µs tuneup added. At most one in MAX_DETAIL_EVERY,
-        so the split and the loss keep coming on the shortest steps (some forty a second
-        there, thousands a minute). Not before PACED_FROM_STEP: a short run's estimates (the
+        cost that step 2.6 µs, of the 13 µs tuneup added; measured in place (windows.
+        detail_cost) a paced one costs ~260 µs there, mostly its code and data coming back
+        into the caches, so the budget asks for one in ~1,150 steps. They still come one in
+        every DETAIL_PERIOD of training (ten a second: on that step one in ~880, 0.3 µs
+        a step, where a fixed cap of one in 256 cost 1.0 µs of the 13), so the split, the
+        loss and the sync samples keep coming on the shortest steps (hundreds a minute), and
+        at most one in MAX_DETAIL_EVERY. Not before PACED_FROM_STEP: a short run's estimates (the
         input share that starts the stack sampler, a rank's backward median) rest on few
         detail steps as it is."""
         if self.paced and step_seconds > 0.0 and self.ring.count >= PACED_FROM_STEP:
             cost = DETAIL_COST if detail_cost is None else detail_cost
             every = math.ceil(cost / (DETAIL_BUDGET * step_seconds) - 1e-9)  # (10.000000000000002 is 10)
-            self.detail_every = max(DETAIL_EVERY, min(MAX_DETAIL_EVERY, every))
+            most = min(MAX_DETAIL_EVERY, max(MIN_PERIOD_EVERY, int(DETAIL_PERIOD / step_seconds)))
+            self.detail_every = max(DETAIL_EVERY, min(most, every))
 
     def detail_through(self, step: int) -> None:
         """Every step up to `step` is a detail step (apply mode's guarded steps), from the
@@ -742,6 +781,7 @@ class StepTimeline:
         """A device-side skip flag for `step`, which may still be open."""
         if step == self.ring.count + 1 and not self.in_tuneup:
             self.skipped += 1  # the open step
+            self.moved()
         else:
             self.ring.put("late_skips", step, 1.0, add=True)
 

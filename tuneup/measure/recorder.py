@@ -210,6 +210,7 @@ class Recorder:
                     slot = (step - 1) % ring.capacity
                     ring.loss[slot] = value
                     ring.loss_step[slot] = step
+                    ring.latest["loss"] = step  # (the closing step: none later has a value yet)
             elif loss.numel() == 1:
                 self.values.read(loss, lambda value: ring.put("loss", step, value), step)
         if self.values.pending:

@@ -22,28 +22,32 @@ import math
 import random
 from array import array
 from itertools import compress
-from operator import add, eq, sub
+from operator import add, eq, is_not, itemgetter, sub
 from typing import Any
 
-# Fields of the per-step tuple, in order: the close time, then running totals since attach
-# (timings of the split only grow on detail steps), then whether the step was a detail step.
-RECORD = (
-    "end",
-    "data_wait_seconds",
-    "forward_seconds",
-    "backward_seconds",
-    "optimizer_seconds",
-    "input_seconds",
-    "samples",
-    "fetches",
-    "backward_passes",
-    "optimizer_steps",
-    "skipped_steps",
-    "evaluation_seconds",
-    "evaluations",
-    "detailed",
-)
-CUMULATIVE = RECORD[1:-1]
+# A step's record: its close time, the running totals since attach that move on every step
+# (EVERY_STEP), and `rest`: a tuple of the totals that move only on detail steps and a few
+# events (ON_DETAIL: the split's timings, GradScaler skips, evaluation phases), then whether the
+# step was a detail step. Plain steps share one `rest` (the tuple itself, not a copy: the
+# close writes six fields, not fourteen, and the drain takes those columns' differences only
+# where `rest` changes: StepRing.columns). Build one with `record()`.
+EVERY_STEP = ("data_wait_seconds", "samples", "fetches", "optimizer_steps")
+ON_DETAIL = ("forward_seconds", "backward_seconds", "optimizer_seconds", "input_seconds", "backward_passes",
+             "skipped_steps", "evaluation_seconds", "evaluations")
+CUMULATIVE = EVERY_STEP + ON_DETAIL
+SPARSE = 16  # `rest` moved on under one step in this many: its columns filled where it did (StepRing.columns)
+_NONE_MOVED = tuple(0.0 if name.endswith("_seconds") else 0 for name in ON_DETAIL)  # a plain step's differences
+
+
+def record(end: float, detailed: bool = False, **totals: float) -> tuple:
+    """A step record (see EVERY_STEP): `totals` by their CUMULATIVE names, 0 where left out."""
+    unknown = set(totals) - set(CUMULATIVE)
+    if unknown:
+        raise ValueError(f"no such step totals: {sorted(unknown)}")
+    rest = tuple(totals.get(name, 0) for name in ON_DETAIL) + (detailed,)
+    return (end,) + tuple(totals.get(name, 0) for name in EVERY_STEP) + (rest,)
+
+
 EARLY_DETAIL_STEPS = 5
 SAMPLING_SEED = 0x7E1E
 # One fixed random draw per block (the table repeats after 4,096 blocks: 81,920 steps for blocks
@@ -95,6 +99,9 @@ class StepRing:
         for name, _ in LATE:
             setattr(self, name, array("d", bytes(8 * capacity)))
             setattr(self, name + "_step", array("q", bytes(8 * capacity)))  # whose value it is
+        # The latest step each side value was put for: a window after it has none (most side
+        # values come on a few steps, some never), and `columns` need not look at its slots.
+        self.latest = dict.fromkeys((name for name, _ in LATE), 0)
 
     def holds(self, step: int) -> bool:
         """Whether `step` (closed, or being closed: count + 1) still has its slot."""
@@ -111,6 +118,8 @@ class StepRing:
         else:
             values[slot] = value
             owners[slot] = step
+        if step > self.latest[name]:
+            self.latest[name] = step
 
     def side(self, name: str, step: int, default: float = 0.0) -> float:
         """A side value of `step` (`default` where it has none, or its slot was reused)."""
@@ -150,22 +159,40 @@ class StepRing:
             # this over every step, holding the GIL the training thread waits for.
             before = self.origin if first_step == 1 else self.records[(first_step - 2) % self.capacity]
             fields = list(zip(before, *records))
-            for index, name in enumerate(CUMULATIVE, start=1):
+            for index, name in enumerate(EVERY_STEP, start=1):
                 totals = fields[index]
                 out[name] = list(map(sub, totals[1:], totals[:-1]))
+            # The totals in `rest` moved only where the tuple is another one (a detail step, the
+            # plain step after it, an event's step): a Python loop over those alone, where they
+            # are few (short steps, paced detail steps); else, as above, every step's.
+            rests = fields[-1]
+            moved = list(compress(range(len(records)), map(is_not, rests[1:], rests[:-1])))
+            if len(moved) * SPARSE < len(records):
+                columns = [[zero] * len(records) for zero in _NONE_MOVED]
+                for index in moved:
+                    for column, now, was in zip(columns, rests[index + 1], rests[index]):
+                        column[index] = now - was
+                out.update(zip(ON_DETAIL, columns))
+            else:
+                for name, totals in zip(ON_DETAIL, zip(*rests)):
+                    out[name] = list(map(sub, totals[1:], totals[:-1]))
             # A step's time is its training: an evaluation phase inside it is reported apart.
             ends = fields[0]
             seconds = list(map(sub, ends[1:], ends[:-1]))
             if any(out["evaluation_seconds"]):
                 seconds = list(map(sub, seconds, out["evaluation_seconds"]))
             out["step_seconds"] = _not_negative(seconds)
-            out["detailed"] = list(fields[-1][1:])
+            out["detailed"] = list(map(itemgetter(-1), rests[1:]))
         else:
             for name in ("step_seconds", "detailed") + CUMULATIVE:
                 out[name] = []
         for name, missing in LATE:
-            owned = list(map(eq, window(getattr(self, name + "_step")), steps))  # the slot's value is this step's
-            out[name] = _owned(window(getattr(self, name)), owned, missing)
+            if self.latest[name] < first_step:  # none put since the window began
+                owned = [False] * len(steps)
+                out[name] = [missing] * len(steps)
+            else:
+                owned = list(map(eq, window(getattr(self, name + "_step")), steps))  # the slot's value is this step's
+                out[name] = _owned(window(getattr(self, name)), owned, missing)
             if name == "loss":
                 out["loss_known"] = owned
         own = out["own_seconds"]

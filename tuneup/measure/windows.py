@@ -36,6 +36,8 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 
 def _known(values: Sequence[float]) -> list[float]:
     """The values that are not negative (a side column's -1: not measured on that step)."""
+    if not values or max(values) < 0.0:  # (most windows of a column measured on some steps: none)
+        return []
     return list(compress(values, map((0.0).__le__, values)))
 
 
@@ -135,6 +137,7 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
     synced = _known(columns["syncs"])
     gpu = _known(columns["gpu_seconds"])
     data_wait = columns["data_wait_seconds"]
+    compiling = list(columns.get("compile_seconds", ()))
     # Plain sums, kept in the summary so the agent's running totals add them up.
     sums = {
         "steps": steps,
@@ -155,12 +158,12 @@ def summarize(columns: Columns, forward_measured: bool = True) -> dict[str, Any]
         "evaluations": int(sum(columns["evaluations"])),
         # Compilations (kept out of the step times above) and the warm-up steps they ran in.
         "compile_seconds": sum(columns.get("compile_seconds", ())),
-        "warmup_steps": sum(1 for spent in columns.get("compile_seconds", ()) if spent),
+        "warmup_steps": len(compiling) - compiling.count(0.0),
         # tuneup's own work on the training thread at step closes (a precision trial, a batch
         # shipped once), kept out of the step times above: the loop's clock holds it.
         "own_seconds": sum(columns.get("own_seconds", ())),
     }
-    fed = [value for value in columns.get("input_samples", ()) if value >= 0]
+    fed = _known(columns.get("input_samples", ()))
     if not sums["samples"] and fed:
         # No DataLoader fetch: the samples are the forwards' batch, seen on detail steps (the
         # median: the run's first step may miss the forward made before its model was found).
