@@ -336,7 +336,8 @@ class Recorder:
             first = oldest_held
         columns = ring.columns(first, last)
         self._drained = last
-        interval = summarize(columns, forward_measured=self.model.timed)
+        ordered = sorted(columns["step_seconds"])  # (one sort for the summary and the histogram)
+        interval = summarize(columns, forward_measured=self.model.timed, ordered=ordered)
         if interval is not None:
             # A detail step's cost, measured where they are paced: the early ones, one in
             # DETAIL_EVERY, run with tuneup's code still in the caches and cost a fraction of
@@ -352,7 +353,7 @@ class Recorder:
             self.timeline.pace(interval["step_seconds"]["median"], self.detail_cost)
             # The wall-clock end of the last step: its perf_counter close, moved to time.time().
             ended = ring.records[(last - 1) % ring.capacity][0]
-            self.totals.add(interval, columns["step_seconds"], time.time() - (time.perf_counter() - ended))
+            self.totals.add(interval, ordered, time.time() - (time.perf_counter() - ended))
         return interval
 
     def window(self, steps: int) -> dict[str, Any] | None:
