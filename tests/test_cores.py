@@ -1454,6 +1454,35 @@ def test_timeline_skips_recorded_and_late():
     assert columns["optimizer_steps"] == [1, 1, 1, 0]
 
 
+def test_a_close_writes_every_total_where_the_columns_read_it_by_name():
+    """The close writes the record by hand (hotpath.py: six fields on a plain step, the detail
+    totals in `_close_due`), in steps.record's order: each of the twelve running totals, moved
+    by its own amount, comes back under its own name, on a detail step and on a plain one."""
+    attributes = {"data_wait_seconds": "data_wait", "samples": "samples", "fetches": "fetches",
+                  "optimizer_steps": "optimizer_steps", "forward_seconds": "forward",
+                  "backward_seconds": "backward", "optimizer_seconds": "optimizer", "input_seconds": "input",
+                  "backward_passes": "backward_passes", "skipped_steps": "skipped",
+                  "evaluation_seconds": "evaluation", "evaluations": "evaluations"}
+    assert set(attributes) == set(CUMULATIVE)
+    tl = StepTimeline(64, lambda name, exc: None, detail_every=1000)
+    tl.attached_at, tl.wake_at = 0.0, 10**6  # (no listener asks for a close)
+    moved = {name: 2 ** index for index, name in enumerate(CUMULATIVE)}
+    every_step = {name: moved[name] for name in step_records.EVERY_STEP}
+
+    def move(amounts):
+        for name, amount in amounts.items():
+            setattr(tl, attributes[name], getattr(tl, attributes[name]) + amount)
+
+    for step in range(1, 8):  # 1-5 detail steps (step 1: every total moves), 6 and 7 plain ones
+        move(moved if step == 1 else every_step if step > 5 else {})
+        tl.manual_step(now=10.0 * step)
+    columns = tl.ring.columns(1, 7)
+    for name, amount in moved.items():
+        assert columns[name][0] == amount, name
+        assert columns[name][5] == columns[name][6] == every_step.get(name, 0), name
+    assert columns["detailed"] == [True] * 5 + [False] * 2
+
+
 def test_plain_steps_share_one_record_of_the_detail_totals_and_events_write_it_anew():
     """steps.record: past the first five, plain steps' records share one tuple of the totals
     that move on detail steps; an evaluation phase ending or a GradScaler skip on a plain step

@@ -54,8 +54,8 @@ def distribution(values: Sequence[float], ordered: Sequence[float] | None = None
     }
 
 
-def loss_summary(columns: Columns) -> dict[str, Any] | None:
-    known = list(compress(columns["loss"], columns["loss_known"]))
+def loss_summary(known: Sequence[float]) -> dict[str, Any] | None:
+    """The losses read in a run of steps (`known`: in step order; summarize's)."""
     if not known:
         return None
     finite = [value for value in known if math.isfinite(value)]
@@ -161,7 +161,7 @@ def summarize(columns: Columns, forward_measured: bool = True,
         "evaluation_seconds": sum(columns["evaluation_seconds"]),
         "evaluations": int(sum(columns["evaluations"])),
         # Compilations (kept out of the step times above) and the warm-up steps they ran in.
-        "compile_seconds": sum(columns.get("compile_seconds", ())),
+        "compile_seconds": sum(compiling),
         "warmup_steps": len(compiling) - compiling.count(0.0),
         # tuneup's own work on the training thread at step closes (a precision trial, a batch
         # shipped once), kept out of the step times above: the loop's clock holds it.
@@ -203,7 +203,7 @@ def summarize(columns: Columns, forward_measured: bool = True,
             sum(columns["backward_passes"][i] for i in detailed) / len(detailed) if detailed else None
         ),
         "gpu_seconds": distribution(gpu) if gpu else None,
-        "loss": loss_summary(columns),
+        "loss": loss_summary(known_losses),
         "evaluation": evaluation_summary(sums["evaluations"], sums["evaluation_seconds"], total_time),
         "data_wait_seconds": {"median": median(data_wait), "mean": sums["data_wait_seconds"] / steps},
     }
