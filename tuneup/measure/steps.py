@@ -158,7 +158,12 @@ class StepRing:
             # Column by column at C speed (zip, map, operator.sub): the background thread runs
             # this over every step, holding the GIL the training thread waits for.
             before = self.origin if first_step == 1 else self.records[(first_step - 2) % self.capacity]
-            fields = list(zip(before, *records))
+            # Field by field (itemgetter), not zip(*rows): that makes an iterator object per row,
+            # and their thousands of allocations set off the garbage collector (a collection of
+            # every generation in a job holding torch's millions of objects takes milliseconds,
+            # the GIL held: 8,000 steps' columns took 10 ms in place against 2 this way).
+            rows = [before, *records]
+            fields = [list(map(itemgetter(index), rows)) for index in range(len(before))]
             for index, name in enumerate(EVERY_STEP, start=1):
                 totals = fields[index]
                 out[name] = list(map(sub, totals[1:], totals[:-1]))
@@ -174,7 +179,8 @@ class StepRing:
                         column[index] = now - was
                 out.update(zip(ON_DETAIL, columns))
             else:
-                for name, totals in zip(ON_DETAIL, zip(*rests)):
+                for index, name in enumerate(ON_DETAIL):
+                    totals = list(map(itemgetter(index), rests))
                     out[name] = list(map(sub, totals[1:], totals[:-1]))
             # A step's time is its training: an evaluation phase inside it is reported apart.
             ends = fields[0]
