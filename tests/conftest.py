@@ -232,3 +232,21 @@ def heap_as_a_script_has():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+def fresh_dynamo():
+    """Dynamo as in a fresh process (reset, its counters cleared): a frame converted by an
+    earlier test of this process would keep the pre-hook in place for good
+    (CompileProbe.quiet), and these tests would see nothing move."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def pre_hook_in_place(agent) -> bool:
+    """Whether torch calls tuneup's step pre-hook now (its global registry holds it)."""
+    from torch.optim import optimizer as registry
+
+    return agent.recorder.optimizer._hooks[0] in registry._global_optimizer_pre_hooks.values()

@@ -304,3 +304,70 @@ def test_amp_off_on_a_compiled_model_waits_for_a_measure_it_cannot_take(run_dir)
     wanting = evaluate(agent.snapshot()).wanting
     assert "the model is compiled" in wanting["amp-off"], wanting
     assert [record for record in agent.actions() if record["action"] == "amp"] == []
+
+def eager_then_compiled(model, optimizer, loader, eager: int, seen: list | None = None) -> list[float]:
+    """`eager` steps as written, then with `optimizer.step = torch.compile(optimizer.step)` (as
+    torch's compiled-optimizer tutorial writes it) for the rest of the loader's batches: dynamo
+    traces torch's step wrapper, which iterates the registry of global step pre-hooks
+    (torch/optim/optimizer.py profile_hook_step). `seen`: at each eager step, whether
+    tuneup's pre-hook was in that registry."""
+    from torch.optim import optimizer as registry
+
+    losses = []
+    for index, (x, y) in enumerate(loader):
+        if index < eager and seen is not None:
+            seen.append(any(getattr(hook, "__qualname__", "").startswith("optimizer_hooks.")
+                            for hook in registry._global_optimizer_pre_hooks.values()))
+        if index == eager:
+            optimizer.step = torch.compile(optimizer.step, backend="eager")
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_an_optimizer_step_compiled_after_eager_steps_compiles_as_without_tuneup(run_dir):
+    """Ground truth from the loop: 160 batches of 8, the first 120 steps eager, then the
+    optimizer's step compiled for the last 40. On the eager steps tuneup's optimizer pre-hook
+    comes and goes from torch's registry (in place on detail steps only:
+    OptimizerProbe.fit_pre_hook), and dynamo guards on that registry where it traces the step
+    wrapper (`len(G['_global_optimizer_pre_hooks'])`): the compilation's start callback puts the
+    hook back for good before dynamo traces, so the compiled step is traced with it and no guard
+    of it ever fails. Compared with the same loop
+    without tuneup: the same graphs and recompiles, bit-identical losses, and all 160 steps
+    counted."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def run(attached: bool):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = TensorDataset(torch.randn(1280, 16), torch.randn(1280, 1))
+        loader = DataLoader(data, batch_size=8)
+        seen: list[bool] = []
+        if not attached:
+            return eager_then_compiled(model, optimizer, loader, 120), {}, seen
+        with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
+            losses = eager_then_compiled(model, optimizer, loader, 120, seen)
+        return losses, agent.snapshot()["totals"], seen
+
+    from torch._dynamo.utils import guard_failures  # code -> the guards that failed at its lookups
+
+    plain, _, _ = run(False)
+    expected = {section: dict(counters[section]) for section in ("frames", "stats", "recompiles")}
+    assert not guard_failures
+    tuned, totals, seen = run(True)
+    compiled = {section: dict(counters[section]) for section in ("frames", "stats", "recompiles")}
+    assert any(seen) and not all(seen[8:])  # it came and went on the eager steps
+    # The step wrapper's frame guards on `len(G['_global_optimizer_pre_hooks'])`: had the hook
+    # come or gone after its compilation, that guard would fail and the step recompile.
+    assert not guard_failures, {code.co_name: reasons for code, reasons in guard_failures.items()}
+    # Frames aside: one fewer under tuneup, as in test_a_compiled_program_compiles_the_same_under_tuneup.
+    compiled.pop("frames"), expected.pop("frames")
+    assert compiled == expected
+    assert [float.hex(value) for value in tuned] == [float.hex(value) for value in plain]
+    assert totals["steps"] == 160

@@ -8,7 +8,7 @@ from torch import nn
 
 import tuneup
 from benchmarks.scenarios import SlowDataset, SlowStream, SpinLayer, loader_for, mlp, spin, train
-from tests.conftest import one_intra_op_thread
+from tests.conftest import fresh_dynamo, one_intra_op_thread, pre_hook_in_place
 
 POINTS = 0.02  # stall ratio tolerance: ±2 percentage points
 # tuneup closes a step when the next batch arrives, inside the loop's `next()`: the loop's own
@@ -266,3 +266,163 @@ def test_a_guard_that_raises_never_reaches_the_optimizer_step(run_dir):
     assert calls and calls[0] is optimizer
     assert agent.snapshot()["totals"]["steps"] == 20
     assert not agent.experimenter.on
+
+
+# --- the optimizer pre-hook, in torch's registry only on the steps that need it -----------------
+
+def updates(model, optimizer, x, y, times, seen, agent):
+    """`times` updates on one batch, as a loop taking several steps per batch does; `seen`
+    gets whether the pre-hook was in torch's registry at each."""
+    for _ in range(times):
+        seen.append(pre_hook_in_place(agent))
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def test_the_pre_hook_is_in_torchs_registry_on_detail_steps_only_in_a_loop_that_fetches(run_dir):
+    """Ground truth from the loop: 400 batches, one update each (400 steps). Detail steps are
+    one drawn from every 8 (detail_every=8): the pre-hook (which times the update on them) is in
+    torch's registry for those, and for the steps whose calls are watched (calls.py: the
+    update's region is read there), and out of it for the others, where it has nothing to do;
+    the split still measures every detail step's update. At detach it is gone either way."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=3200), batch_size=8)
+    seen = []
+    with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
+        timeline, calls = agent.recorder.timeline, agent.recorder.calls
+        detail = []
+        for x, y in loader:
+            detail.append(timeline.detail or calls.watching)
+            updates(model, optimizer, x, y, 1, seen, agent)
+        assert agent.recorder.compile.quiet()
+    from torch.optim import optimizer as registry
+
+    assert agent.recorder.optimizer._hooks[0] not in registry._global_optimizer_pre_hooks.values()
+    assert len(seen) == 400
+    # In place on every detail or watched step (the first five, then one in 8), out on the rest.
+    assert all(in_place for in_place, is_detail in zip(seen, detail) if is_detail)
+    plain = [in_place for in_place, is_detail in zip(seen, detail) if not is_detail]
+    assert len(plain) > 300 and sum(plain) == 0, sum(plain)
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 400 and snapshot["totals"]["optimizer_steps"] == 400
+    assert snapshot["window"]["optimizer_seconds"]["median"] > 0  # timed on the detail steps
+
+
+def test_several_updates_on_one_batch_are_each_a_step(run_dir):
+    """Ground truth from the loop: 200 batches, on each two updates (zero_grad, forward,
+    backward, step), as a loop taking several optimizer steps per batch does: 400 steps, each
+    closed by the optimizer stepping again with no fetch between (StepTimeline.moved_on). The
+    pre-hook closes them, so it stays in torch's registry on every step."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=1600), batch_size=8)
+    seen = []
+    with tuneup.attach(run_dir=run_dir, detail_every=8) as agent:
+        for x, y in loader:
+            updates(model, optimizer, x, y, 2, seen, agent)
+    totals = agent.snapshot()["totals"]
+    assert totals["steps"] == 400 and totals["optimizer_steps"] == 400
+    assert all(seen)
+
+
+def test_updates_that_start_coming_several_to_a_batch_bring_the_pre_hook_back_for_good(run_dir):
+    """Ground truth from the loop: 300 batches, one update on each, except that from batch 150
+    on, every 20th batch that comes while tuneup's pre-hook is out of torch's registry takes
+    three updates, until three such batches came. The first of them has its three updates in
+    one step (no pre-hook to close at the second and third): the next close that is due (the
+    one before the next detail step: under 16 steps on, with detail_every=8) sees more updates
+    than steps since the last one (OptimizerProbe.pre_hook_needed), and the pre-hook is back
+    for good, so no second such batch comes: 302 updates, 300 steps. Without that check it
+    would go on coming and going, and all three would be merged."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=2400), batch_size=8)
+    seen, triples = [], 0
+    with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
+        for batch, (x, y) in enumerate(loader, 1):
+            several = batch >= 150 and batch % 20 == 0 and triples < 3 and not pre_hook_in_place(agent)
+            triples += several
+            updates(model, optimizer, x, y, 3 if several else 1, seen, agent)
+    assert not all(seen[:150])  # it was out of the registry on some steps before
+    assert triples == 1
+    assert all(seen[-130:])  # back for good
+    totals = agent.snapshot()["totals"]
+    assert totals["optimizer_steps"] == 302 and totals["steps"] == 300
+
+
+def test_a_batch_fetched_inside_torchs_step_hooks_never_changes_their_registry_under_them(run_dir):
+    """Ground truth from the loop: 300 updates on 300 batches, each batch fetched by a global
+    step pre-hook of the job's own (it prefetches the next batch as the update begins): the
+    step closes inside torch's loop over that registry (torch/optim/optimizer.py
+    profile_hook_step), an OrderedDict that raises in the job's step if an entry comes or goes
+    while it is iterated. tuneup's pre-hook moves only outside optimizer steps
+    (OptimizerProbe.fit_pre_hook), so the job runs to its end, every update counted."""
+    from torch.optim import optimizer as registry
+
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = iter(loader_for(SlowDataset(size=2408), batch_size=8))
+    upcoming = [next(batches)]
+    handle = registry.register_optimizer_step_pre_hook(lambda *_: upcoming.append(next(batches)))
+    try:
+        with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
+            for _ in range(300):
+                x, y = upcoming.pop(0)
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+    finally:
+        handle.remove()
+    totals = agent.snapshot()["totals"]
+    assert totals["optimizer_steps"] == 300
+    assert totals["steps"] >= 299  # (the first fetch, inside the first update, closes no step)
+
+
+def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_dir):
+    """Ground truth from the loop: 300 updates on the main thread, their batches fetched ahead
+    by a thread of the job's own (a prefetching generator, as prefetch_generator's
+    BackgroundGenerator does), 4 batches ahead through a queue. Steps then close on that
+    thread, while the main thread may be inside optimizer.step iterating torch's registry of
+    step pre-hooks: tuneup moves its pre-hook only on the thread the optimizers step on
+    (OptimizerProbe.fit_pre_hook), so it stays in place, and every update is counted. The
+    model's runs off the step (FLOP count, precision trial), which swap its parameters and
+    hooks, are skipped there and say why (Recorder._on_step_thread)."""
+    import queue
+    import threading
+
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = loader_for(SlowDataset(size=2400), batch_size=8)
+    ahead: queue.Queue = queue.Queue(maxsize=4)
+
+    def prefetch():
+        for batch in loader:
+            ahead.put(batch)
+        ahead.put(None)
+
+    seen = []
+    with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
+        worker = threading.Thread(target=prefetch, daemon=True)
+        worker.start()
+        while (batch := ahead.get()) is not None:
+            updates(model, optimizer, *batch, 1, seen, agent)
+        worker.join()
+    assert len(seen) == 300 and all(seen)
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["optimizer_steps"] == 300
+    # Nor is the model run off the step there (the FLOP count swaps its parameters for meta
+    # ones: the main thread's forward met them, "Tensor on device meta is not on the expected
+    # device cpu!", in the job's own step).
+    assert "another thread" in snapshot["habits"]["flops"]["skipped"], snapshot["habits"]["flops"]

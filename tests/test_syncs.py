@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 import tuneup
 from benchmarks import scenarios
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
+from tests.conftest import fresh_dynamo, pre_hook_in_place
 from tuneup.measure.syncs import HOST_READS
 
 
@@ -94,6 +95,34 @@ def test_every_kind_of_host_read_is_counted_once(run_dir):
         expected["numpy"] = 1
     assert syncs["by_kind"] == expected
     assert syncs["per_step"] == sum(expected.values())
+
+
+def test_the_optimizers_own_reads_on_sampled_steps_that_are_not_detail_steps_do_not_count(run_dir):
+    """Ground truth from the loop: 120 steps of Adam, one `loss.item()` each (Adam's own reads of
+    its CPU step counters happen inside optimizer.step: not the loop's). Sampled one in 2 while
+    detail steps are one in 16, so most sampled steps are not detail steps: the optimizer's
+    pre-hook, out of torch's registry on plain steps (OptimizerProbe.fit_pre_hook), is in place
+    on those too, where it marks the update's region, and Adam's reads stay out of the count."""
+    fresh_dynamo()
+    loader, model, optimizer = job(torch.optim.Adam)
+    seen = []
+    with tuneup.attach(run_dir=run_dir, sync_sample_every=2, detail_every=16) as agent:
+        timeline, counter = agent.recorder.timeline, agent.recorder.syncs
+        for step, (x, y) in enumerate(loader, 1):
+            seen.append((pre_hook_in_place(agent), counter.sampling, timeline.detail))
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            if step == 120:
+                break
+    assert any(sampled and not detail for _, sampled, detail in seen)
+    assert all(in_place for in_place, sampled, detail in seen if sampled or detail)
+    assert not all(in_place for in_place, _, _ in seen)  # out on the others
+    syncs = agent.snapshot()["syncs"]
+    assert syncs["sampled_steps"] >= 40
+    assert syncs["per_step"] == 1 and syncs["max_per_step"] == 1
 
 
 def test_reads_inside_the_dataloader_do_not_count(run_dir):

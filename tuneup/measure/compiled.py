@@ -44,6 +44,22 @@ class CompileProbe:
         self._started: float | None = None
         self._handler: Any = None
         self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen
+        self.began = False  # a compilation began since attach
+        self.on_begin: Any = None  # told when one begins, before dynamo traces (OptimizerProbe.keep_pre_hook)
+
+    def quiet(self) -> bool:
+        """Dynamo has converted no frame in this process (before attach, or since: one
+        converted before the callbacks were registered counts too), and one that begins will
+        be seen before dynamo traces it (the start callback is registered now, here if dynamo
+        was loaded since the last tick; a `torch._dynamo.reset()` clears it until the next
+        tick). Asked at the closes that are due (OptimizerProbe.pre_hook_needed)."""
+        if self._handler is None:
+            self.watch()  # torch._dynamo loaded since the last tick (an optimizer's first step loads it)
+        handler = self._handler
+        if self.began or handler is None or self._begin not in getattr(handler, "start_callbacks", ()):
+            return False
+        counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+        return counters is not None and not (counters.get("frames") or {}).get("total", 0)
 
     def watch(self) -> None:
         """Register the compile callbacks once torch._dynamo is loaded (again after a reset)."""
@@ -69,6 +85,13 @@ class CompileProbe:
 
     def _begin(self, args: Any) -> None:
         self._started = perf_counter()
+        self.began = True
+        if self.on_begin is not None:
+            try:
+                self.on_begin()
+            except Exception as exc:  # never into dynamo's compilation
+                self.on = False
+                self.timeline.fail(self.name, exc)
         # "F/C": dynamo's frame F compiled for the (C+1)-th time (torch/_guards.py CompileId):
         # C recompiles of that frame so far.
         trigger = getattr(getattr(args, "callback_trigger", None), "name", None)

@@ -4,7 +4,7 @@ A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.back
 opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
 ~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
 gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
-intercepting these calls costs before any work is done (bench_instructions.py --floor); 308
+intercepting these calls costs before any work is done (bench_instructions.py --floor); 268
 Python operations a step, the paced detail steps' share included (counted by
 benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
 and a detail step 1,000 operations more, paced by what detail steps are measured to cost (some
@@ -25,7 +25,11 @@ and a detail step 1,000 operations more, paced by what detail steps are measured
                                                 few counters; the boundary rule for loops
                                                 without a fetch; optimizer time on detail steps;
                                                 a closure passed to step() wrapped (closure_of:
-                                                the loop's code, its reads the loop's)
+                                                the loop's code, its reads the loop's). The
+                                                pre-hook is in torch's registry only on the
+                                                steps that need it: in a loop whose steps close
+                                                at a fetch, detail and sampled steps
+                                                (OptimizerProbe.fit_pre_hook, at due closes)
     x.item() ...       HOST_READ                torch's own off sampled steps (syncs.py install)
 
 On detail steps (the first five, then one drawn at random from every `detail_every`: 4, or
@@ -92,7 +96,7 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
     tensor, sequences = torch.Tensor, frozenset((tuple, list))
 
     def __next__(iterator):
-        if not probe.on or (probe.tracked is not None and not getattr(iterator, TAG, False)):
+        if not probe.every and (not probe.on or (probe.tracked is not None and not getattr(iterator, TAG, False))):
             try:
                 return original(iterator)
             except BaseException as exc:  # the end of an epoch (StopIteration), a Dataset's error
@@ -227,8 +231,9 @@ def optimizer_hooks(probe: Any) -> tuple[Callable[..., None], Callable[..., None
         if dynamo() or flags._is_compiling_flag:
             return
         # Every step that ran is counted (GradScaler's skip detection: OptimizerProbe.total_steps):
-        # a measured one in the timeline's optimizer_steps, any other here.
-        if (key := id(optimizer)) in measured:
+        # a measured one in the timeline's optimizer_steps, any other here. An optimizer is
+        # admitted here where the pre-hook is out of torch's registry (OptimizerProbe.fit_pre_hook).
+        if (key := id(optimizer)) in measured or probe.admit(optimizer):
             try:
                 tl.in_optimizer = False
                 tl.group.append(key)
@@ -474,6 +479,9 @@ class StepTimeline:
         # The totals that move only on detail steps, as the last close that was due left them
         # (steps.py record: plain steps' records share this tuple; `moved` makes a close due).
         self.rest: tuple = record(0.0)[-1]
+        # A due close's last act (OptimizerProbe.fit_pre_hook: the pre-hook where the next steps need it).
+        self.fit_hooks: Callable[[], None] | None = None
+        self.update_closes = 0  # steps closed at an optimizer step in a loop that fetches (moved_on)
         # Running totals since attach (never reset: see the module docstring).
         self.data_wait = 0.0
         self.forward = 0.0
@@ -535,6 +543,8 @@ class StepTimeline:
         group = self.group
         if group and (optimizer is None or optimizer in group):  # (loader_next writes out a fetch's case)
             self.closed_at_update = optimizer is not None
+            if optimizer is not None and self.fetches:  # (before the close: see OptimizerProbe.fit_pre_hook)
+                self.update_closes += 1
             return self.close(now)
         if self.step_start is None:
             self.step_start = now
@@ -691,6 +701,8 @@ class StepTimeline:
         ring.count = step  # publish last: readers only see complete records
         if own:
             ring.put("own_seconds", step + 1, own, add=True)  # the open step's time holds it
+        if self.fit_hooks is not None:
+            self.fit_hooks()
         return own
 
     def _detail_after(self, step: int) -> int:

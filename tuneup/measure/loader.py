@@ -79,7 +79,8 @@ class LoaderProbe:
     batch_size = staticmethod(batch_size)  # batches the hot path's fast case does not cover
 
     def __init__(self, timeline: StepTimeline, tracked: weakref.WeakSet | None, habits: HabitsProbe) -> None:
-        self.on = True
+        # `every`: on, and every loader measured (the hot path's one test where both hold).
+        self._on, self._tracked, self.every = True, tracked, tracked is None
         self.habits = habits  # inspects a few batches (pinned? shapes? normalized?)
         self.timeline = timeline
         self.tracked = tracked  # None: every loader
@@ -137,6 +138,24 @@ class LoaderProbe:
                 except Exception:
                     pass
         self.tracked = loaders
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self._on = value
+        self.every = value and self._tracked is None
+
+    @property
+    def tracked(self) -> weakref.WeakSet | None:
+        return self._tracked
+
+    @tracked.setter
+    def tracked(self, loaders: weakref.WeakSet | None) -> None:
+        self._tracked = loaders
+        self.every = self._on and loaders is None
 
     def install(self, patches: PatchSet) -> None:
         probe = self

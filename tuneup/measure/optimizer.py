@@ -1,5 +1,8 @@
 """Optimizer probe: step boundaries and optimizer time from torch's global step hooks
-(their bodies: hotpath.py).
+(their bodies: hotpath.py). The pre-hook is in torch's registry only on the steps that need
+it (OptimizerProbe.fit_pre_hook): in a loop whose steps close at a fetch, detail and sampled
+steps; it is moved only where no optimizer step can be running, and never again once dynamo
+may trace the registry.
 
 Also wraps Optimizer.zero_grad and Module.zero_grad to see the set_to_none the loop really
 uses, on detail steps (their time counts as optimizer time: zeroing gradients is part of
@@ -8,6 +11,8 @@ the update).
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
 from time import perf_counter
 from typing import Any, Callable
@@ -81,12 +86,27 @@ class OptimizerProbe:
         self._hooks: tuple[Callable[..., None], Callable[..., None]] | None = None
         self.compiled_steps: set[int] = set()  # ids of optimizers whose own step was looked at (wrapped if compiled)
         self.gradients: Any = None  # gradients.GradientNorms: the norm each update uses, on sampled steps
+        # The pre-hook in torch's registry only on the steps that need it (fit_pre_hook); the
+        # owner tells whether a sampled step counts host reads (their regions: in_optimizer)
+        # and whether no compilation can have seen the registry without it.
+        self._pre: PreHook | None = None
+        self.regions_read: Callable[[], bool] = lambda: True
+        self.compile_quiet: Callable[[], bool] = lambda: False
+        self.pre_always = False  # a loop that needs it on every step (steps close at its updates)
+        self.step_thread: int | None = None  # the thread the optimizers step on (their first steps)
+        self._fitted_at = (0, 0)  # (ring.count, optimizer_steps) at the last fit
 
     def install(self, patches: PatchSet) -> None:
         self._patches = patches
         pre, post = self._hooks = optimizer_hooks(self)  # hotpath.py
-        patches.add_handle(optimizer_hooks_registry.register_optimizer_step_pre_hook(pre))
+        handle = optimizer_hooks_registry.register_optimizer_step_pre_hook(pre)
+        patches.add_handle(handle)
         patches.add_handle(optimizer_hooks_registry.register_optimizer_step_post_hook(post))
+        hooks = getattr(optimizer_hooks_registry, "_global_optimizer_pre_hooks", None)
+        if _STEP_CODE is not None and isinstance(hooks, dict) and hooks.get(handle.id) is pre:
+            self._pre = PreHook(hooks, handle.id, pre)
+            patches.add_handle(self._pre)  # (undone first: no switch after detach)
+            self.timeline.fit_hooks = self.fit_pre_hook
         # Posing as the original (see posing_as): Optimizer.zero_grad is dynamo-disabled
         # (@torch._disable_dynamo, whose wrapper lives in torch/_compile.py, a file dynamo skips),
         # so a compiled train step must meet a function dynamo skips just the same.
@@ -130,6 +150,11 @@ class OptimizerProbe:
             if not self._measured(optimizer):
                 return False
             key = id(optimizer)
+            thread = threading.get_ident()
+            if self.step_thread is None:
+                self.step_thread = thread
+            elif thread != self.step_thread:  # optimizers stepping on several threads: see fit_pre_hook
+                self.pre_always = True
             if key not in self.seen:
                 self.timeline.not_by_hand()  # an optimizer updates the parameters
                 self.seen.add(key)
@@ -180,6 +205,59 @@ class OptimizerProbe:
 
         self._patches.replace(optimizer, "step", lambda compiled: measured(compiled, before, after, self.fail))
 
+    # --- the pre-hook, in place only where it has work --------------------------------------
+
+    def pre_hook_needed(self) -> bool:
+        """Whether the next steps need the pre-hook. In a loop whose steps close at a fetch, the
+        steps that are neither detail steps nor sampled ones leave it nothing to do but mark
+        the update's region (read only on sampled steps) and admit a new optimizer (the
+        post-hook does: OptimizerProbe.admit): there it is out of torch's registry, which
+        saves the job torch's call of it and its own work (some 3,400 of tuneup's 26,500
+        instructions a step on the ~0.4 ms step: benchmarks/bench_instructions.py). It stays
+        in place for loops without a fetch (it closes their steps), loops that update
+        several times a fetch (`update_closes`, or more updates than optimizers in the steps
+        since the last fit), before the first optimizer step, while apply mode's guards are
+        in effect, and wherever dynamo could trace torch's step wrapper without it: it
+        guards on the registry, and a hook that came and went would recompile a compiled
+        `opt.step` (torch/optim/optimizer.py profile_hook_step iterates the registry)."""
+        timeline = self.timeline
+        count, updates = timeline.ring.count, timeline.optimizer_steps
+        (count_then, updates_then), self._fitted_at = self._fitted_at, (count, updates)
+        if updates - updates_then > (count - count_then) * max(1, len(self.measured)):
+            self.pre_always = True
+        return (timeline.detail or timeline.by_hand or not timeline.fetches or timeline.update_closes > 0
+                or self.pre_always or self.guard_before is not None or self.regions_read()
+                or not self.compile_quiet())
+
+    def fit_pre_hook(self) -> None:
+        """At the end of each close that is due (StepTimeline._close_due: around detail and
+        sampled steps): the pre-hook in torch's registry or out of it, as the next steps need
+        it. Only where no optimizer step can be running: torch iterates the registry there (an
+        OrderedDict: changed under iteration, it raises in the job's step). So only on the
+        thread the optimizers step on (a close on another: a loader iterated by a prefetching
+        thread, leaves it as it is), and not inside a step on it (a fetch inside a closure)."""
+        pre = self._pre
+        if pre is None:
+            return
+        try:
+            needed = self.pre_hook_needed()
+            if needed != pre.in_place and self._free_to_move():
+                pre.put(needed)
+        except Exception as exc:
+            self.fail(exc)
+
+    def _free_to_move(self) -> bool:
+        return threading.get_ident() == self.step_thread and not inside_optimizer_step()
+
+    def keep_pre_hook(self) -> None:
+        """A compilation begins (CompileProbe's start callback, before dynamo traces): the
+        pre-hook is in the registry for good, put back now where that is safe (_free_to_move;
+        else at the next close that is due)."""
+        self.pre_always = True
+        pre = self._pre
+        if pre is not None and not pre.in_place and self._free_to_move():
+            pre.put(True)
+
     def _forget(self, key: int) -> None:
         self.compiled_steps.discard(key)
         self.seen.discard(key)
@@ -214,3 +292,49 @@ class OptimizerProbe:
         self.on = False
         self.timeline.in_optimizer = False
         self.timeline.fail(self.name, exc)
+
+
+class PreHook:
+    """The pre-hook's entry in torch's registry of global step pre-hooks, taken out and put
+    back under the same id (RemovableHandle.remove at detach deletes it where present). After
+    `remove` (detach: the PatchSet undoes it first), it is never put back."""
+
+    def __init__(self, hooks: dict, key: int, hook: Callable[..., Any]) -> None:
+        self.hooks, self.key, self.hook = hooks, key, hook
+        self.in_place = True
+        self.closed = False
+
+    def put(self, in_place: bool) -> None:
+        if self.closed:
+            return
+        if in_place:
+            self.hooks[self.key] = self.hook
+        else:
+            self.hooks.pop(self.key, None)
+        self.in_place = in_place
+
+    def remove(self) -> None:
+        self.closed = True
+
+
+def _step_code() -> Any:
+    """The code of torch's step wrapper (Optimizer.profile_hook_step's `wrapper`: every
+    optimizer class's step runs in it), None where torch has no such wrapper."""
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    try:
+        return wrap(lambda: None).__code__ if wrap is not None else None
+    except Exception:  # pragma: no cover - another torch
+        return None
+
+
+_STEP_CODE = _step_code()
+
+
+def inside_optimizer_step() -> bool:
+    """Whether an optimizer step runs on this thread (its wrapper's frame is on the stack)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _STEP_CODE:
+            return True
+        frame = frame.f_back
+    return False

@@ -59,6 +59,12 @@ Emit = Callable[[dict[str, Any]], None]
 
 INPUT_SAMPLING_SHARE = 0.05  # input before the forward, of the detail steps' time, that starts the stack sampler
 
+# Why the model is not run off the step (precision trial, FLOP count) in a loop whose steps close
+# on another thread than the one it trains on.
+ELSEWHERE = ("the loop's steps close on another thread than the one its optimizer steps on (a prefetching "
+             "thread): the model is not run off the step while it trains")
+
+
 class Recorder:
     """The probes, their step-close listener, the drain into running totals, the slow
     samplers and the configuration. `fail(name, exc)` is told of a probe that failed (the
@@ -80,6 +86,12 @@ class Recorder:
         self.syncs = SyncCounter(self.timeline, options.sync_sample_every, threading.get_ident())  # (None: paced)
         self.calls = CallWatch(self.timeline, self.syncs)
         self.compile = CompileProbe(self.timeline)
+        # The optimizer's pre-hook is out of torch's registry on the steps with nothing for it
+        # (OptimizerProbe.fit_pre_hook): not on a step whose host reads are counted, nor where
+        # a compilation may have seen the registry.
+        self.optimizer.regions_read = lambda: self.syncs.sampling or self.calls.watching
+        self.optimizer.compile_quiet = self.compile.quiet
+        self.compile.on_begin = self.optimizer.keep_pre_hook
         self.collector = GcPauses(self.timeline)  # Python's garbage collections, timed
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
         self.flops = FlopCount(self.model)  # a step's FLOPs, counted on shapes when they change
@@ -217,9 +229,16 @@ class Recorder:
             self.values.poll()
         if tl.detail:  # the step whose forward a waiting capture took (or gave up on), closing
             if self.precision.over():
-                self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
+                if self._on_step_thread():
+                    self.precision.finish(self.config, self.timeline.ring.recent_step_seconds(64))
+                else:
+                    self.precision.release()
+                    self.precision.skip(ELSEWHERE)
             if self.flops.over():
-                self.flops.finish(step, tl.fail)
+                if self._on_step_thread():
+                    self.flops.finish(step, tl.fail)
+                else:
+                    self.flops.skip(ELSEWHERE)
         if step >= self._next_lifecycle:
             self._next_lifecycle = step + LIFECYCLE_EVERY_STEPS
             self._lifecycle(step)
@@ -250,7 +269,10 @@ class Recorder:
         # The runs of the model off the step (offstep.py): what autocast would save, the FLOPs.
         due = [capture for capture, wanted in ((self.precision, self.precision.due(step, self.config)),
                                                (self.flops, self.flops.due(step))) if wanted]
-        if due and not tracing():
+        if due and not self._on_step_thread():
+            for capture in due:
+                capture.skip(ELSEWHERE)
+        elif due and not tracing():
             trained = [model for model in self.model.root_models() if id(model) in self.model.trained]
             compiled = self.compile.compiles or any(is_compiled(model) for model in trained)
             for capture in due:
@@ -258,6 +280,13 @@ class Recorder:
                     capture.skip("the model is compiled (its graphs run the step, not its forward)")
                 elif trained:
                     capture.capture(trained)
+
+    def _on_step_thread(self) -> bool:
+        """Whether this close runs on the thread the optimizers step on (or no optimizer stepped
+        yet): the model's runs off the step (offstep.py) swap its parameters and hooks for the
+        count, and must not while the job's own thread runs it."""
+        thread = self.optimizer.step_thread
+        return thread is None or thread == threading.get_ident()
 
     def time_gpu(self, timer: CudaStepTimer) -> None:
         """GPU time per detail step from now on, by `timer`'s events."""
