@@ -270,6 +270,15 @@ def test_a_guard_that_raises_never_reaches_the_optimizer_step(run_dir):
 
 # --- the optimizer pre-hook, in torch's registry only on the steps that need it -----------------
 
+def fresh_job(batches: int):
+    """A small MLP, SGD, and a loader of `batches` batches of 8, in a process whose dynamo
+    looks fresh (conftest.fresh_dynamo: the pre-hook may move)."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = mlp(hidden=16)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), loader_for(SlowDataset(size=8 * batches), batch_size=8)
+
+
 def updates(model, optimizer, x, y, times, seen, agent):
     """`times` updates on one batch, as a loop taking several steps per batch does; `seen`
     gets whether the pre-hook was in torch's registry at each."""
@@ -286,11 +295,7 @@ def test_the_pre_hook_is_in_torchs_registry_on_detail_steps_only_in_a_loop_that_
     torch's registry for those, and for the steps whose calls are watched (calls.py: the
     update's region is read there), and out of it for the others, where it has nothing to do;
     the split still measures every detail step's update. At detach it is gone either way."""
-    fresh_dynamo()
-    torch.manual_seed(0)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = loader_for(SlowDataset(size=3200), batch_size=8)
+    model, optimizer, loader = fresh_job(batches=400)
     seen = []
     with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
         timeline, calls = agent.recorder.timeline, agent.recorder.calls
@@ -317,11 +322,7 @@ def test_several_updates_on_one_batch_are_each_a_step(run_dir):
     backward, step), as a loop taking several optimizer steps per batch does: 400 steps, each
     closed by the optimizer stepping again with no fetch between (StepTimeline.moved_on). The
     pre-hook closes them, so it stays in torch's registry on every step."""
-    fresh_dynamo()
-    torch.manual_seed(0)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = loader_for(SlowDataset(size=1600), batch_size=8)
+    model, optimizer, loader = fresh_job(batches=200)
     seen = []
     with tuneup.attach(run_dir=run_dir, detail_every=8) as agent:
         for x, y in loader:
@@ -340,11 +341,7 @@ def test_updates_that_start_coming_several_to_a_batch_bring_the_pre_hook_back_fo
     than steps since the last one (OptimizerProbe.pre_hook_needed), and the pre-hook is back
     for good, so no second such batch comes: 302 updates, 300 steps. Without that check it
     would go on coming and going, and all three would be merged."""
-    fresh_dynamo()
-    torch.manual_seed(0)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = loader_for(SlowDataset(size=2400), batch_size=8)
+    model, optimizer, loader = fresh_job(batches=300)
     seen, triples = [], 0
     with tuneup.attach(run_dir=run_dir, detail_every=8, sync_sample_every=0) as agent:
         for batch, (x, y) in enumerate(loader, 1):
@@ -367,11 +364,8 @@ def test_a_batch_fetched_inside_torchs_step_hooks_never_changes_their_registry_u
     (OptimizerProbe.fit_pre_hook), so the job runs to its end, every update counted."""
     from torch.optim import optimizer as registry
 
-    fresh_dynamo()
-    torch.manual_seed(0)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = iter(loader_for(SlowDataset(size=2408), batch_size=8))
+    model, optimizer, loader = fresh_job(batches=301)
+    batches = iter(loader)
     upcoming = [next(batches)]
     handle = registry.register_optimizer_step_pre_hook(lambda *_: upcoming.append(next(batches)))
     try:
@@ -400,11 +394,7 @@ def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_
     import queue
     import threading
 
-    fresh_dynamo()
-    torch.manual_seed(0)
-    model = mlp(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = loader_for(SlowDataset(size=2400), batch_size=8)
+    model, optimizer, loader = fresh_job(batches=300)
     ahead: queue.Queue = queue.Queue(maxsize=4)
 
     def prefetch():
