@@ -4,7 +4,7 @@ A step of `for x, y in loader: opt.zero_grad(); loss = f(model(x), y); loss.back
 opt.step()` calls, in order (all of it together: about 37,000 instructions per step on the
 ~0.15 ms CPU step, 4.2% of it, by benchmarks/bench_instructions.py, some 5,000 of them the
 gradient norms' share, paced to 0.5% of the step; 28,000 on a plain step, 8,000 of them what
-intercepting these calls costs before any work is done (bench_instructions.py --floor); 268
+intercepting these calls costs before any work is done (bench_instructions.py --floor); 261
 Python operations a step, the paced detail steps' share included (counted by
 benchmarks/bench_operations.py, by function), each costing some 30 ns in place there,
 and a detail step 1,000 operations more, paced by what detail steps are measured to cost (some

@@ -221,10 +221,6 @@ class OptimizerProbe:
         guards on the registry, and a hook that came and went would recompile a compiled
         `opt.step` (torch/optim/optimizer.py profile_hook_step iterates the registry)."""
         timeline = self.timeline
-        count, updates = timeline.ring.count, timeline.optimizer_steps
-        (count_then, updates_then), self._fitted_at = self._fitted_at, (count, updates)
-        if updates - updates_then > (count - count_then) * max(1, len(self.measured)):
-            self.pre_always = True
         return (timeline.detail or timeline.by_hand or not timeline.fetches or timeline.update_closes > 0
                 or self.pre_always or self.guard_before is not None or self.regions_read()
                 or not self.compile_quiet())
@@ -240,11 +236,21 @@ class OptimizerProbe:
         if pre is None:
             return
         try:
+            self._count_updates()
             needed = self.pre_hook_needed()
             if needed != pre.in_place and self._free_to_move():
                 pre.put(needed)
         except Exception as exc:
             self.fail(exc)
+
+    def _count_updates(self) -> None:
+        """More updates than steps x optimizers in the steps closed since the last fit: some
+        optimizer stepped twice in a step, a boundary only the pre-hook sees (pre_always)."""
+        timeline = self.timeline
+        count, updates = timeline.ring.count, timeline.optimizer_steps
+        (count_then, updates_then), self._fitted_at = self._fitted_at, (count, updates)
+        if updates - updates_then > (count - count_then) * max(1, len(self.measured)):
+            self.pre_always = True
 
     def _free_to_move(self) -> bool:
         return threading.get_ident() == self.step_thread and not inside_optimizer_step()

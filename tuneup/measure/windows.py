@@ -259,17 +259,17 @@ class Totals:
         self.step_buckets = [0] * (len(STEP_BUCKETS) + 1)  # steps per bucket (not cumulative); last: +Inf
         self.last_step_time: float | None = None  # wall-clock end of the last step added
 
-    def add(self, interval: dict[str, Any], step_seconds: Sequence[float] = (), last_step_time: float | None = None) -> None:
+    def add(self, interval: dict[str, Any], ordered: Sequence[float] = (), last_step_time: float | None = None) -> None:
+        """`interval`'s sums into the totals; `ordered`: its step times, sorted (the drain's),
+        into the step-time histogram."""
         sums = interval["sums"]
         for name in self.ADDED:
             self.sums[name] += sums.get(name, 0)  # logs from older versions lack the newer sums
         if sums["last_loss"] is not None:
             self.last_loss = sums["last_loss"]
-        if step_seconds:
+        if ordered:
             # Steps at most each bound (a bucket holds those above the bound before it), by
-            # bisecting the sorted times: 15 bisections, not one per step. (Times the caller
-            # sorted already sort in one pass: the drain's.)
-            ordered = sorted(step_seconds)
+            # bisecting the sorted times: 15 bisections, not one per step.
             below = 0
             for index, bound in enumerate(STEP_BUCKETS):
                 upto = bisect_right(ordered, bound)
