@@ -1,8 +1,9 @@
 """torch.compile: tuneup leaves no trace on what a job compiles (issue 19).
 
-tests/programs/compiled_loops.py trains seven compiled shapes one after another
+tests/programs/compiled_loops.py trains eight compiled shapes one after another
 (`torch.compile(model)` of torch's own and of the job's classes with DataLoader workers,
-`model.compile()`, a compiled `optimizer.step`, `fullgraph=True`, `dynamic=True`, inductor)
+`model.compile()`, a compiled `optimizer.step`, `fullgraph=True`, `dynamic=True`, inductor,
+a whole training step compiled with `optimizer.step()` inside it)
 and prints, per shape, its losses and what torch's own counters say it compiled. Run with
 plain python and under `tuneup run --apply` (attached before the script builds or compiles
 anything, so model discovery is active while the first graphs are traced): the same
@@ -32,7 +33,7 @@ from tests.conftest import child_env
 from tuneup.export.runlog import read_log
 
 PROGRAM = Path(__file__).parent / "programs" / "compiled_loops.py"
-SHAPES = 7
+SHAPES = 8
 STEPS = 12  # per shape: the program's default
 
 
@@ -61,7 +62,7 @@ def test_a_compiled_program_compiles_the_same_under_tuneup(runs):
         seen = after[shape]
         assert seen["losses"] == record["losses"], shape  # bit-identical (float.hex)
         compiled, expected = dict(seen["compiled"]), dict(record["compiled"])
-        if shape == "optimizer":
+        if shape in ("optimizer", "step"):
             # The one difference, in frames only: tuneup's optimizer hooks ask is_compiling()
             # first, and any such call marks the traced frame as having side effects
             # (torch/_dynamo/variables/torch.py: tx.mark_inconsistent_side_effects(),
@@ -106,7 +107,9 @@ def test_on_the_gpu_cuda_graphs_and_compiled_shapes_compile_the_same_under_tuneu
 
 def test_every_compiled_step_is_counted(runs):
     """A compiled optimizer step included: its hooks return at once inside the compiled code,
-    and tuneup calls them around the compiled function instead."""
+    and tuneup calls them around the compiled function instead. A whole training step
+    compiled too: no hook of the optimizer's runs eagerly there, and its steps close at the
+    fetch after the parameters changed (their version counters)."""
     _, _, run_dir = runs
     events = read_log(next(run_dir.glob("events*.jsonl"))).events
     [end] = [event for event in events if event.get("event") == "end"]
@@ -371,3 +374,120 @@ def test_an_optimizer_step_compiled_after_eager_steps_compiles_as_without_tuneup
     assert compiled == expected
     assert [float.hex(value) for value in tuned] == [float.hex(value) for value in plain]
     assert totals["steps"] == 160
+
+
+
+def compiled_steps(model, optimizer, micro_batches: int):
+    """Two ways to compile the training step with `micro_batches` forwards and backwards
+    accumulating into one update (each backward a graph break: dynamo does not trace
+    Tensor.backward): `whole(xs, ys)` runs them all and the update; `micro(x, y)` runs one,
+    `update()` steps the optimizer and zeroes the gradients."""
+
+    @torch.compile(backend="eager")
+    def whole(xs, ys):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys):
+            loss = nn.functional.mse_loss(model(x), y) / micro_batches
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        return total
+
+    @torch.compile(backend="eager")
+    def micro(x, y):
+        loss = nn.functional.mse_loss(model(x), y) / micro_batches
+        loss.backward()
+        return loss.detach()
+
+    @torch.compile(backend="eager")
+    def update():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return whole, micro, update
+
+
+@pytest.mark.parametrize("fetch", [False, True], ids=["whole step, batches in memory", "micro-step, DataLoader"])
+def test_a_training_step_compiled_with_its_update_counts_one_step_per_update(run_dir, fetch):
+    """Ground truth from the loop: 24 updates of SGD, each after 4 micro-batches (forward,
+    backward) accumulating, the update inside compiled code, so no optimizer hook runs
+    eagerly and no forward is seen. In memory: one call of the compiled step per update, the
+    micro-batches sliced inside it. With a DataLoader: 96 fetches of a micro-batch of 8 rows,
+    each through a compiled forward and backward, every 4th followed by a compiled update.
+    Each update moves the parameters' version counters, the accumulating backwards do not:
+    24 steps, not 96 (a micro-batch taken for a step) nor 1 (none closed). Losses
+    bit-identical to the same loop without tuneup."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def run(attached: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        whole, micro, update = compiled_steps(model, optimizer, 4)
+        xs, ys = torch.randn(24, 4, 8, 16), torch.randn(24, 4, 8, 1)
+        agent = tuneup.attach(run_dir=run_dir, interval=60) if attached else None
+        try:
+            if fetch:
+                losses = []
+                for index, (x, y) in enumerate(DataLoader(TensorDataset(xs.flatten(0, 2), ys.flatten(0, 2)),
+                                                          batch_size=8)):
+                    losses.append(float.hex(micro(x, y).item()))
+                    if index % 4 == 3:
+                        update()
+            else:
+                losses = [float.hex(whole(x, y).item()) for x, y in zip(xs, ys)]
+        finally:
+            if agent is not None:
+                agent.detach()
+        return losses, agent
+
+    plain, _ = run(False)
+    tuned, agent = run(True)
+    torch._dynamo.reset()
+    assert len(plain) == (96 if fetch else 24) and tuned == plain
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 24
+    assert agent.recorder.timeline.changed_steps >= 23  # (the last one closes at detach)
+    at = "a DataLoader fetch" if fetch else "the next backward"
+    assert snapshot["habits"]["step_boundary"].endswith(f"{at} after they changed")
+    assert snapshot["window"]["backward_passes_per_step"] == 4
+    if fetch:
+        assert snapshot["window"]["fetches_per_step"] == 4
+
+
+def test_a_compilation_is_seen_before_any_tick_after_dynamo_loads_or_resets(tmp_path, run_dir):
+    """No tick comes in either case (interval 60 s), so nothing but torch.compile itself and
+    dynamo's reset tells tuneup of its callbacks' fate. In a child process under `tuneup run`:
+    the program imports nothing of dynamo's; torch.compile loads it and its function compiles
+    at the first call (6 steps). In this process: the whole step wrapped by torch.compile, 8
+    eager SGD steps, then torch._dynamo.reset() (which clears dynamo's compile callbacks) and
+    8 more through the compiled step, no optimizer hook running eagerly then: they are steps
+    only if its compilation was seen (watch_updates)."""
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_INTERVAL="60", TUNEUP_PORT="0")
+    child = subprocess.run([sys.executable, "-m", "tuneup", "run", str(PROGRAM.parent / "compiled_train_step.py"),
+                            "--steps", "6"], capture_output=True, text=True, env=env, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    [end] = [event for event in read_log(next((tmp_path / "run").glob("events*.jsonl"))).events
+             if event.get("event") == "end"]
+    assert end["totals"]["steps"] == 6 and end["totals"]["warmup_steps"] >= 1, end["totals"]
+    assert end["totals"]["compile_seconds"] > 0
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 1)
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:
+        whole, _, _ = compiled_steps(model, optimizer, 4)
+        for _ in range(8):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[0]), y[0]).backward()
+            optimizer.step()
+        torch._dynamo.reset()
+        for _ in range(8):
+            whole(x, y)
+    torch._dynamo.reset()
+    snapshot = agent.snapshot()
+    assert snapshot["totals"]["steps"] == 16
+    assert snapshot["compile"]["compiles"] >= 1 and snapshot["totals"]["warmup_steps"] >= 1, snapshot["compile"]

@@ -1,15 +1,20 @@
 """Compiled training loops, the shapes people copy from the torch.compile tutorial and
 nanoGPT-style scripts: `model = torch.compile(model)`, `model.compile()`, a compiled
-`optimizer.step`, `fullgraph=True`, `dynamic=True`, and inductor, each a small MLP or
-transformer block trained with AdamW on batches from a DataLoader (two workers for one shape).
+`optimizer.step`, `fullgraph=True`, `dynamic=True`, inductor, and the whole training step
+compiled (zero_grad, forward, backward and `optimizer.step()` in one function under
+torch.compile, as recent tutorials write it), each a small MLP or transformer block trained
+with AdamW on batches from a DataLoader (two workers for one shape).
 
 Run one after another in this process (dynamo reset between them); for each, the losses and
 what torch's own counters say the program compiled (torch._dynamo.utils.counters: frames,
 unique graphs, recompiles, graph breaks) and the warnings it raised, printed as one JSON line
 `SHAPE {...}`, so that a run under `tuneup run` can be compared with plain python's.
 
-Ground truth, from this source: STEPS optimizer steps per shape (default 12), 7 shapes: 84
-steps in all; one `loss.item()` per step (the print); the data is in memory (no stall).
+Ground truth, from this source: STEPS optimizer steps per shape (default 12), 8 shapes: 96
+steps in all; one `loss.item()` per step (the print); the data is in memory (no stall). In
+the shape `step` no optimizer hook runs eagerly (dynamo traces torch's step wrapper with the
+hooks in it) and no forward either: only the backward (a graph break) and zero_grad (torch
+marks it not to be traced) run outside compiled code.
 """
 
 import argparse
@@ -26,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
-parser.add_argument("--shapes", default="module,user-module,in-place,optimizer,fullgraph,dynamic,inductor")
+parser.add_argument("--shapes", default="module,user-module,in-place,optimizer,fullgraph,dynamic,inductor,step")
 parser.add_argument("--device", default="cpu", help="cuda: on the GPU (add the shape reduce-overhead: CUDA graphs)")
 args = parser.parse_args()
 
@@ -65,7 +70,7 @@ class Block(nn.Module):
 
 def data(shape):
     generator = torch.Generator().manual_seed(1)
-    if shape in ("module", "optimizer", "dynamic", "reduce-overhead"):
+    if shape in ("module", "optimizer", "dynamic", "reduce-overhead", "step"):
         x = torch.randn(args.steps * 16, 16, generator=generator)
     else:
         x = torch.randn(args.steps * 16, 8, 32, generator=generator)
@@ -77,10 +82,10 @@ def data(shape):
 
 def train(shape):
     torch.manual_seed(0)
-    mlp = shape in ("module", "optimizer", "dynamic", "reduce-overhead")
+    mlp = shape in ("module", "optimizer", "dynamic", "reduce-overhead", "step")
     model = (nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)) if mlp else Block()).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=shape != "optimizer")
-    backend = "inductor" if shape in ("inductor", "reduce-overhead") else "eager"
+    backend = "inductor" if shape in ("inductor", "reduce-overhead", "step") else "eager"
     if shape == "in-place":
         model.compile(backend=backend)
     elif shape == "optimizer":
@@ -91,15 +96,27 @@ def train(shape):
         model = torch.compile(model, backend=backend, dynamic=True)
     elif shape == "reduce-overhead":  # CUDA graphs (on the GPU)
         model = torch.compile(model, mode="reduce-overhead")
-    else:
+    elif shape != "step":
         model = torch.compile(model, backend=backend)
-    losses = []
-    for x, y in data(shape):
-        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
+
+    @torch.compile(backend=backend)
+    def train_step(x, y):  # the shape `step`
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
+        return loss
+
+    losses = []
+    for x, y in data(shape):
+        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
+        if shape == "step":
+            loss = train_step(x, y)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
         losses.append(loss.item())
         print(f"{shape} step {len(losses)} loss {losses[-1]:.6f}", flush=True)
     return losses

@@ -13,8 +13,11 @@ records; nothing of tuneup's runs where dynamo traces.
   the whole process and `torch._dynamo.reset()` clears them: the figures are the process's.
 
 torch._dynamo is never imported here: a job that never compiles never loads it. It is looked
-for in sys.modules at attach and at every tick, and the callbacks registered again after a
-`torch._dynamo.reset()` (which clears them).
+for in sys.modules at attach, as `torch.compile` returns (it loads dynamo; what it returns
+compiles at its first call, after that) and at every tick; the callbacks are registered again
+as a `torch._dynamo.reset()` clears them (callback_handler.clear, wrapped on the instance).
+So every compilation is seen before dynamo traces: its time, and the optimizer steps it may
+hide (OptimizerProbe.compile_begins).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .._patching import measured
 from .hotpath import StepTimeline
 
 TOP = 5  # recompile and graph-break sites named
@@ -45,14 +49,30 @@ class CompileProbe:
         self._handler: Any = None
         self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen
         self.began = False  # a compilation began since attach
-        self.on_begin: Any = None  # told when one begins, before dynamo traces (OptimizerProbe.keep_pre_hook)
+        self.on_begin: Any = None  # told when one begins, before dynamo traces (OptimizerProbe.compile_begins)
+        self._patches: Any = None  # the agent's PatchSet (install): torch.compile, callback_handler.clear
+
+    def install(self, patches: Any) -> None:
+        self._patches = patches
+        patches.replace(torch, "compile", self._wrap_compile)
+        self.watch()
+
+    def _wrap_compile(self, original: Any) -> Any:
+        def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
+            self.watch()
+
+        return measured(original, _always, after, self._failed)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.on = False
+        self.timeline.fail(self.name, exc)
 
     def quiet(self) -> bool:
         """Dynamo has converted no frame in this process (before attach, or since: one
         converted before the callbacks were registered counts too), and one that begins will
         be seen before dynamo traces it (the start callback is registered now, here if dynamo
-        was loaded since the last tick; a `torch._dynamo.reset()` clears it until the next
-        tick). Asked at the closes that are due (OptimizerProbe.pre_hook_needed)."""
+        was loaded since it was last looked for). Asked at the closes that are due
+        (OptimizerProbe.pre_hook_needed)."""
         if self._handler is None:
             self.watch()  # torch._dynamo loaded since the last tick (an optimizer's first step loads it)
         handler = self._handler
@@ -72,6 +92,22 @@ class CompileProbe:
         handler.register_start_callback(self._begin)
         handler.register_end_callback(self._end)
         self._handler = handler
+        if self._patches is not None and "clear" not in vars(handler):
+            self._patches.replace(handler, "clear", self._wrap_clear)
+
+    def _wrap_clear(self, original: Any) -> Any:
+        """callback_handler.clear, which `torch._dynamo.reset()` calls (torch/_dynamo/__init__.py
+        reset): the callbacks cleared, ours registered again at once, so a compilation right after a
+        reset is seen as well. A clear that raises (a compilation pending) raises as it would."""
+
+        def clear() -> None:
+            original()
+            try:
+                self.watch()
+            except Exception as exc:  # never into torch's reset
+                self._failed(exc)
+
+        return clear
 
     def close(self) -> None:
         handler, self._handler = self._handler, None
@@ -128,6 +164,10 @@ class CompileProbe:
             **recompiles(dict(self.frames), getattr(utils, "guard_failures", {})),
             **graph_breaks(list(getattr(utils, "graph_break_reasons", ()))),
         }
+
+
+def _always(args: tuple, kwargs: dict) -> bool:
+    return True
 
 
 def _where(code: Any) -> str:

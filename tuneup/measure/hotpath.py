@@ -44,8 +44,10 @@ its graph used by a backward?), about 5 µs a forward, most of it torch's regist
 in loops that update their parameters by hand (every step: their boundary is a forward).
 
 The step boundary is one rule, `StepTimeline.moved_on` (for loops that update their
-parameters by hand: `hand_update`, decided by ModelProbe.hand_boundary); the hooks call it
-only when it has something to do. Every hook is a closure over its probe and the timeline (no bound-method or
+parameters by hand: `hand_update`, decided by ModelProbe.hand_boundary; for updates no hook
+sees, a training step compiled whole: the fetch, or the next backward, after the parameters
+changed since a backward, ModelProbe.parameters_moved); the hooks call it only when it has
+something to do. Every hook is a closure over its probe and the timeline (no bound-method or
 global lookups on the way), reads its clock through the probe (`probe.clock`, so a test can
 break one probe alone), and hands any error of its own to the probe's `fail` (one warning,
 the probe off), never to the job.
@@ -121,8 +123,8 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             if tl.group:
                 tl.closed_at_update = False
                 own = tl.close(began)
-            else:
-                own = tl.moved_on(began) if tl.step_start is None else 0.0
+            else:  # (no optimizer stepped since the last fetch: the first step; accumulation; an update no hook saw)
+                own = tl.moved_on(began) if tl.step_start is None or tl.backward_end is not None else 0.0
             tl.fetches += 1
             try:
                 # shape[0], not len() (a Python function: torch/_tensor.py) nor size(0) (torch's
@@ -338,6 +340,10 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
     return before, after
 
 
+def _never() -> bool:
+    return False
+
+
 EVALUATION = "evaluation"  # forward_hooks' token for an evaluation forward
 WATCHED = "watched"  # ... for a root's training forward (train() mode, grad on): model.ForwardGraphs
 
@@ -354,6 +360,8 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
             probe.end_discovery()
         if not tl.hooked:
             return None
+        if tl.backward_end is not None and not tl.fetches:  # by hand, no fetch: changed since the last backward?
+            tl.moved_on(clock())
         if tl.evaluating:  # training went on without a forward seen (a compiled one, say)
             tl.evaluation_ends()
         if tl.detail:
@@ -374,9 +382,9 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
         if tl.detail:
             tl.backward += now - began
             tl.backward_passes += 1
-        if tl.by_hand:  # no optimizer: the gradients as this backward left them
+        if tl.by_hand:  # no optimizer: the gradients and parameters as this backward left them
             tl.backward_end = now
-            probe.mark_gradients()
+            probe.mark_gradients(args[0])
             gradients = probe.gradients
             if tl.detail and gradients is not None and gradients.due.get("by hand", 0) <= tl.ring.count:
                 gradients.of_models(probe.root_models())
@@ -429,6 +437,11 @@ class StepTimeline:
         self.hooked = True  # the forward/backward/zero_grad wrappers look: detail or by_hand
         self.backward_end: float | None = None  # by hand: end of the open step's latest backward
         self.hand_steps = 0  # steps closed by the hand-update boundary
+        # Loops whose updates no optimizer hook sees (a whole training step under torch.compile:
+        # the hooks are traced away): whether the parameters changed in place since the latest
+        # backward (ModelProbe.parameters_moved), and the steps closed on that (moved_on).
+        self.parameters_moved: Callable[[], bool] = _never
+        self.changed_steps = 0
         # An evaluation phase: forwards of a trained model in eval() mode between training
         # forwards (evaluation_forward .. evaluation_ends).
         self.evaluating = False
@@ -546,6 +559,14 @@ class StepTimeline:
             if optimizer is not None and self.fetches:  # (before the close: see OptimizerProbe.fit_pre_hook)
                 self.update_closes += 1
             return self.close(now)
+        if self.backward_end is not None and optimizer is None and self.parameters_moved():
+            # No optimizer step seen, yet the parameters changed since the step's latest
+            # backward: an update no hook saw (a training step compiled whole, opt.step()
+            # inside it: the step hooks are traced away) or one made by hand. A fetch, or in a
+            # loop without one the next backward (ModelProbe's backward wrapper), closes it.
+            self.backward_end = None
+            self.changed_steps += 1
+            return self._close_marked(now)
         if self.step_start is None:
             self.step_start = now
         return 0.0
@@ -598,6 +619,11 @@ class StepTimeline:
         self.backward_end = None
         self.hand_steps += 1
         self._close_marked(now)
+
+    def watch_updates(self) -> None:
+        """Watch for updates as in a loop without an optimizer, until one steps where its hooks
+        run (OptimizerProbe.watch_updates: a compilation began)."""
+        self.by_hand = self.hooked = True
 
     def not_by_hand(self) -> None:
         """An optimizer stepped or the loop marks its steps: no hand-update boundary from now on."""
@@ -780,13 +806,13 @@ class StepTimeline:
         self.not_by_hand()
         self._close_marked(perf_counter() if now is None else now)
 
-    def _close_marked(self, now: float) -> None:
+    def _close_marked(self, now: float) -> float:
         """Close at a boundary no optimizer step made (tuneup.step(), a hand update): the loss
         of the latest backward is the step's."""
         if self.step_loss is None and self.loss is not None:
             self.step_loss, self.loss, self.wake_at = self.loss, None, 0  # the close reads it
         self.closed_at_update = False  # (a hand update's close: at the next forward, before it)
-        self.close(now)
+        return self.close(now)
 
     # --- values that arrive late (read asynchronously from the device) ----------------
 

@@ -95,6 +95,25 @@ def forward_autocast(module: nn.Module) -> dict[str, str]:
     return found
 
 
+def graph_parameter(tensor: torch.Tensor, limit: int = 4096) -> torch.Tensor | None:
+    """A parameter the autograd graph of `tensor` reaches (an AccumulateGrad node's
+    `variable`; a leaf that is no nn.Parameter where none is), looking at `limit` nodes at
+    most. The graph's nodes stay after a backward that freed its buffers."""
+    stack, seen, leaf = [tensor.grad_fn], set(), None
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, nn.Parameter):
+            return variable
+        if leaf is None and isinstance(variable, torch.Tensor):
+            leaf = variable
+        stack.extend(following for following, _ in node.next_functions)
+    return leaf
+
+
 def tracing() -> bool:
     """Whether torch.jit.trace, fx.symbolic_trace or torch.export is running the model rather
     than the job. fx's flag is read as is: its getter, is_fx_tracing(), logs a warning."""
@@ -143,6 +162,9 @@ class ModelProbe:
         # left it (weakly: the job frees it at will), to tell an update from accumulation.
         self._watched: weakref.ref | None = None
         self._gradient: tuple[weakref.ref, int] | None = None
+        self._version = 0  # ... and that parameter's version counter then (parameters_moved)
+        self._repick = False  # the next backward picks the parameter afresh (forget_watched)
+        timeline.parameters_moved = self.parameters_moved
 
     # --- install --------------------------------------------------------------------
 
@@ -409,15 +431,41 @@ class ModelProbe:
 
     # --- the step boundary of loops that update parameters by hand (no optimizer) ----------
 
-    def mark_gradients(self) -> None:
-        """After a backward: remember a trained parameter's gradient (the object and its version
-        counter, which every in-place change bumps: zero_(), clipping's mul_, accumulation)."""
+    def mark_gradients(self, loss: Any = None) -> None:
+        """After a backward (of `loss`): remember a trained parameter's gradient (the object and
+        its version counter, which every in-place change bumps: zero_(), clipping's mul_,
+        accumulation) and the parameter's own version. Where no root model is known (its
+        forwards all ran inside compiled code), the parameter is one the backward reached.
+        The parameter watched so far is picked again where this backward left its gradient as
+        it was (another model's: one trained before, still alive)."""
         parameter = self._watched() if self._watched is not None else None
-        if parameter is None or parameter.grad is None:
-            parameter = next((p for model in self.root_models() for p in model.parameters() if p.grad is not None), None)
-            self._watched = weakref.ref(parameter) if parameter is not None else None
         gradient = parameter.grad if parameter is not None else None
+        if gradient is None or self._repick or (self._gradient is not None and self._gradient[0]() is gradient
+                                                and gradient._version == self._gradient[1]):
+            self._repick = False
+            parameter = graph_parameter(loss) if isinstance(loss, torch.Tensor) else None
+            if parameter is None or parameter.grad is None:
+                parameter = next((p for model in self.root_models() for p in model.parameters() if p.grad is not None), None)
+            self._watched = weakref.ref(parameter) if parameter is not None else None
+            gradient = parameter.grad if parameter is not None else None
         self._gradient = (weakref.ref(gradient), gradient._version) if gradient is not None else None
+        self._version = parameter._version if parameter is not None else 0
+
+    def forget_watched(self) -> None:
+        """The next backward picks the parameter to watch afresh (a compilation began); the one
+        watched now still tells whether the parameters changed since the latest backward."""
+        self._repick = True
+
+    def parameters_moved(self) -> bool:
+        """Whether the watched parameter changed in place since the latest backward: an
+        optimizer's update bumps its version counter, inside a compiled graph too: AOTAutograd
+        either writes a mutated input back with copy_ after the graph or, where the graph
+        mutates it in place, bumps the counter itself (torch/_functorch/_aot_autograd/
+        runtime_wrappers.py: the epilogue's `original_inpt.copy_(updated_inpt)`,
+        increment_mutation_versions); at least once per compiled AdamW or SGD step on torch 2.13. So
+        does `p -= lr * p.grad` under no_grad; a `p.data` update does not (see hand_boundary)."""
+        parameter = self._watched() if self._watched is not None else None
+        return parameter is not None and parameter._version != self._version
 
     def hand_boundary(self, module: nn.Module) -> None:
         """A root's forward after a backward, in a loop where no optimizer stepped: the step

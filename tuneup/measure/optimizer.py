@@ -155,8 +155,8 @@ class OptimizerProbe:
                 self.step_thread = thread
             elif thread != self.step_thread:  # optimizers stepping on several threads: see fit_pre_hook
                 self.pre_always = True
+            self.timeline.not_by_hand()  # an optimizer updates the parameters (its hooks run: watch_updates)
             if key not in self.seen:
-                self.timeline.not_by_hand()  # an optimizer updates the parameters
                 self.seen.add(key)
                 self.first_step[key] = len(self.classes)  # classes grows by one per new optimizer
                 self.classes.append(type(optimizer).__name__)
@@ -255,14 +255,26 @@ class OptimizerProbe:
     def _free_to_move(self) -> bool:
         return threading.get_ident() == self.step_thread and not inside_optimizer_step()
 
-    def keep_pre_hook(self) -> None:
+    def compile_begins(self) -> None:
         """A compilation begins (CompileProbe's start callback, before dynamo traces): the
         pre-hook is in the registry for good, put back now where that is safe (_free_to_move;
-        else at the next close that is due)."""
+        else at the next close that is due); and the updates are watched (watch_updates)."""
         self.pre_always = True
         pre = self._pre
         if pre is not None and not pre.in_place and self._free_to_move():
             pre.put(True)
+        self.watch_updates()
+
+    def watch_updates(self) -> None:
+        """What is compiled may hold `optimizer.step()` (a training step compiled whole):
+        dynamo traces torch's step wrapper with the global hooks in it, so no hook of ours runs
+        for those steps and no step would close. Until an optimizer's hooks run again, the
+        loop is watched as one that updates its parameters by hand (StepTimeline.by_hand: its
+        steps close where the parameters changed since a backward, StepTimeline.moved_on);
+        the optimizers are admitted again at their next step, which ends the watch (admit)."""
+        if not self.timeline.by_hand:
+            self.measured.clear()
+            self.timeline.watch_updates()
 
     def _forget(self, key: int) -> None:
         self.compiled_steps.discard(key)

@@ -91,7 +91,7 @@ class Recorder:
         # a compilation may have seen the registry.
         self.optimizer.regions_read = lambda: self.syncs.sampling or self.calls.watching
         self.optimizer.compile_quiet = self.compile.quiet
-        self.compile.on_begin = self.optimizer.keep_pre_hook
+        self.compile.on_begin = self._compile_begins
         self.collector = GcPauses(self.timeline)  # Python's garbage collections, timed
         self.precision = PrecisionTrial(self.timeline, self.model)  # what autocast would save, timed once
         self.flops = FlopCount(self.model)  # a step's FLOPs, counted on shapes when they change
@@ -131,7 +131,7 @@ class Recorder:
         for probe in (self.loader, self.model, self.optimizer, self.scaler, self.syncs):
             probe.install(patches)
         self.calls.install()
-        self.compile.watch()
+        self.compile.install(patches)
         self.collector.install()
 
     def quiet(self) -> None:
@@ -200,6 +200,13 @@ class Recorder:
             self.timeline.manual_step()
         except Exception as exc:
             self.fail("steps", exc)
+
+    def _compile_begins(self) -> None:
+        """A compilation begins (before dynamo traces): what it compiles may hold the optimizer's
+        step (OptimizerProbe.compile_begins) and train another model than the one whose parameter
+        tells an update (ModelProbe.forget_watched)."""
+        self.optimizer.compile_begins()
+        self.model.forget_watched()
 
     def _new_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if len(self.optimizer.optimizers) > 1:
@@ -440,6 +447,10 @@ class Recorder:
             if closure:
                 text += f": one step each, {' and '.join(closure)}'s closure passes inside it"
             return text
+        if timeline.changed_steps:
+            at = "a DataLoader fetch" if timeline.fetches else "the next backward"
+            return (f"parameters changed with no optimizer step seen (an update inside compiled code, or by "
+                    f"hand): {at} after they changed")
         if timeline.hand_steps:
             return ("parameters updated by hand (no optimizer): a forward after a backward whose gradients "
                     "were then used or cleared")
