@@ -2,10 +2,13 @@
 
     python benchmarks/bench_compile.py [--rounds 11] [--backend inductor]
 
-bench_overhead.py's two CPU loops (~5 ms AdamW step, ~0.4 ms SGD step), each eager and with
-`torch.compile(model)` (compiled once, before the rounds: the compile is not what is timed
-here; tuneup keeps it out of its step times too). Each round runs the four configurations
-(eager, eager + tuneup, compiled, compiled + tuneup) in a shuffled order; a run's figure is its
+bench_overhead.py's two CPU loops (~5 ms AdamW step, ~0.4 ms SGD step), each eager, with
+`torch.compile(model)`, and with the whole training step compiled (`@torch.compile` on a
+function that zeroes the gradients, runs forward and backward and steps the optimizer: no
+optimizer hook runs eagerly there, and tuneup watches every step as a loop without an
+optimizer: hotpath.py StepTimeline.by_hand), each compiled once before the rounds (the
+compile is not what is timed here; tuneup keeps it out of its step times too). Each round
+runs the six configurations (each with and without tuneup) in a shuffled order; a run's figure is its
 mean wall and CPU time per step (time.process_time(): tuneup's own thread counted); printed:
 medians over rounds, the ratio to the loop without tuneup, and the added time per step paired
 with the same round's run without tuneup.
@@ -42,38 +45,49 @@ def main() -> None:
         for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
             loader, model, optimizer = make(features, hidden, depth, batch, optimizer_class, pre_batched)
             compiled = torch.compile(model, backend=args.backend)
+
+            @torch.compile(backend=args.backend)
+            def train_step(x, y, model=model, optimizer=optimizer):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+                return loss
+
             began = time.perf_counter()
             loop(loader, compiled, optimizer, WARMUP_STEPS + 10)  # compiles forward and backward
+            loop(loader, model, optimizer, WARMUP_STEPS + 10, train_step=train_step)  # ... and the whole step
             compile_seconds = time.perf_counter() - began
             steps = WARMUP_STEPS + timed
 
-            def run(trained, attached):
+            def run(trained, step_function, attached):
                 if not attached:
-                    return loop(loader, trained, optimizer, steps)
+                    return loop(loader, trained, optimizer, steps, train_step=step_function)
                 with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
-                    return loop(loader, trained, optimizer, steps)
+                    return loop(loader, trained, optimizer, steps, train_step=step_function)
 
-            configs = {"eager": (model, False), "eager + tuneup": (model, True),
-                       "compiled": (compiled, False), "compiled + tuneup": (compiled, True)}
+            configs = {"eager": (model, None, False), "eager + tuneup": (model, None, True),
+                       "compiled": (compiled, None, False), "compiled + tuneup": (compiled, None, True),
+                       "step compiled": (model, train_step, False), "step compiled + tuneup": (model, train_step, True)}
             wall: dict[str, list[float]] = {name: [] for name in configs}
             cpu: dict[str, list[float]] = {name: [] for name in configs}
             for _ in range(args.rounds):
                 order = list(configs.items())
                 random.shuffle(order)
-                for name, (trained, attached) in order:
-                    seconds, cpu_seconds = run(trained, attached)
+                for name, (trained, step_function, attached) in order:
+                    seconds, cpu_seconds = run(trained, step_function, attached)
                     wall[name].append(seconds / timed)
                     cpu[name].append(cpu_seconds / timed)
             print(f"\n{workload} (batch {batch}, {timed} timed steps per run; compiling took {compile_seconds:.1f} s)")
             for title, figures in (("wall time", wall), ("CPU time", cpu)):
-                print(f"  {title:<20}{'median step':>14}{'ratio':>9}{'added/step':>13}{'paired added/step (IQR)':>30}")
+                print(f"  {title:<24}{'median step':>14}{'ratio':>9}{'added/step':>13}{'paired added/step (IQR)':>30}")
                 for name in configs:
                     base_name = name.replace(" + tuneup", "")
                     base = statistics.median(figures[base_name])
                     median = statistics.median(figures[name])
                     added = [(value - plain) * 1e6 for value, plain in zip(figures[name], figures[base_name])]
                     q1, _, q3 = statistics.quantiles(added, n=4)
-                    print(f"  {name:<20}{median * 1e3:>11.3f} ms{median / base:>9.3f}{(median - base) * 1e6:>10.1f} µs"
+                    print(f"  {name:<24}{median * 1e3:>11.3f} ms{median / base:>9.3f}{(median - base) * 1e6:>10.1f} µs"
                           f"{statistics.median(added):>12.1f} µs ({q1:.1f} to {q3:.1f})")
 
 

@@ -116,13 +116,16 @@ def make(features, hidden, depth, batch, optimizer_class, pre_batched, device="c
     return loader, model, optimizer
 
 
-def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0) -> tuple[float, float]:
+def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0,
+         train_step=None) -> tuple[float, float]:
     """Run WARMUP_STEPS steps, and more until `settle` seconds have passed, then `steps -
     WARMUP_STEPS` timed steps; returns their wall and CPU time (CPU time of the whole process:
     the agent's own thread included). With a `settle`, also until PACED_STEPS steps ran and a
     tick's interval after them: tuneup paces its detail steps from PACED_FROM_STEP on, at its
     next drain (the ~5 ms workload reaches that 3.6 s in, past SETTLE: its figures were those of
-    a run's first thousand steps, a detail step in four)."""
+    a run's first thousand steps, a detail step in four). `train_step(x, y)`: the step's body
+    (zero_grad, forward, backward, update) in one function that returns the loss, a compiled
+    one say (bench_compile.py)."""
     step = 0
     started = None
     end = -1
@@ -136,10 +139,13 @@ def loop(loader, model, optimizer, steps: int, on_step=None, settle: float = 0.0
                     and paced_at is not None and time.perf_counter() - paced_at >= PACE_WAIT:
                 started = time.perf_counter(), time.process_time()
                 end = step + steps - WARMUP_STEPS
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
+            if train_step is not None:
+                loss = train_step(x, y)
+            else:
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                optimizer.step()
             if step % 10 == 0:
                 loss.item()
             if on_step is not None:

@@ -457,14 +457,11 @@ def test_a_training_step_compiled_with_its_update_counts_one_step_per_update(run
         assert snapshot["window"]["fetches_per_step"] == 4
 
 
-def test_a_compilation_is_seen_before_any_tick_after_dynamo_loads_or_resets(tmp_path, run_dir):
-    """No tick comes in either case (interval 60 s), so nothing but torch.compile itself and
-    dynamo's reset tells tuneup of its callbacks' fate. In a child process under `tuneup run`:
-    the program imports nothing of dynamo's; torch.compile loads it and its function compiles
-    at the first call (6 steps). In this process: the whole step wrapped by torch.compile, 8
-    eager SGD steps, then torch._dynamo.reset() (which clears dynamo's compile callbacks) and
-    8 more through the compiled step, no optimizer hook running eagerly then: they are steps
-    only if its compilation was seen (watch_updates)."""
+def test_a_compilation_is_seen_before_any_tick_after_dynamo_loads(tmp_path):
+    """No tick comes (interval 60 s), so only dynamo's import tells tuneup when to register its
+    compile callbacks. Under `tuneup run`, the program imports nothing of dynamo's; torch.compile
+    loads it, and its function compiles at the first call (6 steps): that compilation is timed,
+    its step a warm-up step."""
     env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_INTERVAL="60", TUNEUP_PORT="0")
     child = subprocess.run([sys.executable, "-m", "tuneup", "run", str(PROGRAM.parent / "compiled_train_step.py"),
                             "--steps", "6"], capture_output=True, text=True, env=env, timeout=600)
@@ -474,20 +471,67 @@ def test_a_compilation_is_seen_before_any_tick_after_dynamo_loads_or_resets(tmp_
     assert end["totals"]["steps"] == 6 and end["totals"]["warmup_steps"] >= 1, end["totals"]
     assert end["totals"]["compile_seconds"] > 0
 
+
+def test_updates_no_hook_sees_after_an_optimizer_are_found_by_their_fetches(run_dir):
+    """Ground truth from the loop: 56 batches fetched, each one update: 8 by torch's SGD, then
+    48 written out by hand (`p.add_(p.grad, alpha=-lr)` under no_grad), as a script switching
+    to an update rule of its own writes them. No optimizer hook
+    sees the later ones and no compilation announces them, so the fetches decide: after
+    UNSEEN_FETCHES of them with no update seen, the parameters' versions end the steps. Those
+    first fetches are one step; every later one is its own."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tuneup.measure.hotpath import UNSEEN_FETCHES
+
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 1)
+    loader = DataLoader(TensorDataset(torch.randn(56 * 8, 16), torch.randn(56 * 8, 1)), batch_size=8)
     with tuneup.attach(run_dir=run_dir, interval=60) as agent:
-        whole, _, _ = compiled_steps(model, optimizer, 4)
-        for _ in range(8):
+        for index, (x, y) in enumerate(loader):
             optimizer.zero_grad()
-            nn.functional.mse_loss(model(x[0]), y[0]).backward()
-            optimizer.step()
-        torch._dynamo.reset()
-        for _ in range(8):
-            whole(x, y)
-    torch._dynamo.reset()
+            nn.functional.mse_loss(model(x), y).backward()
+            if index < 8:
+                optimizer.step()
+                continue
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(parameter.grad, alpha=-0.05)
+    totals = agent.snapshot()["totals"]
+    assert agent.recorder.timeline.fetches == 56
+    # 8 by SGD, one of the first UNSEEN_FETCHES + 1 by hand, each of the 48 - (UNSEEN_FETCHES + 1) after.
+    assert totals["steps"] == 8 + 1 + 48 - (UNSEEN_FETCHES + 1), totals
+
+
+def test_long_gradient_accumulation_stays_one_step_per_update(run_dir):
+    """Ground truth from the loop: an AdamW update after the first micro-batch fetched from a
+    DataLoader (forward, backward), then 3 more, each after 40: 4 steps. After each backward the loop moves the
+    gradients into buffers of its own and clears them (as DeepSpeed's ZeRO engine does in its
+    backward), and puts the sums back before the update. Past UNSEEN_FETCHES fetches without an
+    update tuneup watches the parameters (it cannot tell this from an update it cannot see);
+    they do not change until the update, and a gradient cleared between micro-batches is no
+    update there (ModelProbe.hand_boundary steps aside while watching; before the first
+    update no optimizer was seen, and such a loop's micro-batches are steps updated by hand)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sums = {parameter: torch.zeros_like(parameter) for parameter in model.parameters()}
+    loader = DataLoader(TensorDataset(torch.randn(121 * 8, 16), torch.randn(121 * 8, 1)), batch_size=8)
+    with tuneup.attach(run_dir=run_dir, interval=60) as agent:
+        for index, (x, y) in enumerate(loader):
+            (nn.functional.mse_loss(model(x), y) / 40).backward()
+            for parameter, total in sums.items():
+                total += parameter.grad
+                parameter.grad = None
+            if index % 40 == 0:
+                for parameter, total in sums.items():
+                    parameter.grad = total.clone()
+                    total.zero_()
+                optimizer.step()
+                optimizer.zero_grad()
     snapshot = agent.snapshot()
-    assert snapshot["totals"]["steps"] == 16
-    assert snapshot["compile"]["compiles"] >= 1 and snapshot["totals"]["warmup_steps"] >= 1, snapshot["compile"]
+    assert agent.recorder.timeline.fetches == 121
+    assert snapshot["totals"]["steps"] == 4, snapshot["totals"]
+    assert agent.recorder.timeline.watching is False  # the last update ended the watch

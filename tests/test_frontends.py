@@ -35,6 +35,7 @@ import tuneup
 from tuneup.diagnose.rules import precision as precision_rules
 from tuneup.measure.precision import BUDGET_STEPS, PrecisionTrial
 from tuneup.measure.syncs import HOST_READS
+from torch._dynamo.callback import CompilationCallbackHandler
 
 # (owner, attribute): the front-ends that look at it, as tested below.
 AUDIT = {
@@ -49,7 +50,18 @@ AUDIT = {
     (torch.amp.GradScaler, "update"): "pickle and deepcopy of GradScaler",
     **{(owner, name): "jit.script of tensor methods, compile" for owner, name in HOST_READS},
     ("model class", "forward"): "jit.script/trace, fx, export, compile, deepcopy, save (advise and apply)",
+    (("instance", CompilationCallbackHandler), "clear"): "none: torch._dynamo.reset calls it, nothing inspects it",
 }
+
+
+def audit_key(owner):
+    """An owner as AUDIT names it: itself, or by its class an instance that cannot be hashed
+    (dynamo's callback handler, a dataclass)."""
+    try:
+        hash(owner)
+    except TypeError:
+        return "instance", type(owner)
+    return owner
 if torch.distributed.is_available():
     from torch.distributed import distributed_c10d
 
@@ -294,7 +306,7 @@ def phases(request, tmp_path_factory):
         trying = mode == "apply" and any(r["decision"] == "trying" for r in agent.actions())
         why = (steps, agent.recorder.precision.result, [(r["decision"], r.get("reason")) for r in agent.actions()],
                [f["rule"] for f in agent.findings()])
-        replaced = {(owner, name) for owner, name, _ in agent._patches.replaced}
+        replaced = {(audit_key(owner), name) for owner, name, _ in agent._patches.replaced}
         originals = [original for _, _, original in agent._patches.replaced]
         restore(job, state)
         # The FLOP count waiting for the model's next training forward, as it does every

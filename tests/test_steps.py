@@ -387,7 +387,7 @@ def test_a_batch_fetched_inside_torchs_step_hooks_never_changes_their_registry_u
     assert totals["steps"] >= 299  # (the first fetch, inside the first update, closes no step)
 
 
-def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_dir):
+def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_dir, monkeypatch):
     """Ground truth from the loop: 300 updates on the main thread, their batches fetched ahead
     by a thread of the job's own (a prefetching generator, as prefetch_generator's
     BackgroundGenerator does), 4 batches ahead through a queue. Steps then close on that
@@ -398,6 +398,14 @@ def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_
     hooks, are skipped there and say why (Recorder._on_step_thread)."""
     import queue
     import threading
+
+    from tuneup.measure.flops import FlopCount
+
+    ran_on = []  # the threads the FLOP count began or finished on
+    for name in ("capture", "finish"):
+        original = getattr(FlopCount, name)
+        monkeypatch.setattr(FlopCount, name, lambda self, *args, _original=original, **kwargs: (
+            ran_on.append(threading.get_ident()), _original(self, *args, **kwargs))[1])
 
     model, optimizer, loader = fresh_job(batches=300)
     ahead: queue.Queue = queue.Queue(maxsize=4)
@@ -419,5 +427,9 @@ def test_a_loader_iterated_by_a_prefetching_thread_never_moves_the_pre_hook(run_
     assert snapshot["totals"]["optimizer_steps"] == 300
     # Nor is the model run off the step there (the FLOP count swaps its parameters for meta
     # ones: the main thread's forward met them, "Tensor on device meta is not on the expected
-    # device cpu!", in the job's own step).
-    assert "another thread" in snapshot["habits"]["flops"]["skipped"], snapshot["habits"]["flops"]
+    # device cpu!", in the job's own step). The close where the count is due falls on either
+    # thread: the prefetching one's fetch, or the main one's next optimizer step where no fetch
+    # came since (a batch taken from the queue). There it runs, as on any step.
+    flops = snapshot["habits"]["flops"]
+    assert "another thread" in flops.get("skipped", "") or flops.get("flops", 0) > 0, flops
+    assert set(ran_on) <= {threading.main_thread().ident}

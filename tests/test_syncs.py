@@ -189,6 +189,53 @@ def test_the_host_read_wrappers_are_in_place_on_sampled_steps_only(run_dir):
     assert not set(READ_NAMES) & set(vars(torch.Tensor))  # after detach: torch's own
 
 
+LOG_ONCE = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(1, 13):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1))
+    loss.backward()
+    optimizer.step()
+    if step == 4:
+        print(f"step {step} loss {float(loss):.4f}")  # FLOAT
+"""
+
+
+def test_a_warning_inside_a_counted_read_names_the_jobs_line(tmp_path):
+    """float() of a loss that requires grad warns, once a process (torch: "Converting a tensor
+    with requires_grad=True to a scalar"). Ground truth: 12 steps, the one float() on step 4,
+    one of the steps whose reads tuneup counts (3-5 always): there the read runs inside the
+    wrapper posing as torch/_tensor.py, yet the warning names the script's line, as without
+    tuneup: the job's stderr is the same line for line."""
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+    from tuneup.report.sources import load
+
+    program = tmp_path / "log_once.py"
+    program.write_text(LOG_ONCE)
+    line = next(number for number, text in enumerate(LOG_ONCE.splitlines(), 1) if "# FLOAT" in text)
+    env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"), TUNEUP_PORT="0")
+    plain = subprocess.run([sys.executable, str(program)], env={**env, "TUNEUP_DISABLE": "1"}, capture_output=True,
+                           text=True, timeout=300)
+    tuned = subprocess.run([sys.executable, "-m", "tuneup", "run", str(program)], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == tuned.returncode == 0, tuned.stderr
+    if "UserWarning" not in plain.stderr:
+        pytest.skip("this torch does not warn on float() of a tensor that requires grad")
+    assert plain.stderr.startswith(f"{program}:{line}: UserWarning")
+    assert (tuned.stdout, tuned.stderr) == (plain.stdout, plain.stderr)
+    histories, _ = load(str(tmp_path / "run"))
+    sources = histories[0].snapshot()["syncs"]["top_sources"]
+    assert [source["location"] for source in sources] == [f"{program}:{line}"]  # it was counted
+
+
 def test_a_host_read_someone_wrapped_meanwhile_is_neither_covered_nor_removed(run_dir):
     # A profiler of the job's wraps Tensor.item between two of tuneup's sampled steps: from then
     # on its wrapper is the one in place, on sampled steps too and after detach; tuneup counts

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import re
 import sys
@@ -220,6 +222,105 @@ def posing_as(original: Any, template: str, *, home: type | None = None, **bindi
     return functools.update_wrapper(wrapper, original)
 
 
+_SITE_FACTORY = """
+def _tuneup_site_factory(_tuneup_unwind):
+    def site(_tuneup_call, *args, **kwargs):
+        try:
+            return _tuneup_call(*args, **kwargs)
+        except BaseException as _tuneup_raised:
+            _tuneup_unwind(_tuneup_raised)
+            raise
+    return site
+"""
+_SITE_CACHE_SIZE = 1024
+_sites: dict[tuple[Any, int], types.FunctionType] = {}
+
+
+def _site_template() -> types.FunctionType:
+    """`site` of _SITE_FACTORY, every instruction on line 1 (co_firstlineno moves them all)."""
+    tree = ast.parse(_SITE_FACTORY)
+    for node in ast.walk(tree):
+        if "lineno" in node._attributes:
+            node.lineno = node.end_lineno = 1
+            node.col_offset = node.end_col_offset = 0
+    namespace: dict[str, Any] = {}
+    exec(compile(tree, "<tuneup>", "exec"), namespace)
+    return namespace["_tuneup_site_factory"](unwind)
+
+
+def call_site(frame: types.FrameType) -> Callable[..., Any]:
+    """A function `site(call, *args, **kwargs)` that calls `call(*args, **kwargs)` from where
+    `frame` stands: a frame of its own with that frame's file, line, function name and globals.
+
+    A C function's warning names the innermost Python frame (torch buffers its C++ warnings
+    and raises them as Python warnings on the way back to Python: torch/csrc/Exceptions.cpp
+    PyWarningHandler; PyErr_WarnEx, stack level 1), and the warning's filters and registry are
+    that frame's module's. Called from a wrapper of a C method (the host reads: hotpath.py
+    HOST_READ), a warning inside it would name the wrapper's place (torch/_tensor.py, its
+    `class Tensor` line); called through this, the job's line and module, as without the
+    wrapper. An error inside leaves this frame off its traceback (unwind). One function per
+    site, kept for the next call (the first _SITE_CACHE_SIZE sites)."""
+    code = frame.f_code
+    key = (code, frame.f_lineno)
+    site = _sites.get(key)
+    if site is None:
+        template = _SITE_TEMPLATE
+        site_code = template.__code__.replace(co_filename=code.co_filename, co_name=code.co_name,
+                                              co_firstlineno=max(1, frame.f_lineno or 1))
+        site = types.FunctionType(site_code, frame.f_globals, code.co_name, None, template.__closure__)
+        if len(_sites) < _SITE_CACHE_SIZE:
+            _sites[key] = site
+    return site
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """`after(module)` once a module named in `names` has run, where the job imports it: a
+    finder at the head of `sys.meta_path` that lets the normal finders find the module and
+    runs it with its own loader, then calls `after`. Nothing is imported that the job does not
+    import. `install(patches)`: the PatchSet removes the finder at undo (detach)."""
+
+    def __init__(self, names: tuple[str, ...], after: Callable[[Any], None]) -> None:
+        self.names = names
+        self.after = after
+        self._finding = False
+
+    def install(self, patches: PatchSet) -> None:
+        sys.meta_path.insert(0, self)
+        patches.add_handle(self)  # undo: remove()
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.names or self._finding:
+            return None
+        self._finding = True  # the normal finders find it; this one steps aside meanwhile
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _LoaderThenCall(spec.loader, self.after)
+        return spec
+
+
+class _LoaderThenCall(importlib.abc.Loader):
+    """The module's own loader, then `after(module)` once the module has run."""
+
+    def __init__(self, loader: Any, after: Callable[[Any], None]) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__.loader = self.loader  # the module keeps its own loader (reloads, resources)
+        self.loader.exec_module(module)
+        self.after(module)
+
+
 def unwind(exc: BaseException) -> None:
     """Take the calling wrapper's own entry off `exc`'s traceback; the wrapper then re-raises
     with a bare `raise`, and the job's traceback is the one it prints without tuneup: no frame
@@ -356,3 +457,6 @@ class PatchSet:
 
     def __len__(self) -> int:
         return len(self._undo)
+
+
+_SITE_TEMPLATE = _site_template()

@@ -14,10 +14,11 @@ finder (the agent's PatchSet).
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import sys
 from typing import Any
+
+from .._patching import AfterImport
+
 
 def watch_trainers(agent: Any) -> None:
     """Once per agent, while it is attached: its PatchSet undoes the watch at detach."""
@@ -31,37 +32,19 @@ def watch_trainers(agent: Any) -> None:
 TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer", "transformers.trainer")
 
 
-class TrainerWatch(importlib.abc.MetaPathFinder):
+class TrainerWatch(AfterImport):
     def __init__(self, patches: Any, active: Any, warn: Any) -> None:
+        super().__init__(TRAINER_MODULES, self._patch)
         self.patches = patches
         self.active = active  # () -> whether the agent is attached
         self.warn = warn
-        self._finding = False
 
-    def install(self) -> None:
+    def install(self) -> None:  # type: ignore[override]
         for name in TRAINER_MODULES:
             module = sys.modules.get(name)
             if module is not None:
                 self._patch(module)
-        sys.meta_path.insert(0, self)
-        self.patches.add_handle(self)  # undo: remove()
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in TRAINER_MODULES or self._finding:
-            return None
-        self._finding = True  # the normal finders find it; this one steps aside meanwhile
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _PatchingLoader(spec.loader, self._patch)
-        return spec
+        super().install(self.patches)
 
     def _patch(self, module: Any) -> None:
         trainer = getattr(module, "Trainer", None)
@@ -87,17 +70,3 @@ class TrainerWatch(importlib.abc.MetaPathFinder):
 
         self.patches.replace(trainer, "__init__", wrap)
 
-
-class _PatchingLoader(importlib.abc.Loader):
-    """The module's own loader, and the trainer class patched once the module has run."""
-
-    def __init__(self, loader: Any, after: Any) -> None:
-        self.loader, self.after = loader, after
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__spec__.loader = self.loader  # the module keeps its own loader (reloads, resources)
-        self.loader.exec_module(module)
-        self.after(module)

@@ -13,11 +13,12 @@ records; nothing of tuneup's runs where dynamo traces.
   the whole process and `torch._dynamo.reset()` clears them: the figures are the process's.
 
 torch._dynamo is never imported here: a job that never compiles never loads it. It is looked
-for in sys.modules at attach, as `torch.compile` returns (it loads dynamo; what it returns
-compiles at its first call, after that) and at every tick; the callbacks are registered again
-as a `torch._dynamo.reset()` clears them (callback_handler.clear, wrapped on the instance).
-So every compilation is seen before dynamo traces: its time, and the optimizer steps it may
-hide (OptimizerProbe.compile_begins).
+for in sys.modules at attach and at every tick, and where the job loads it after attach
+(torch.compile does, and what it returns compiles at its first call, later), as soon as it has
+loaded (_patching.AfterImport); and again as a `torch._dynamo.reset()` clears them
+(callback_handler.clear, wrapped on the instance). Every compilation is then seen before
+dynamo traces it: its time, and the optimizer steps it may hide (OptimizerProbe.compile_begins;
+should one be missed all the same, StepTimeline.unseen_fetch finds those steps later).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._patching import measured
+from .._patching import AfterImport
 from .hotpath import StepTimeline
 
 TOP = 5  # recompile and graph-break sites named
@@ -50,18 +51,19 @@ class CompileProbe:
         self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen
         self.began = False  # a compilation began since attach
         self.on_begin: Any = None  # told when one begins, before dynamo traces (OptimizerProbe.compile_begins)
-        self._patches: Any = None  # the agent's PatchSet (install): torch.compile, callback_handler.clear
+        self._patches: Any = None  # the agent's PatchSet (install): callback_handler.clear
 
     def install(self, patches: Any) -> None:
         self._patches = patches
-        patches.replace(torch, "compile", self._wrap_compile)
+        if "torch._dynamo" not in sys.modules:
+            AfterImport(("torch._dynamo",), self._loaded).install(patches)
         self.watch()
 
-    def _wrap_compile(self, original: Any) -> Any:
-        def after(token: Any, result: Any, args: tuple, kwargs: dict) -> None:
+    def _loaded(self, dynamo: Any) -> None:
+        try:
             self.watch()
-
-        return measured(original, _always, after, self._failed)
+        except Exception as exc:  # never into the job's import
+            self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
         self.on = False
@@ -97,8 +99,8 @@ class CompileProbe:
 
     def _wrap_clear(self, original: Any) -> Any:
         """callback_handler.clear, which `torch._dynamo.reset()` calls (torch/_dynamo/__init__.py
-        reset): the callbacks cleared, ours registered again at once, so a compilation right after a
-        reset is seen as well. A clear that raises (a compilation pending) raises as it would."""
+        reset): the callbacks cleared, ours registered again at once, so a compilation right
+        after a reset is seen too. A clear that raises (a compilation pending) raises as it would."""
 
         def clear() -> None:
             original()
@@ -164,10 +166,6 @@ class CompileProbe:
             **recompiles(dict(self.frames), getattr(utils, "guard_failures", {})),
             **graph_breaks(list(getattr(utils, "graph_break_reasons", ()))),
         }
-
-
-def _always(args: tuple, kwargs: dict) -> bool:
-    return True
 
 
 def _where(code: Any) -> str:

@@ -88,6 +88,10 @@ MAX_DETAIL_EVERY = 4096  # (steps.py's table of draws repeats after 4,096 blocks
 MIN_PERIOD_EVERY = 256  # ... but one in 256 is always allowed (a step of 0.4 ms or more: the period is not what binds)
 OWN_MIN = 1e-4  # seconds of close listeners, at least, that are left out of the job's step (StepTimeline._notify)
 PACED_FROM_STEP = 1000  # before it, one in DETAIL_EVERY: short runs keep their samples of the split
+# Batches fetched with no optimizer step seen since the last close, after which the updates are
+# watched by the parameters' versions (StepTimeline.unseen_fetch): more than the micro-batches
+# of most gradient accumulation.
+UNSEEN_FETCHES = 32
 
 
 # --- DataLoader: next(iterator) --------------------------------------------------------------
@@ -123,8 +127,8 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             if tl.group:
                 tl.closed_at_update = False
                 own = tl.close(began)
-            else:  # (no optimizer stepped since the last fetch: the first step; accumulation; an update no hook saw)
-                own = tl.moved_on(began) if tl.step_start is None or tl.backward_end is not None else 0.0
+            else:  # no optimizer stepped since the last fetch: the first step; accumulation; an update no hook saw
+                own = tl.unseen_fetch(began)
             tl.fetches += 1
             try:
                 # shape[0], not len() (a Python function: torch/_tensor.py) nor size(0) (torch's
@@ -344,6 +348,10 @@ def _never() -> bool:
     return False
 
 
+def _nothing() -> None:
+    return None
+
+
 EVALUATION = "evaluation"  # forward_hooks' token for an evaluation forward
 WATCHED = "watched"  # ... for a root's training forward (train() mode, grad on): model.ForwardGraphs
 
@@ -398,6 +406,8 @@ def backward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]
 # outlives the count: a process forked mid-step, a read on another thread. Dynamo never inlines it: it handles tensor
 # methods by name (torch/_dynamo/variables/tensor.py call_method), and skips this wrapper's
 # frame as one of torch/_tensor.py's.
+# The read itself is called from the job's line (_patching.call_site): a warning torch raises
+# inside it (float() of a tensor that requires grad) names that line and module, not this one.
 HOST_READ = f"""
 def host_read(*args, **kwargs):
     if not _tuneup_counter.counting_reads or {COMPILING}:
@@ -405,13 +415,14 @@ def host_read(*args, **kwargs):
     _tuneup_prior = _tuneup_quiet(None)
     try:
         _tuneup_counted = _tuneup_counts()
+        _tuneup_site = _tuneup_call_site(_tuneup_getframe(1))
     finally:
         if _tuneup_prior is not None:
             _tuneup_quiet(_tuneup_prior)
     if not _tuneup_counted:
-        return {CALL_ORIGINAL}
+        return _tuneup_site(_tuneup_original, *args, **kwargs)
     try:
-        return {CALL_ORIGINAL}
+        return _tuneup_site(_tuneup_original, *args, **kwargs)
     finally:
         _tuneup_counter._busy = False
 """
@@ -442,6 +453,10 @@ class StepTimeline:
         # backward (ModelProbe.parameters_moved), and the steps closed on that (moved_on).
         self.parameters_moved: Callable[[], bool] = _never
         self.changed_steps = 0
+        # Set by watch_updates: an optimizer stepped before, but updates may no longer be seen;
+        # the parameters' versions alone end the steps (ModelProbe.hand_boundary steps aside).
+        self.watching = False
+        self.unseen_updates: Callable[[], None] = _nothing  # OptimizerProbe.watch_updates
         # An evaluation phase: forwards of a trained model in eval() mode between training
         # forwards (evaluation_forward .. evaluation_ends).
         self.evaluating = False
@@ -571,6 +586,23 @@ class StepTimeline:
             self.step_start = now
         return 0.0
 
+    def unseen_fetch(self, now: float) -> float:
+        """A fetch with no optimizer step since the previous one: the loop's first; a micro-batch
+        of gradient accumulation; or a step whose update no hook saw, where moved_on tells it
+        by the parameters, once they are watched (by_hand). A loop that fetched UNSEEN_FETCHES
+        batches since its last close with no update seen is watched from here on
+        (OptimizerProbe.watch_updates): code compiled where tuneup's compile callbacks missed it
+        (after a `torch._dynamo.reset()`) may hold the optimizer's step. Gradient accumulation
+        over that many batches is watched too, at the cost of a looked-at step until its update."""
+        if self.step_start is None or self.backward_end is not None:
+            return self.moved_on(now)
+        if not self.by_hand:
+            ring = self.ring
+            last = ring.records[(ring.count - 1) % ring.capacity][3] if ring.count else 0
+            if self.fetches - last >= UNSEEN_FETCHES:
+                self.unseen_updates()
+        return 0.0
+
     def waited(self, began: float, ended: float) -> None:
         """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
         next() that raised (StopIteration at the end of an epoch, the user's exception)."""
@@ -622,13 +654,13 @@ class StepTimeline:
 
     def watch_updates(self) -> None:
         """Watch for updates as in a loop without an optimizer, until one steps where its hooks
-        run (OptimizerProbe.watch_updates: a compilation began)."""
-        self.by_hand = self.hooked = True
+        run (OptimizerProbe.watch_updates: a compilation began, or many fetches saw none)."""
+        self.by_hand = self.hooked = self.watching = True
 
     def not_by_hand(self) -> None:
         """An optimizer stepped or the loop marks its steps: no hand-update boundary from now on."""
         if self.by_hand:
-            self.by_hand = False
+            self.by_hand = self.watching = False
             self.backward_end = None
             self.hooked = self.detail or self.evaluating
 

@@ -477,8 +477,12 @@ class ModelProbe:
         Not seen: a loop that zeroes gradients through `.data` (`p.grad.data.zero_()`), which
         bypasses the version counter (torch's `Tensor.data` is a fresh alias with a counter of
         its own: VariableHooks::variable_data, torch/csrc/autograd/variable.cpp); such a loop
-        can mark its steps with tuneup.step()."""
-        if self.tracing():
+        can mark its steps with tuneup.step().
+
+        Not while updates are only watched (StepTimeline.watching: an optimizer stepped
+        before): there the parameters' versions alone end a step, as a framework's gradient
+        accumulation may hand out new gradient tensors at every backward (sharded ones)."""
+        if self.tracing() or self.timeline.watching:
             return
         if module.training and self.grad_enabled() and self._gradient is not None:
             parameter = self._watched() if self._watched is not None else None

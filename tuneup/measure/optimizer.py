@@ -69,6 +69,7 @@ class OptimizerProbe:
         self.measured: set[int] = set()  # ids of the optimizers measured (the hot path's one test)
         self._on = True
         self.timeline = timeline
+        timeline.unseen_updates = self.watch_updates  # many fetches, no update seen (StepTimeline.unseen_fetch)
         self.tracked = tracked
         self.on_new_optimizer = on_new_optimizer
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -270,9 +271,10 @@ class OptimizerProbe:
         dynamo traces torch's step wrapper with the global hooks in it, so no hook of ours runs
         for those steps and no step would close. Until an optimizer's hooks run again, the
         loop is watched as one that updates its parameters by hand (StepTimeline.by_hand: its
-        steps close where the parameters changed since a backward, StepTimeline.moved_on);
-        the optimizers are admitted again at their next step, which ends the watch (admit)."""
-        if not self.timeline.by_hand:
+        steps close where the parameters changed since a backward, StepTimeline.moved_on; by
+        those versions alone: StepTimeline.watching); the optimizers are admitted again at
+        their next step, which ends the watch (admit)."""
+        if not self.timeline.by_hand and self.on:
             self.measured.clear()
             self.timeline.watch_updates()
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._patching import PatchSet, Switch, compile_bindings, posing_as, quiet_dynamo_switch
+from .._patching import PatchSet, Switch, call_site, compile_bindings, posing_as, quiet_dynamo_switch
 from .copies import BLOCKING_COPY_KIND, is_blocking_copy
 from .hotpath import HOST_READ, StepTimeline
 from .steps import sampled_after
@@ -319,7 +319,7 @@ class SyncCounter:
         # skips its frame as it skips torch's own instead of compiling it.
         return posing_as(original, HOST_READ, home=torch.Tensor, _tuneup_original=original, _tuneup_counter=self,
                          _tuneup_counts=functools.partial(self._counts, kind), _tuneup_quiet=quiet_dynamo_switch(),
-                         **compile_bindings())
+                         _tuneup_call_site=call_site, _tuneup_getframe=sys._getframe, **compile_bindings())
 
     def _counts(self, kind: str) -> bool:
         """Whether the read under way (the caller's caller) is one of the job's host reads on
