@@ -11,7 +11,8 @@ compile is not what is timed here; tuneup keeps it out of its step times too). E
 runs the six configurations (each with and without tuneup) in a shuffled order; a run's figure is its
 mean wall and CPU time per step (time.process_time(): tuneup's own thread counted); printed:
 medians over rounds, the ratio to the loop without tuneup, and the added time per step paired
-with the same round's run without tuneup.
+with the same round's run without tuneup. Every run trains bench_overhead.py's SETTLE seconds
+(and until tuneup paces its detail steps) before its timed steps: the steady state's figures.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tuneup  # noqa: E402
-from benchmarks.bench_overhead import WARMUP_STEPS, WORKLOADS, loop, make  # noqa: E402
+from benchmarks.bench_overhead import SETTLE, WARMUP_STEPS, WORKLOADS, loop, make  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend (inductor, aot_eager, eager)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), help="only this one")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -43,6 +45,8 @@ def main() -> None:
           "mean time per step per run, median over rounds")
     with tempfile.TemporaryDirectory() as tmp:
         for workload, (features, hidden, depth, batch, optimizer_class, pre_batched, timed) in WORKLOADS.items():
+            if args.workload not in (None, workload):
+                continue
             loader, model, optimizer = make(features, hidden, depth, batch, optimizer_class, pre_batched)
             compiled = torch.compile(model, backend=args.backend)
 
@@ -62,9 +66,9 @@ def main() -> None:
 
             def run(trained, step_function, attached):
                 if not attached:
-                    return loop(loader, trained, optimizer, steps, train_step=step_function)
+                    return loop(loader, trained, optimizer, steps, settle=SETTLE, train_step=step_function)
                 with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}"):
-                    return loop(loader, trained, optimizer, steps, train_step=step_function)
+                    return loop(loader, trained, optimizer, steps, settle=SETTLE, train_step=step_function)
 
             configs = {"eager": (model, None, False), "eager + tuneup": (model, None, True),
                        "compiled": (compiled, None, False), "compiled + tuneup": (compiled, None, True),
