@@ -82,10 +82,11 @@ def test_a_compiled_program_compiles_the_same_under_tuneup(runs):
 
 @pytest.mark.gpu
 def test_on_the_gpu_cuda_graphs_and_compiled_shapes_compile_the_same_under_tuneup(tmp_path):
-    """On CUDA, with mode="reduce-overhead" (CUDA graphs) added: the same graphs, breaks,
+    """On CUDA, with mode="reduce-overhead" (CUDA graphs) added, and the whole training step
+    compiled (its steps counted by the parameters' versions): the same graphs, breaks,
     recompiles, warnings and losses under `tuneup run --apply`, every step counted; tuneup's
     CUDA-event timing records no event inside a capture (a capture would fail with an error)."""
-    shapes_run = "module,in-place,optimizer,inductor,reduce-overhead"
+    shapes_run = "module,in-place,optimizer,inductor,reduce-overhead,step"
     env = child_env(TUNEUP_RUN_DIR=str(tmp_path / "run"))
     argv = [str(PROGRAM), "--device", "cuda", "--shapes", shapes_run]
     plain = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=900)
@@ -96,7 +97,7 @@ def test_on_the_gpu_cuda_graphs_and_compiled_shapes_compile_the_same_under_tuneu
     assert list(after) == list(before) == shapes_run.split(",")
     for shape, record in before.items():
         compiled, expected = dict(after[shape]["compiled"]), dict(record["compiled"])
-        if shape == "optimizer":
+        if shape in ("optimizer", "step"):
             compiled.pop("frames", None), expected.pop("frames", None)  # see the CPU test
         assert (after[shape]["losses"], compiled) == (record["losses"], expected), shape
         assert [w for w in after[shape]["warnings"] if not w.startswith("TuneupWarning")] == record["warnings"], shape
