@@ -56,13 +56,14 @@ class CompileProbe:
     def install(self, patches: Any) -> None:
         self._patches = patches
         if "torch._dynamo" not in sys.modules:
-            AfterImport(("torch._dynamo",), self._loaded).install(patches)
+            AfterImport(("torch._dynamo",), lambda dynamo: self._watch_quietly()).install(patches)
         self.watch()
 
-    def _loaded(self, dynamo: Any) -> None:
+    def _watch_quietly(self) -> None:
+        """watch(), from inside the job's import of dynamo or torch's reset: never into them."""
         try:
             self.watch()
-        except Exception as exc:  # never into the job's import
+        except Exception as exc:
             self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
@@ -104,10 +105,7 @@ class CompileProbe:
 
         def clear() -> None:
             original()
-            try:
-                self.watch()
-            except Exception as exc:  # never into torch's reset
-                self._failed(exc)
+            self._watch_quietly()
 
         return clear
 
@@ -128,8 +126,7 @@ class CompileProbe:
             try:
                 self.on_begin()
             except Exception as exc:  # never into dynamo's compilation
-                self.on = False
-                self.timeline.fail(self.name, exc)
+                self._failed(exc)
         # "F/C": dynamo's frame F compiled for the (C+1)-th time (torch/_guards.py CompileId):
         # C recompiles of that frame so far.
         trigger = getattr(getattr(args, "callback_trigger", None), "name", None)
@@ -148,8 +145,7 @@ class CompileProbe:
             ring = self.timeline.ring
             ring.put("compile_seconds", ring.count + 1, seconds, add=True)  # the open step's
         except Exception as exc:  # never into dynamo's compilation
-            self.on = False
-            self.timeline.fail(self.name, exc)
+            self._failed(exc)
 
     def summary(self) -> dict[str, Any] | None:
         """Compilations, graphs, recompiles and graph breaks so far; None in a job that never

@@ -596,11 +596,8 @@ class StepTimeline:
         over that many batches is watched too, at the cost of a looked-at step until its update."""
         if self.step_start is None or self.backward_end is not None:
             return self.moved_on(now)
-        if not self.by_hand:
-            ring = self.ring
-            last = ring.records[(ring.count - 1) % ring.capacity][3] if ring.count else 0
-            if self.fetches - last >= UNSEEN_FETCHES:
-                self.unseen_updates()
+        if not self.by_hand and self.fetches - self.ring.closed_total("fetches") >= UNSEEN_FETCHES:
+            self.unseen_updates()
         return 0.0
 
     def waited(self, began: float, ended: float) -> None:

@@ -128,6 +128,13 @@ class StepRing:
         slot = (step - 1) % self.capacity
         return getattr(self, name)[slot] if getattr(self, name + "_step")[slot] == step else default
 
+    def closed_total(self, name: str) -> float:
+        """The running total `name` (one of EVERY_STEP) as the latest close recorded it; 0
+        before any close."""
+        if not self.count:
+            return 0
+        return self.records[(self.count - 1) % self.capacity][1 + EVERY_STEP.index(name)]
+
     def recent_step_seconds(self, steps: int) -> float:
         """The mean time of the last `steps` closed steps (fewer where fewer are held); 0.0
         before two steps closed."""
