@@ -600,21 +600,29 @@ def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tu
     assert loader.num_workers == 0
 
 
+# A pass of Timed's (a sleep): what a pass of its work in fp32 would cost where bf16 units
+# made it nearly free. Sleeps, not work: on a CPU without bf16 units (an AMD EPYC with AVX2
+# only) bf16 autocast made a 256-512-512-10 MLP's step 14x slower than fp32 and this one's 3x
+# (1.6 ms against 0.5), so "more fp32 passes" was no premise there; a sleep is the same on every
+# CPU and no load beside the test lengthens it.
+PASS_SECONDS = 0.0015
+
+
 class Timed(nn.Module):
-    """An MLP that notes, per training forward, whether autocast was on (tuneup puts it around
-    forward). Its forward runs its layers 4 more times in fp32 when autocast is off: bf16 autocast
-    is measurably faster on every CPU, with or without bf16 units, loaded or not (amp-off fires
-    on the measured gain: measure/precision.py). With `slow_under_autocast=k` and `slow` set,
-    it runs its layers k more times in fp32 under autocast instead: a precision change that
-    makes steps several times slower (the extra work scales with the machine's own speed).
+    """A small MLP that notes, per training forward, whether autocast was on (tuneup puts it
+    around forward). With autocast off its forward also waits 4 passes (PASS_SECONDS each:
+    6 ms, against the ~2 ms its layers take under bf16 autocast on a CPU without bf16 units),
+    so bf16 autocast is measurably faster on every CPU, loaded or not (amp-off fires on the
+    measured gain: measure/precision.py). With `slow_under_autocast=k` and `slow` set, it
+    waits k passes under autocast instead: a precision change that makes steps slower.
 
     Forwards with weights other than its own parameters (the precision trial's, through
     torch.func.functional_call) are not the job's steps: they are not noted."""
 
     def __init__(self, slow_under_autocast: int = 0) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                                    nn.Linear(512, 10))
+        self.layers = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                    nn.Linear(64, 10))
         self.autocast: list[bool] = []
         self.slow_under_autocast = slow_under_autocast
         self.slow = False
@@ -623,10 +631,9 @@ class Timed(nn.Module):
         autocast = torch.is_autocast_enabled("cpu")
         if isinstance(self.layers[0].weight, nn.Parameter):
             self.autocast.append(autocast)
-        extra = (self.slow_under_autocast if self.slow else 0) if autocast else 4
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            for _ in range(extra):
-                self.layers(x)
+        passes = (self.slow_under_autocast if self.slow else 0) if autocast else 4
+        if passes:
+            time.sleep(passes * PASS_SECONDS)
         return self.layers(x)
 
 
@@ -728,7 +735,7 @@ def test_autocast_never_wraps_the_jobs_evaluation_or_no_grad_forwards(run_dir):
 
 
 def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_changed_from(run_dir):
-    """Ground truth from the code: Timed does 5x its work in fp32 when autocast is off, so apply
+    """Ground truth from the code: Timed waits 4 passes when autocast is off, so apply
     mode's bf16 autocast (the CPU's bf16 claimed) makes its steps faster and is kept. The job
     as written has no autocast: the final report still advises it (amp-off, not silenced by the
     autocast tuneup itself put on), and the finding says that apply mode made it, and from which
@@ -758,7 +765,7 @@ def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_chan
 @one_intra_op_thread()
 def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir):
     """Ground truth from the code: Timed(slow_under_autocast=8) with `slow` set from the start
-    does 9 passes under autocast against 5 in fp32, so bf16 never pays on this model, measured
+    waits 8 passes under autocast against 4 in fp32, so bf16 never pays on this model, measured
     off the job's steps or on them. Apply mode with every action allowed must leave no trace:
     the final parameters equal those of the same loop without tuneup, bit for bit."""
     def train(agent_options=None):
@@ -790,7 +797,7 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
 
 @pytest.mark.own_amp_timing
 def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run_dir, monkeypatch):
-    """Timed's gain under autocast is real (5 passes in fp32 against 1), but the timing off the
+    """Timed's gain under autocast is real (4 passes waited in fp32, none under it), but the timing off the
     job's steps is made to say "faster in 10 of 12 pairs": enough for amp-off (75%), not for
     apply mode to change the run's numerics (90%): no step runs under autocast, and the record
     says why."""
@@ -812,7 +819,7 @@ def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run
 
 @pytest.mark.own_amp_timing
 def test_amp_whose_measured_gain_is_a_small_share_of_the_step_is_left_to_the_user(run_dir, monkeypatch):
-    """Timed's gain under autocast is real and clear (5 passes in fp32 against 1), but the
+    """Timed's gain under autocast is real and clear (4 passes waited in fp32, none under it), but the
     model's compute is claimed to be 7.5% of the job's step (the window's forward + backward
     share, which bounds amp-off's gain: rules/precision.py): what autocast saves is under the
     10% a trial's windows resolve. amp-off fires (>= 5% of a step) and apply mode leaves the
@@ -846,8 +853,8 @@ def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_re
     agent, model, _, times = amp_run(run_dir, 20000, slow_under_autocast=60)
     [record] = records(agent, "amp")
     assert record["decision"] == "reverted" and record["speedup"] < 0.8, record
-    # Measured clearly faster off the job's steps (Timed: 5 passes in fp32, 1 under autocast), so
-    # switched on to stay unless the job's steps are slower, which they are here (12x the work).
+    # Measured clearly faster off the job's steps (Timed: 4 passes waited in fp32, none under autocast), so
+    # switched on to stay unless the job's steps are slower, which they are here (15x the passes waited).
     assert record["criterion"] == "not slower" and "slower" in record["reason"], record
     assert record["after"]["autocast"] == "cpu bfloat16" and record["before"]["autocast"] is None
     applied, decided = record["applied_step"], record["decided_step"]
@@ -860,7 +867,7 @@ def test_a_change_that_makes_steps_slower_is_reverted_with_speed_and_settings_re
     baseline = statistics.median(times[max(5, applied - 100): applied])
     trial = statistics.median(times[applied + 10: decided])
     after = statistics.median(times[decided + 10:])
-    # The forward does 12x its fp32 work under autocast (61 passes, 5 in fp32: Timed): a margin no machine load closes
+    # The forward waits 15x its fp32 passes under autocast (60 against 4: Timed): a margin no machine load closes
     # between windows a few seconds apart. Autocast off again (asserted above) takes it away.
     assert trial > 3 * baseline, (baseline, trial)
     assert after < trial / 3, (baseline, trial, after)
@@ -911,7 +918,7 @@ def test_fp16_switches_on_the_loops_own_grad_scaler_and_a_revert_restores_it_exa
     [record] = records(agent, "amp")
     assert record["change"].endswith("GradScaler enabled") and record["after"]["autocast"] == "cpu float16"
     assert seen == {"enabled": True, "scaled": 65536.0}
-    # fp16 on a CPU is far slower than bf16, not always than Timed's fp32 (5 passes): reverted
+    # fp16 on a CPU is far slower than bf16, not always than Timed's fp32 (4 passes waited): reverted
     # by its trial, or kept and undone at detach, the scaler is the loop's own again either way.
     assert record["decision"] == "reverted" or record["undone"]["reason"] == "detach", record
     assert vars(scaler) == before and not scaler.is_enabled()
