@@ -366,7 +366,7 @@ WARNING = Obj(message=TEXT)
 
 WINDOW_RATES = _maybe(mean_step_seconds=SECONDS, samples_per_second=SECONDS, steps_per_second=SECONDS)
 ACTION = Obj(id=Opt(OneOf(TEXT, NUM)), action=Opt(TEXT), title=Opt(TEXT), change=Opt(TEXT), decision=TEXT,
-             reason=Opt(TEXT), speedup=Opt(SECONDS), undone=Opt(Obj(reason=TEXT)),
+             reason=Opt(TEXT), speedup=Opt(SECONDS), undone=Opt(Obj(reason=TEXT)), slower=Opt(FLAG),
              baseline=Opt(WINDOW_RATES), trial=Opt(WINDOW_RATES))
 
 END = Obj(totals=Opt(Obj(steps=COUNT, seconds=SECONDS, evaluation=Opt(ANY))), syncs=Opt(SYNCS),

@@ -555,6 +555,7 @@ class Experimenter:
             settle = self.job.timeline.ring.columns(record["effective_step"], trial.first - 1)["step_seconds"]
             record["settle"] = {"steps": len(settle), "seconds": sum(settle)}
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
+                      slower=verdict["slower"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],
                       p_faster=verdict["p_faster"], p_slower=verdict["p_slower"], criterion=verdict["criterion"],
                       alpha=trial.alpha,  # what this look's p was held to (a second look: ALPHA's rest)
@@ -562,8 +563,8 @@ class Experimenter:
                       time=time.time())
         look = record.get("first_look")
         if look:
-            record["reason"] += (f"; looked at twice: {look['speedup']:.2f}x (p={look['p_faster']:.2f}) after "
-                                 f"{look['steps']} steps, {look['sized']}")
+            record["reason"] += (f"; looked at twice: {look['speedup']:.2f}x after {look['steps']} steps, "
+                                 f"{look['sized']}")
         self._energy_change(trial, step)
         if verdict["keep"]:
             self.stable_since = trial.first

@@ -146,9 +146,11 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
     base_blocks, trial_blocks = block_means(before), block_means(after)
     p_faster = p_smaller(trial_blocks, base_blocks)
     p_slower = p_smaller(base_blocks, trial_blocks)
+    # The windows' mean step times are those of the steps judged, so a report's before and after
+    # give the speed-up they show (a step that began an epoch, left out, no longer swings them).
     verdict: dict[str, Any] = {
-        "baseline": window_numbers(baseline),
-        "trial": window_numbers(trial),
+        "baseline": dict(window_numbers(baseline), mean_step_seconds=sum(before) / len(before)),
+        "trial": dict(window_numbers(trial), mean_step_seconds=sum(after) / len(after)),
         "speedup": speedup,
         "p_faster": p_faster,
         "p_slower": p_slower,
@@ -159,34 +161,34 @@ def judge(baseline: Columns, trial: Columns, keep: str, numerics: bool = True,
     faster = p_faster < alpha and speedup >= MIN_SPEEDUP
     slower = p_slower < ALPHA and speedup <= 1 / MIN_SPEEDUP
     verdict["undecided"] = False
+    verdict["slower"] = False  # not kept because it made steps slower: "undone" (report/summary.py)
+    # Words a user reads once: what the trial showed and what it means. How sure the test was
+    # stays in the record (p_faster, p_slower, and the alpha the look was held to), not in them.
     if problem:
         verdict.update(keep=False, reason=problem)
-    # Words a user reads once: what the trial showed, then how sure (the p-value, in brackets).
     elif keep == FASTER:
         if faster:
-            verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
+            verdict.update(keep=True, reason=f"{speedup:.2f}x faster")
         elif slower:
-            verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
+            verdict.update(keep=False, slower=True, reason=f"{speedup:.2f}x (slower)")
         elif speedup > 1:
             verdict.update(keep=False, undecided=True,
-                           # (three places: a p of 0.047 against 0.0475 read "p=0.05; kept from p<0.0475")
-                           reason=f"{speedup:.2f}x faster but not certain (p={p_faster:.3f}; kept from "
-                                  f"p<{alpha:g} and {MIN_SPEEDUP:.2f}x): a longer run would tell")
+                           reason=f"{speedup:.2f}x faster but not certain (a longer run would tell)")
         else:
-            verdict.update(keep=False, undecided=True, reason=f"{speedup:.2f}x: no faster (p={p_faster:.2f} that it is)")
+            verdict.update(keep=False, undecided=True, reason=f"{speedup:.2f}x (no faster)")
     elif slower:
-        verdict.update(keep=False, reason=f"{speedup:.2f}x: slower (p={p_slower:.3f})")
+        verdict.update(keep=False, slower=True, reason=f"{speedup:.2f}x (slower)")
     elif speedup < 1 - NOT_SLOWER_MARGIN and p_slower < LEANS_SLOWER:
-        verdict.update(keep=False, reason=f"{speedup:.2f}x: slower on average by more than the "
-                                          f"{NOT_SLOWER_MARGIN:.0%} a change kept for not being slower may cost "
-                                          f"(p={p_slower:.2f} that it is)")
+        verdict.update(keep=False, slower=True,
+                       reason=f"{speedup:.2f}x (slower: more than the {NOT_SLOWER_MARGIN:.0%} a change kept for "
+                              "not being slower may cost)")
     elif faster:  # kept for not being slower, and measurably faster: said as such
-        verdict.update(keep=True, reason=f"{speedup:.2f}x faster (p={p_faster:.3f})")
+        verdict.update(keep=True, reason=f"{speedup:.2f}x faster")
     elif speedup < 1 - NOT_SLOWER_MARGIN:  # the mean slower, the blocks not leaning so: a few long steps
-        verdict.update(keep=True, reason=f"{speedup:.2f}x on the mean, from a few long steps: its blocks are not "
-                                         f"slower (p={p_slower:.2f} that they are)")
+        verdict.update(keep=True, reason=f"{speedup:.2f}x on the mean, from a few long steps (most steps "
+                                         "are not slower)")
     else:
-        verdict.update(keep=True, reason=f"{speedup:.2f}x: not slower (p={p_slower:.2f} that it is)")
+        verdict.update(keep=True, reason=f"{speedup:.2f}x (not slower)")
     if cut_before + cut_after and not problem:
         left_out = cut_before + cut_after
         verdict["reason"] += f"; {left_out} step{'s' if left_out > 1 else ''} that began an epoch left out"

@@ -63,4 +63,4 @@ def apply_outcome(rule: str, snapshots: Sequence[dict[str, Any]]) -> dict[str, A
     kept = [record for record in decided if record["decision"] in ("kept", "set at start")]
     record = (kept or decided)[-1]
     return {key: record.get(key) for key in ("id", "action", "change", "decision", "reason", "applied_step",
-                                            "effective_step", "undone")}
+                                            "effective_step", "undone", "slower")}

@@ -87,7 +87,10 @@ def _decision(record: dict[str, Any]) -> tuple[str, str | None]:
     """The decision, and what happened to the change since, if anything worth saying (every
     change is undone at detach: that is not)."""
     decision = record["decision"]
-    if decision == "reverted" and "slower" in str(record.get("reason", "")).split("(")[0]:
+    slower = record.get("slower")
+    if slower is None:  # a run log from before the judge's flag: the reason's first words said it
+        slower = "slower" in str(record.get("reason", "")).split("(")[0]
+    if decision == "reverted" and slower:
         decision = "undone"
     decision = SPOKEN_DECISIONS.get(decision, decision)
     if decision in ("kept", "set at start") and record.get("applied_step"):
