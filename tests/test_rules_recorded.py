@@ -798,5 +798,8 @@ def test_misaligned_layers_under_apply_modes_autocast_are_said_to_be_under_tuneu
     assert "apply mode" not in plain.observed
     s["actions"] = [{"id": 3, "action": "amp", "decision": "kept"}]
     assert "under the autocast tuneup's apply mode switched on, change 3" in fired(s)["tensor-core-alignment"].observed
+    # The final report: every kept change is undone at detach, after the last steps ran with it
+    s["actions"] = [{"id": 3, "action": "amp", "decision": "kept", "undone": {"reason": "detach"}}]
+    assert "under the autocast tuneup's apply mode switched on, change 3" in fired(s)["tensor-core-alignment"].observed
     s["actions"] = [{"id": 3, "action": "amp", "decision": "kept", "undone": {"reason": "revert_all"}}]
     assert "apply mode" not in fired(s)["tensor-core-alignment"].observed

@@ -167,11 +167,13 @@ class Facts:
         return by_framework.get(self.framework or "", plain)
 
     def tuneups(self, action: str) -> dict[str, Any] | None:
-        """Apply mode's change of kind `action` in effect now (on trial or kept, not undone),
-        or None: what the configuration shows of it is tuneup's doing, not the job's."""
+        """Apply mode's change of kind `action` that the last steps ran with (on trial, or kept
+        and not undone before detach: detach undoes every change after the last step), or None:
+        what the configuration shows of it is tuneup's doing, not the job's."""
         for record in reversed(self.snapshot.get("actions") or []):
+            undone = record.get("undone")
             if record.get("action") == action and record.get("decision") in ("trying", "kept") \
-                    and not record.get("undone"):
+                    and (not undone or undone.get("reason") == "detach"):
                 return record
         return None
 
