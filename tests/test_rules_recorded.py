@@ -803,3 +803,31 @@ def test_misaligned_layers_under_apply_modes_autocast_are_said_to_be_under_tuneu
     assert "under the autocast tuneup's apply mode switched on, change 3" in fired(s)["tensor-core-alignment"].observed
     s["actions"] = [{"id": 3, "action": "amp", "decision": "kept", "undone": {"reason": "revert_all"}}]
     assert "apply mode" not in fired(s)["tensor-core-alignment"].observed
+
+
+def test_data_stall_does_not_advise_again_what_apply_mode_measured_and_did_not_keep(cpu_snapshot):
+    """In a 400-step apply run (test_apply's I/O-bound loop), 0 -> 2 workers was kept, 2 -> 3
+    and prefetch_factor 2 -> 4 were tried and not kept: the final report's fix advised
+    `num_workers=3, persistent_workers=True, prefetch_factor=4` all the same."""
+    s = stalled(cpu_snapshot, own=0.1, cores=8, workers=(0.3, 0.3))
+    settings = {"num_workers": 2, "pin_memory": False, "persistent_workers": False, "prefetch_factor": 2}
+    before = next(f for f in evaluate(s).findings if f.rule == "data-stall")
+    assert "num_workers=4" in before.fix and "prefetch_factor=4" in before.fix, before.fix
+
+    def record(decision, **after):
+        return {"action": "dataloader", "decision": decision, "before": dict(settings), "after": dict(settings, **after)}
+
+    s["actions"] = [{"action": "dataloader", "decision": "kept", "before": dict(settings, num_workers=0, prefetch_factor=None),
+                     "after": dict(settings)},
+                    record("reverted", num_workers=4), record("reverted", prefetch_factor=4)]
+    after = next(f for f in evaluate(s).findings if f.rule == "data-stall")
+    assert "num_workers=4" not in after.fix and "prefetch_factor=4" not in after.fix, after.fix
+    assert "persistent_workers=True" in after.fix  # not tried: still advised
+    assert "apply mode measured num_workers=4, prefetch_factor=4 in this run: not kept" in after.observed
+    # A count kept later (the climb went on from it) is not "not kept"
+    s["actions"].append(record("kept", num_workers=4))
+    assert "num_workers=4" not in next(f for f in evaluate(s).findings if f.rule == "data-stall").observed
+    # Everything it would advise measured: no loader settings advised, nothing to apply
+    s["actions"] = s["actions"][:3] + [record("reverted", persistent_workers=True)]
+    spent = next(f for f in evaluate(s).findings if f.rule == "data-stall")
+    assert "DataLoader(" not in spent.fix and spent.can_apply is False, spent.fix

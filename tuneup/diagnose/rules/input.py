@@ -135,6 +135,18 @@ def data_stall(facts: Facts) -> Evidence | None:
                else [f"num_workers={suggested}", "persistent_workers=True", "prefetch_factor=4"])
     if facts.on_cuda and not loader.get("pin_memory"):
         options.append("pin_memory=True")
+    # What apply mode measured in this run and did not keep is not advised again as if untried.
+    tried = not_kept_loader_settings(facts)
+    if tried:
+        options = [option for option in options if option not in tried]
+        observed += f"; apply mode measured {', '.join(sorted(tried))} in this run: not kept"
+        if not options:
+            return Evidence(
+                observed=observed, numbers=numbers,
+                fix="# the loader settings apply mode tried did not pay here: make each sample cheaper to load\n"
+                    "# (pre-processed data, lighter decoding and augmentation), or give the job more cores",
+                gain_text=f"up to the {percent(stall)} wait, not through these loader settings",
+                severity="high" if stall >= 0.3 else None, can_apply=False)
     if cpu_bound and suggested <= workers:
         observed += (f"; its {workers} workers are CPU-bound ({host['workers_cpu_ratio']:.1f} cores busy) and "
                      f"the {cores} usable cores have no room for more: make each sample cheaper to load "
@@ -155,6 +167,20 @@ def data_stall(facts: Facts) -> Evidence | None:
                   "measured costs",
         severity="high" if stall >= 0.3 else None,
     )
+
+
+def not_kept_loader_settings(facts: Facts) -> set[str]:
+    """The DataLoader settings ("num_workers=3") apply mode tried in this run and did not keep
+    (reverted, rolled back: its `dataloader` records' before and after), less any it kept later."""
+    tried, kept = set(), set()
+    for record in facts.snapshot.get("actions") or []:
+        before, after = record.get("before"), record.get("after")
+        if record.get("action") != "dataloader" or not isinstance(before, dict) or not isinstance(after, dict):
+            continue
+        moved = {f"{name}={value}" for name, value in after.items()
+                 if before.get(name) is not None and before.get(name) != value}  # (None: a default filled in)
+        (kept if record.get("decision") in ("kept", "trying") else tried).update(moved)
+    return tried - kept
 
 
 def _predicted(gain: float) -> str:
