@@ -1300,6 +1300,27 @@ def test_persistent_workers_on_long_epochs_is_passed_over_with_the_start_up_it_w
     assert "worth setting yourself: DataLoader(..., persistent_workers=True)" in said  # 0.2 s of a ~1 s epoch
 
 
+def test_a_long_epoch_says_why_persistent_workers_were_not_tried_after_other_loader_trials(run_dir):
+    """Ground truth from the code: the I/O-bound loop (io_bound_run) on epochs of 700 steps, over
+    PERSISTENT_MAX_EPOCH: the search tries worker counts and prefetch_factor, then reaches
+    persistent_workers, which such epochs make too rare to measure. That reason gets a record of
+    its own (it was said only where nothing else had been tried)."""
+    from tuneup.act.actions.dataloader import PERSISTENT_MAX_EPOCH
+
+    assert 700 > PERSISTENT_MAX_EPOCH
+
+    def said_persistent(step, agent):
+        return any("persistent_workers" in str(r.get("reason")) for r in records(agent, "dataloader"))
+
+    _, _, _, agent, _ = io_bound_run(1200, dataset=SlowIndexed(size=16 * 700),
+                                     agent_options=apply_options(run_dir, actions=["dataloader"]),
+                                     after_step=said_persistent)
+    tried = [r for r in records(agent, "dataloader") if r.get("applied_step")]
+    [note] = [r for r in records(agent, "dataloader", "not applicable") if "persistent_workers" in r["reason"]] or [None]
+    assert tried and note is not None, decisions(agent)
+    assert "epochs of 700 steps make too rare to measure" in note["reason"], note
+
+
 def test_no_workers_are_tried_where_the_jobs_own_threads_keep_the_cores_busy(tmp_path):
     """Ground truth from the code (benchmarks/apply_scripts/augment_classifier.py, on two cores:
     the test pins the script to two): each batch of 32 images is made in the main process

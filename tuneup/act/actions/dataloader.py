@@ -476,8 +476,12 @@ class DataLoaderTuning(Action):
             epoch = 0
         if not epoch or epoch > PERSISTENT_MAX_EPOCH or not hasattr(loader.dataset, "__dict__"):
             self.closed.add("persistent_workers")
-            self._pass_over(self._start_up_said(job, loader, epoch) if epoch else
-                            "persistent_workers: the loader's epoch length is unknown")
+            said = (self._start_up_said(job, loader, epoch) if epoch else
+                    "persistent_workers: the loader's epoch length is unknown")
+            if self.tried:  # a record of its own: the knobs tried have theirs (_finish says it where none was)
+                self.not_applicable = said
+            else:
+                self._pass_over(said)
             return None
         if not self.deferred:
             self.deferred, self.busy = True, False  # the other actions' turn first
