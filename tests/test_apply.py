@@ -559,16 +559,24 @@ def test_every_finding_apply_mode_can_make_gets_a_trial_or_a_reason_in_a_400_ste
     from tuneup.act.actions import ACTIONS
 
     offered: set[str] = set()
+    last: list[dict] = []  # the records as the 400th step left them: detach ends any trial still on
 
     def watch(step, agent):
         offered.update(f["rule"] for f in agent.findings() if f["can_apply"])
+        last[:] = [dict(r) for r in agent.actions()]
         return False
 
     _, _, _, agent, _ = io_bound_run(400, set_to_none=False, agent_options=apply_options(run_dir), after_step=watch)
     assert {"data-stall", "zero-grad-keeps-tensors"} <= offered, offered
     acted = {rule for r in agent.actions() for rule in ACTIONS[r["action"]].fixes}
     assert offered <= acted, decisions(agent)
-    assert all(r["decision"] != "trying" for r in agent.actions()), decisions(agent)
+    # Every applicable action (the loader's and zero_grad's) was tried, not only recorded
+    tried = {r["action"] for r in last if r.get("applied_step")}
+    assert {"dataloader", "zero-grad"} <= tried, decisions(agent)
+    # One trial at a time: at the 400th step, at most the latest is still on, every earlier one decided
+    on = [r for r in last if r["decision"] == "trying"]
+    assert len(on) <= 1 and all(r["id"] == max(t["id"] for t in last if t.get("applied_step")) for r in on), \
+        decisions(agent)
 
 
 def test_workers_failing_epochs_after_a_kept_change_lose_no_batch_and_end_the_tuning(run_dir):
