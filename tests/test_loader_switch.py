@@ -191,3 +191,22 @@ def test_a_stream_the_dataset_starts_drawing_from_late_is_its_own_from_the_next_
     for _ in range(8):
         random.random()
     assert after == random.random()
+
+
+def test_the_host_probe_samples_only_the_workers_of_iterators_still_running(tmp_path):
+    """An iterator switched out (or shut down by the job) keeps its `_workers` list; its
+    processes are exiting or gone. The host probe's worker count is the live iterator's: a
+    400-step apply run once reported "5 loader workers" with 2 in effect."""
+    import tuneup
+
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=2)
+    with tuneup.attach(run_dir=tmp_path / "run", port=0) as agent:
+        old = iter(loader)
+        next(old)
+        old_pids = [worker.pid for worker in old._workers]
+        old._shutdown_workers()
+        new = iter(loader)
+        next(new)
+        pids = agent.recorder.loader.worker_pids()
+        assert sorted(pids) == sorted(worker.pid for worker in new._workers), (pids, old_pids)
+        del new

@@ -310,6 +310,8 @@ class LoaderProbe:
     def worker_pids(self) -> list[int]:
         pids = []
         for iterator in list(self.iterators):
+            if getattr(iterator, "_shutdown", False):  # its workers are gone or going (a switched-out iterator)
+                continue
             for worker in getattr(iterator, "_workers", ()):
                 if worker.pid is not None:  # psutil skips the ones that have exited
                     pids.append(worker.pid)
