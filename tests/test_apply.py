@@ -705,8 +705,9 @@ def amp_run(run_dir, steps, *, on_step=None, after_backward=None, scaler=None, a
                 optimizer.step()
             times.append(time.perf_counter() - began)
             model.slow = agent.recorder.precision.state == "done"
-            if step > 200 and records(agent) and all(r["decision"] != "trying" for r in records(agent)) \
-                    and step > max(r.get("decided_step") or 0 for r in records(agent)) + 150:
+            made = [r for r in records(agent) if r["decision"] != "not chosen"]  # (an action left out: a note)
+            if step > 200 and made and all(r["decision"] != "trying" for r in made) \
+                    and step > max(r.get("decided_step") or 0 for r in made) + 150:
                 break
     finally:
         agent.detach()
@@ -1038,7 +1039,11 @@ def test_detach_reverts_a_change_on_trial(run_dir):
 def test_the_allow_list_limits_what_apply_mode_touches(run_dir, monkeypatch):
     _, _, _, agent, loader = io_bound_run(120, set_to_none=False,
                                           agent_options=apply_options(run_dir, actions="zero-grad"))
-    assert {r["action"] for r in agent.actions()} == {"zero-grad"}
+    assert {r["action"] for r in agent.actions() if r["decision"] != "not chosen"} == {"zero-grad"}
+    # the loader stalls: its action, left out, is said to be (a record, no change)
+    assert [(r["action"], r.get("applied_step")) for r in agent.actions() if r["decision"] == "not chosen"] == \
+        [("dataloader", None)]
+    assert loader.num_workers == 0
     with pytest.raises(ValueError, match="unknown action 'workers'.*dataloader, amp, cudnn-benchmark, zero-grad"):
         tuneup.attach(mode="apply", actions="workers")
     with pytest.raises(ValueError, match=r"mode='turbo'.*advise, apply"):
@@ -1306,6 +1311,21 @@ def test_persistent_workers_on_long_epochs_is_passed_over_with_the_start_up_it_w
     assert found, said
     assert int(found.group(1)) / 1e3 == pytest.approx(start_up, rel=0.2, abs=0.01), (said, start_up)
     assert "worth setting yourself: DataLoader(..., persistent_workers=True)" in said  # 0.2 s of a ~1 s epoch
+
+
+def test_a_finding_whose_action_was_not_chosen_says_so_in_a_record(run_dir):
+    """Ground truth from the code: the I/O-bound loop stalls on its loader (data-stall, which the
+    dataloader action fixes), but the run allows only the zero-grad action: the finding's
+    "apply mode can make it" gets a record saying its action was not chosen, and how to add it."""
+    _, _, _, agent, loader = io_bound_run(
+        150, agent_options=apply_options(run_dir, actions=["zero-grad"]),
+        after_step=lambda step, agent: bool(records(agent, "dataloader")))
+    [note] = records(agent, "dataloader") or [None]
+    assert note is not None and note["decision"] == "not chosen", decisions(agent)
+    assert "not among the actions chosen for this run (zero-grad)" in note["reason"]
+    assert "zero-grad,dataloader" in note["reason"] and loader.num_workers == 0
+    report = agent.report("text")
+    assert "not chosen" in report
 
 
 def test_a_long_epoch_says_why_persistent_workers_were_not_tried_after_other_loader_trials(run_dir):

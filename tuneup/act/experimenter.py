@@ -232,6 +232,10 @@ class Experimenter:
         self._undo_settling: list[tuple[dict[str, Any], int, int]] = []
         self.energy = _Energy(job.energy, self._job_gpus)
         job.guard_failed = self._fail
+        # The actions left out of this run (the `actions` option): a finding one of them would fix
+        # gets a record saying so once, not a silent "apply mode can make it" (_say_unchosen).
+        self.unchosen: list[type[Action]] = []
+        self.chosen: tuple[str, ...] = tuple(action.id for action in actions)
 
     @classmethod
     def on_probes(cls, recorder: Any, allowed: tuple[str, ...] | None, warn: Callable[[str, str], None]) -> "Experimenter":
@@ -243,6 +247,7 @@ class Experimenter:
                       compiles=recorder.compile, energy=recorder.gpus.energy_joules if recorder.gpus.available else None)
         ids = allowed if allowed is not None else DEFAULT_ACTIONS
         experimenter = cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
+        experimenter.unchosen = [action for name, action in ACTIONS.items() if name not in ids]
         models = recorder.model
         models.before_training = experimenter.at_start
         if models.explicit and recorder.timeline.ring.count == 0:  # named models: no discovery to wait for
@@ -285,6 +290,9 @@ class Experimenter:
         self.job.findings = {finding["rule"]: finding for finding in findings}
         self.job.system, self.job.config = system or {}, config or {}
         self._worth_looking = self._anything_to_try()
+        if self.unchosen and self.on and self.accepting:
+            with self._lock:  # (records are appended on the training thread too)
+                self._say_unchosen()
 
     def _job_gpus(self) -> list[Any] | None:
         """The GPUs the job holds memory on, per the latest system sample (None: every one)."""
@@ -349,6 +357,20 @@ class Experimenter:
         waiting = [action for action in self.actions if not action.done]
         return sorted(waiting, key=lambda action: (action.deferred, action.id in judged, not action.busy,
                                                    -gain(action)))
+
+    def _say_unchosen(self) -> None:
+        """A record, once per action, for a finding that says apply mode can make it where its
+        action is not among those chosen for this run."""
+        for kind in list(self.unchosen):
+            finding = self.job.finding(*kind.fixes)
+            if finding is None or not finding.get("can_apply"):
+                continue
+            self.unchosen.remove(kind)
+            chosen = ", ".join(self.chosen) or "none"
+            opt_in = " (it is opt-in: `all,` does not include it)" if kind.opt_in else ""
+            self._note(kind, "not chosen",
+                       f"the {kind.id} action is not among the actions chosen for this run ({chosen}){opt_in}: "
+                       f"add it with --actions / TUNEUP_ACTIONS, e.g. {','.join(self.chosen + (kind.id,))}")
 
     def _not_worth_a_trial(self, action: Action, recent: dict[str, Any] | None, steps: int) -> str | None:
         """Why another trial of `action` cannot pay for itself (None: it may). Once two or more
@@ -533,7 +555,7 @@ class Experimenter:
         self.records.append(record)
         return record
 
-    def _note(self, action: Action, decision: str, reason: str) -> None:
+    def _note(self, action: Action | type[Action], decision: str, reason: str) -> None:
         record = {"id": len(self.records) + 1, "action": action.id, "title": action.title, "fixes": list(action.fixes),
                   "decision": decision, "reason": reason, "time": time.time()}
         self.records.append(record)
