@@ -89,7 +89,7 @@ def count_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     counter = FlopCount(Probe())
     meta = torch.empty_like(x, device="meta")
     began = time.perf_counter()
-    found = counter._count(model, (meta,), {}, "float32")
+    found = counter._count(model, (meta,), {})
     return time.perf_counter() - began, found["flops"]
 
 

@@ -11,6 +11,7 @@ weight's, each as many FLOPs as the forward; elementwise ops, norms and softmax 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 
@@ -389,3 +390,181 @@ def test_the_gpu_work_line_says_the_span_and_what_nvml_saw_run():
     snapshot["gpu_history"]["devices"][0]["utilization_ratio"] = 0.93  # busy by both: no gaps said
     assert gpu_work_line(snapshot).endswith("NVML saw a kernel running 93% of the time")
     assert gpu_work_line({"window": {"step_seconds": step}}) is None  # a CPU job: no line
+
+
+# --- the precision read off the live step --------------------------------------------------------
+
+def precision_switch_run(run_dir, switch):
+    """A loop whose precision changes at step 100 (`switch(model)` returns the autocast to enter
+    from then on, or None), the input's shapes never: snapshots before and after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Flatten(), nn.Linear(8 * 32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 64, (16, 8), generator=generator), torch.randint(0, 10, (16,), generator=generator)
+    snapshots, context = [], None
+    with tuneup.attach(run_dir=run_dir, port=0) as agent:
+        for step in range(300):
+            if step == 100:
+                snapshots.append(agent.snapshot())
+                context = switch(model)
+            optimizer.zero_grad()
+            with context if context is not None else contextlib.nullcontext():
+                logits = model(tokens)
+            nn.functional.cross_entropy(logits.float(), labels).backward()
+            optimizer.step()
+        snapshots.append(agent.snapshot())
+    return snapshots
+
+
+@pytest.mark.parametrize("switch", ["autocast", "parameters"])
+def test_a_precision_turned_on_mid_run_is_the_one_reported_without_a_recount(switch, run_dir):
+    # Ground truth: the loop's own switch at step 100, bf16 autocast around the forward or the
+    # model's parameters cast to bf16 (its token input unchanged: the same signature).
+    if switch == "autocast":
+        turn_on = lambda model: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    else:
+        turn_on = lambda model: model.to(torch.bfloat16) and None  # noqa: E731
+    before, after = precision_switch_run(run_dir, turn_on)
+    assert before["habits"]["flops"]["dtype"] == "float32" and before["flops"]["precision"] == "float32"
+    found = after["habits"]["flops"]
+    assert found["dtype"] == "bfloat16" and after["flops"]["precision"] == "bfloat16", found
+    assert found["counts"] == 1  # the shapes never changed: the FLOPs are not counted again
+    assert after["flops"]["flops_per_step"] == before["flops"]["flops_per_step"]
+
+
+# --- precision by kind of FLOP: TF32 for matmuls and convolutions, fp8 ----------------------------
+
+def test_convolutions_and_matmuls_are_counted_apart(run_dir):
+    # The conv net of the analytic test: its two convolutions' FLOPs (forward, the second's
+    # input gradient, both weights') and its Linear head's, from the layer shapes.
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1),
+                          nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+    _, agent = train(model, fixed((8, 3, 16, 16)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    conv1, conv2 = 2 * (8 * 8 * 16 * 16) * 3 * 9, 2 * (8 * 16 * 16 * 16) * 8 * 9
+    head = linear(8, 16 * 16 * 16, 10)
+    assert found["flops_by_kind"]["conv"] == pytest.approx(2 * conv1 + 3 * conv2, rel=0.02)
+    assert found["flops_by_kind"]["matmul"] == pytest.approx(3 * head, rel=0.02)
+    assert sum(found["flops_by_kind"].values()) == found["flops"]
+    assert found["precisions"] == {"conv": "float32", "matmul": "float32"}  # a CPU: no TF32
+
+
+def test_tf32_is_read_per_kind_from_torchs_own_flags():
+    # torch's defaults (torch/backends/cudnn/__init__.py: allow_tf32=True; the matmul precision
+    # "highest"): fp32 convolutions may use TF32, fp32 matmuls may not. The flags are global and
+    # readable on a CPU build; each is set back.
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.conv.fp32_precision
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        assert (flops_module._tf32("matmul"), flops_module._tf32("conv")) == (False, True)
+        torch.set_float32_matmul_precision("high")  # the legacy API: matmul's fp32_precision "tf32"
+        torch.backends.cudnn.allow_tf32 = False  # the legacy API: conv's "none", inherited IEEE
+        assert (flops_module._tf32("matmul"), flops_module._tf32("conv")) == (True, False)
+        torch.backends.cudnn.conv.fp32_precision = "tf32"  # the new API
+        assert flops_module._tf32("conv") is True
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.conv.fp32_precision = conv
+
+
+def test_mfu_divides_by_the_flop_weighted_peak_of_the_kinds():
+    # A recorded count on an A100: fp32 matmuls (TF32 disallowed for them) beside TF32
+    # convolutions, 1 and 3 TFLOP a step; 10 steps a second. Ground truth: the datasheet's
+    # 19.5 TF FP32 and 156 TF TF32; the time the FLOPs take at those peaks.
+    counted_step = {"flops": 4.0e12, "flops_by_kind": {"matmul": 1.0e12, "conv": 3.0e12},
+                    "precisions": {"matmul": "float32", "conv": "tf32"}, "dtype": "tf32+float32",
+                    "device": "cuda", "device_name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "counts": 1}
+    figures = utilization(counted_step, {"steps_per_second": 10.0, "backward_passes_per_step": 1.0})
+    seconds_at_peak = 1.0e12 / 19.5e12 + 3.0e12 / 156e12
+    assert figures["peak_flops_per_second"] == pytest.approx(4.0e12 / seconds_at_peak)
+    assert figures["mfu"] == pytest.approx(4.0e13 * seconds_at_peak / 4.0e12)
+    from tuneup.report.summary import compute_lines
+
+    [line] = compute_lines(figures, {})
+    assert line.endswith("dense tf32+float32 peak (FLOP-weighted: convolutions tf32 75%, matmuls float32 25%)"), line
+    # One kind's peak unknown (no fp8 on an A100): the step's is unknown, not the others' alone.
+    fp8 = dict(counted_step, flops_by_kind={"matmul": 1.0e12, "fp8": 3.0e12}, precisions={"matmul": "bfloat16", "fp8": "fp8"})
+    assert utilization(fp8, {"steps_per_second": 10.0})["mfu"] is None
+
+
+def test_tf32_on_a_device_without_tf32_is_its_fp32_peak():
+    # V100 and T4 (compute capability 7.0, 7.5) have no TF32 units: fp32 with TF32 allowed runs
+    # in FP32 (the datasheets' 15.7 and 8.1 TF single precision).
+    assert peak("Tesla V100-SXM2-16GB", "tf32", (7, 0))["flops_per_second"] == pytest.approx(15.7e12)
+    assert peak("Tesla T4", "tf32", (7, 5))["flops_per_second"] == pytest.approx(8.1e12)
+    assert peak("Tesla T4", "tf32")["flops_per_second"] == pytest.approx(8.1e12)  # a record without one
+    assert peak("NVIDIA A100-SXM4-80GB", "tf32", (8, 0))["flops_per_second"] == pytest.approx(156e12)
+
+
+class Float8Linear(nn.Module):
+    """A Linear whose matmuls run in fp8 (as torchao's Float8Linear): operands cast to float8
+    with unit scales, torch._scaled_mm forward and for both gradients (e4m3 operands, e5m2 for
+    the gradient), bf16 out."""
+
+    class _Matmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            ctx.save_for_backward(x, weight)
+            one = torch.ones((), device=x.device)
+            a, b = x.to(torch.float8_e4m3fn), weight.to(torch.float8_e4m3fn)
+            return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16).float()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight = ctx.saved_tensors
+            one = torch.ones((), device=x.device)
+            g = grad.to(torch.float8_e5m2)
+            w = weight.to(torch.float8_e4m3fn).t().contiguous().t()
+            grad_x = torch._scaled_mm(g, w, one, one, out_dtype=torch.bfloat16).float()
+            xt = x.to(torch.float8_e4m3fn).t().contiguous()
+            grad_w = torch._scaled_mm(g.t().contiguous(), xt.t(), one, one, out_dtype=torch.bfloat16).float()
+            return grad_x, grad_w
+
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(outputs, inputs) / inputs ** 0.5)
+
+    def forward(self, x):
+        return self._Matmul.apply(x, self.weight)
+
+
+def test_fp8_matmuls_are_told_apart_and_take_the_fp8_peak(run_dir):
+    # x (32, 64) -> fp8 Linear 64->128 -> ReLU -> Linear 128->10 in fp32: the fp8 layer's
+    # forward and both gradients are 3 fp8 matmuls of 2*32*64*128; the head's forward and its
+    # two gradients fp32 matmuls.
+    model = nn.Sequential(Float8Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    _, agent = train(model, fixed((32, 64)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    found = counted(agent)
+    assert found["flops_by_kind"]["fp8"] == pytest.approx(3 * linear(32, 64, 128), rel=0.02)
+    assert found["flops_by_kind"]["matmul"] == pytest.approx(3 * linear(32, 128, 10), rel=0.02)
+    assert found["precisions"] == {"fp8": "fp8", "matmul": "float32"} and found["dtype"] == "fp8+float32"
+    # The same count on an H100 SXM: fp8 matmuls at the whitepaper's 1978.9 TF, the rest at 66.9 TF FP32.
+    on_h100 = dict(found, device="cuda", device_name="NVIDIA H100 80GB HBM3", capability=[9, 0])
+    kinds = found["flops_by_kind"]
+    expected = sum(kinds.values()) / (kinds["fp8"] / 1978.9e12 + kinds["matmul"] / 66.9e12)
+    assert utilization(on_h100, {"steps_per_second": 1.0})["peak_flops_per_second"] == pytest.approx(expected)
+
+
+def test_the_peak_table_matches_name_and_compute_capability_and_cites_each_rows_source():
+    from tuneup.measure.utilization import PEAKS
+
+    # The V100S (its own row, NVIDIA's V100 specifications: 16.4 TF single precision, 130 TF
+    # tensor), not the V100 PCIe's 14 and 112 its name also fits.
+    assert peak("Tesla V100S-PCIE-32GB", "float32", (7, 0))["flops_per_second"] == pytest.approx(16.4e12)
+    assert peak("Tesla V100S-PCIE-32GB", "float16", (7, 0))["flops_per_second"] == pytest.approx(130e12)
+    assert peak("Tesla V100-PCIE-16GB", "float16", (7, 0))["flops_per_second"] == pytest.approx(112e12)
+    # A name that fits a row of another architecture is not given that row's peak.
+    assert peak("NVIDIA A100-SXM4-80GB", "bfloat16", (9, 0)) is None
+    assert peak("NVIDIA A100-SXM4-80GB", "bfloat16", (8, 0))["flops_per_second"] == pytest.approx(312e12)
+    # Every row carries a capability; the H100 SXM row's figures are the Hopper whitepaper's
+    # (66.9/494.7/989.4/1978.9), cited as such, and the H200's its datasheet's halved sparse ones.
+    assert all(len(capability) == 2 for _, capability, _, _ in PEAKS)
+    h100 = peak("NVIDIA H100 80GB HBM3", "tf32", (9, 0))
+    assert h100["flops_per_second"] == pytest.approx(494.7e12) and "whitepaper" in h100["source"].lower()
+    h200 = peak("NVIDIA H200", "fp8", (9, 0))
+    assert h200["flops_per_second"] == pytest.approx(3958e12 / 2) and "h200" in h200["source"].lower()
+    for name, precision in (("NVIDIA H100 PCIe", "fp8"), ("NVIDIA H100 NVL", "bfloat16"), ("NVIDIA H200 NVL", "tf32")):
+        assert "datasheet" in peak(name, precision, (9, 0))["source"]

@@ -276,6 +276,7 @@ WORKER_FETCHES = _maybe(checked=COUNT, ready_share=SECONDS, queue_fill=SECONDS, 
 # A training step's FLOPs, counted on the model's shapes (measure/flops.py)
 FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=SECONDS, backward_flops=SECONDS, flops=SECONDS,
                batch=COUNT, dtype=TEXT, device=TEXT, device_name=TEXT, counts=COUNT, seconds=SECONDS,
+               flops_by_kind=MapOf(SECONDS), precisions=MapOf(TEXT), capability=ListOf(COUNT, max_items=2),
                top_modules=ListOf(Obj(module=TEXT, flops=SECONDS, share=SECONDS, count=Opt(COUNT), **{"class": Opt(TEXT)}),
                                   max_items=100))
 # Python's garbage collections from the first step on, by generation (measure/gc_pauses.py)

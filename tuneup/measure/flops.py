@@ -21,9 +21,16 @@ whose forward depends on its data (nonzero, a boolean mask, .item()) cannot run 
 the count is skipped and says why, as it is for a compiled model (its graphs run the step, not
 its forward), an FSDP one and a job with global module hooks.
 
-Counted again when the input's shapes change: every RECHECK_STEPS steps a one-shot capture
-looks at a training forward's input shapes, and a new signature is counted (at most
-MAX_COUNTS; where they vary, the FLOPs per batch are the median of the counts, an estimate).
+Looked at again at every lifecycle check after the first count (RECHECK_STEPS: each one, 64
+steps apart): a one-shot capture reads, before a detail step's training forward, the input's
+shapes and the precision the step runs in; a new signature is counted (at most MAX_COUNTS;
+where they vary, the FLOPs per batch are the median of the counts, an estimate). The precision
+is no part of a count: it changes no FLOP, only the peak MFU divides by, so a loop that turns on
+bf16 autocast at step 100 (or apply mode's AMP change, whose forward enters autocast around
+tuneup's wrapper: actions/amp.py) is read as bf16 from the next look on, without a recount.
+A count keeps its FLOPs by kind (matmul, convolution, fp8 matmul: torch._scaled_mm), as each
+kind's precision is set apart (TF32 for matmuls and for cuDNN's convolutions are separate
+flags), and MFU divides by the FLOP-weighted peak (utilization.py).
 Nothing of this runs on ordinary steps: the per-step figures (achieved FLOP/s, MFU) are the
 count over the measured step time, computed where the snapshot is read (utilization.py).
 """
@@ -42,7 +49,7 @@ from .model import forward_autocast
 from .offstep import ModelCapture, unseen
 
 FROM_STEP = 6  # past the first detail steps: the model and its input are what training uses
-RECHECK_STEPS = 512  # a look at the input's shapes this often, after the first count
+RECHECK_STEPS = 1  # after the first count, a look (shapes, precision) at the next lifecycle check this far on
 MAX_COUNTS = 8  # distinct input shapes counted, at most
 TOP_MODULES = 5
 
@@ -64,23 +71,85 @@ def _first_dim(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
-def _compute_dtype(module: nn.Module, parameter: torch.Tensor) -> str:
-    """The precision the forward's matmuls run in: autocast's dtype where it is on, in the
-    thread or entered by the module's own forward (Accelerate's, after this looks: model.py
-    forward_autocast), else the parameters'; fp32 on CUDA with TF32 allowed for matmuls is TF32."""
+KINDS = ("matmul", "conv", "fp8")  # the kinds of FLOP whose precision is set apart
+# FlopCounterMode's ops (torch/utils/flop_counter.py flop_registry) that are convolutions, run
+# by cuDNN on CUDA (TF32 per torch.backends.cudnn's flag, not the matmul one); _scaled_mm is the
+# fp8 matmul (its operands float8, scaled: torchao's Float8Linear, Transformer Engine's own
+# kernels aside); everything else counted (mm, addmm, bmm, baddbmm, attention) is a matmul.
+_CONV_OPS = {"convolution", "_convolution", "cudnn_convolution", "convolution_overrideable",
+             "convolution_backward", "cudnn_convolution_transpose"}
+_FP8_OPS = {"_scaled_mm"}
+
+
+def _kind(op: Any) -> str:
+    name = getattr(op, "__name__", str(op))
+    return "conv" if name in _CONV_OPS else "fp8" if name in _FP8_OPS else "matmul"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` as "bfloat16"; every float8 dtype as "fp8" (the peak's key)."""
+    name = str(dtype).replace("torch.", "")
+    return "fp8" if name.startswith("float8") else name
+
+
+def _tf32(op: str) -> bool:
+    """Whether CUDA runs float32 `op`s ("matmul": cuBLAS, "conv": cuDNN) in TF32. torch from 2.9
+    keeps one precision per backend and op (torch/backends/__init__.py _FP32Precision, read by
+    torch._C._get_fp32_precision_getter): "tf32", "ieee", or "none" for the level above's (cuDNN
+    conv, then CUDA's "all", then the generic one; "none" at the top is IEEE). The legacy flags
+    map onto it: by default matmul reads "none" (IEEE: torch.get_float32_matmul_precision()
+    "highest") and conv "tf32" (torch.backends.cudnn.allow_tf32 is True), and the legacy
+    getters raise once both APIs were mixed ("a mix of the legacy and new APIs"), so they are
+    read only on a torch without the new one."""
+    levels = ((torch.backends.cuda.matmul,) if op == "matmul" else (torch.backends.cudnn.conv,)) + (
+        torch.backends.cudnn, torch.backends)  # cudnn.fp32_precision is CUDA's "all"
+    try:
+        for level in levels:
+            value = level.fp32_precision
+            if value != "none":
+                return value == "tf32"
+        return False
+    except (AttributeError, RuntimeError):  # torch < 2.9: the legacy flags alone
+        if op == "matmul":
+            return torch.get_float32_matmul_precision() != "highest"
+        return bool(torch.backends.cudnn.allow_tf32)
+
+
+def _step_precision(module: nn.Module, parameter: torch.Tensor) -> dict[str, str]:
+    """{"matmul", "conv"}: the precision the forward's matmuls and convolutions run in, read
+    before the forward on the training thread: autocast's dtype where it is on, in the thread
+    or entered by the module's own forward (Accelerate's, after this looks: model.py
+    forward_autocast; autocast casts both to its dtype), else the parameters'; fp32 on CUDA is
+    TF32 for the kinds whose flag allows it (_tf32)."""
     device = parameter.device.type
     try:
         if torch.is_autocast_enabled(device):
-            return str(torch.get_autocast_dtype(device)).replace("torch.", "")
+            dtype = _dtype_name(torch.get_autocast_dtype(device))
+            return {"matmul": dtype, "conv": dtype}
     except (TypeError, AttributeError, RuntimeError):  # an older torch: autocast state by device kind
         pass
     entered = forward_autocast(module).get(device)
     if entered is not None:
-        return entered
-    dtype = str(parameter.dtype).replace("torch.", "")
-    if dtype == "float32" and device == "cuda" and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return dtype
+        return {"matmul": entered, "conv": entered}
+    dtype = _dtype_name(parameter.dtype)
+    if dtype != "float32" or device != "cuda":
+        return {"matmul": dtype, "conv": dtype}
+    return {kind: "tf32" if _tf32(kind) else "float32" for kind in ("matmul", "conv")}
+
+
+def _by_kind(counts: dict[Any, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op, flops in counts.items():
+        if flops:
+            out[_kind(op)] = out.get(_kind(op), 0) + flops
+    return out
+
+
+def precision_label(precisions: dict[str, str], by_kind: dict[str, float]) -> str | None:
+    """The step's precision as one name: the kinds' precisions, the most FLOPs first, joined
+    by "+" where they differ ("float32+tf32": fp32 matmuls, TF32 convolutions)."""
+    names = [precisions[kind] for kind in sorted(by_kind, key=lambda kind: -by_kind[kind]) if kind in precisions]
+    return "+".join(dict.fromkeys(names)) or None
 
 
 def _repeated(name: str, modules: dict[str, nn.Module]) -> str:
@@ -141,7 +210,8 @@ class FlopCount(ModelCapture):
         self.last: dict[str, Any] | None = None  # the latest count
         self.skipped: str | None = None
         self.seconds = 0.0  # counting's own time
-        self._input: tuple[tuple, dict, tuple, str] | None = None  # meta args, kwargs, signature, dtype
+        self.precision: dict[str, str] | None = None  # {"matmul", "conv"}: the latest look's (_step_precision)
+        self._input: tuple[Any, Any, tuple, dict[str, str] | None] | None = None  # meta args, kwargs, signature, precision
 
     def due(self, step: int) -> bool:
         return self.on and self.state in ("waiting", "counted") and step >= self.next_look
@@ -156,9 +226,10 @@ class FlopCount(ModelCapture):
             if self._input is None and module.training and torch.is_grad_enabled():
                 parameter = next(module.parameters(), None)
                 signature = _signature(args, kwargs)
-                dtype = _compute_dtype(module, parameter) if parameter is not None else "float32"
-                inputs = (None, None) if signature in self.counts else (_meta(args), _meta(kwargs))
-                self._input = (*inputs, signature, dtype)
+                precision = _step_precision(module, parameter) if parameter is not None else None
+                known = signature in self.counts or len(self.counts) >= MAX_COUNTS
+                inputs = (None, None) if known else (_meta(args), _meta(kwargs))
+                self._input = (*inputs, signature, precision)
         except Exception as exc:
             self._failure = exc
         return None
@@ -175,13 +246,15 @@ class FlopCount(ModelCapture):
             if model is None or captured is None:
                 self.state, self.next_look = ("counted" if self.counts else "waiting"), step + 1
                 return
-            args, kwargs, signature, dtype = captured
+            args, kwargs, signature, precision = captured
+            if precision is not None:
+                self.precision = precision  # the step's, as of this look: a count's or not
             if signature in self.counts:
                 self.last = self.counts[signature]
                 return
-            self.last = self.counts[signature] = self._count(model, args, kwargs, dtype)
-            if len(self.counts) >= MAX_COUNTS:
-                self.state = "done"
+            if len(self.counts) >= MAX_COUNTS:  # room for no more shapes: the precision still looked at
+                return
+            self.last = self.counts[signature] = self._count(model, args, kwargs)
         except _Skip as exc:
             self.skip(str(exc))
         except Exception as exc:
@@ -191,7 +264,7 @@ class FlopCount(ModelCapture):
         finally:
             self.seconds += time.perf_counter() - began
 
-    def _count(self, model: nn.Module, args: tuple, kwargs: dict, dtype: str) -> dict[str, Any]:
+    def _count(self, model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         from torch.utils.flop_counter import FlopCounterMode
 
         parameter = next(model.parameters(), None)
@@ -219,19 +292,32 @@ class FlopCount(ModelCapture):
             raise _Skip(f"the forward cannot run on shapes alone ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
         device = parameter.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        name = torch.cuda.get_device_name(device) if cuda else None
+        capability = list(torch.cuda.get_device_capability(device)) if cuda else None
+        counts = counter.get_flop_counts()
         return {"model": type(model).__name__, "forward_flops": forward, "backward_flops": total - forward,
-                "flops": total, "batch": _first_dim(args, kwargs), "dtype": dtype, "device": device.type,
-                "device_name": name, "top_modules": _top_modules(model, counter.get_flop_counts(), by_module)}
+                "flops": total, "flops_by_kind": _by_kind(counts.get("Global", {})), "batch": _first_dim(args, kwargs),
+                "device": device.type, "device_name": name, "capability": capability,
+                "top_modules": _top_modules(model, counts, by_module)}
 
     def summary(self) -> dict[str, Any] | None:
-        """The latest count (the median over the shapes counted where they vary), or why none."""
+        """The latest count (the median over the shapes counted where they vary), or why none,
+        with the precision of the latest look: by kind of FLOP (`precisions`) and as one name
+        (`dtype`, precision_label)."""
         if self.last is None:
             return {"skipped": self.skipped} if self.skipped else None
         out = dict(self.last, counts=len(self.counts), seconds=self.seconds)
         if len(self.counts) > 1:
             for key in ("forward_flops", "backward_flops", "flops"):
                 out[key] = statistics.median(count[key] for count in self.counts.values())
+            # The latest count's shares of the kinds, over the median (a sum of medians is not one).
+            whole = self.last["flops"] or 1
+            out["flops_by_kind"] = {kind: flops * out["flops"] / whole for kind, flops in self.last["flops_by_kind"].items()}
+        looked = self.precision or {}
+        out["precisions"] = {kind: "fp8" if kind == "fp8" else looked.get(kind, "float32")
+                             for kind in out["flops_by_kind"]}
+        out["dtype"] = precision_label(out["precisions"], out["flops_by_kind"]) or looked.get("matmul", "float32")
         if self.skipped:
             out["stopped"] = self.skipped
         return out

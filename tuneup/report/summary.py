@@ -220,6 +220,9 @@ def compile_lines(compiled: dict[str, Any] | None, totals: dict[str, Any] | None
     return lines
 
 
+KIND_NAMES = {"matmul": "matmuls", "conv": "convolutions", "fp8": "fp8 matmuls"}
+
+
 def compute_lines(compute: dict[str, Any] | None, counted: dict[str, Any] | None) -> list[str]:
     """The work a step does and how much of the device it reaches (measure/flops.py,
     measure/utilization.py): FLOPs per step, achieved FLOP/s, MFU where the device's peak is
@@ -236,10 +239,16 @@ def compute_lines(compute: dict[str, Any] | None, counted: dict[str, Any] | None
         per_batch = (f" (forward {flop_text(counted['forward_flops'])} + backward "
                      f"{flop_text(counted['backward_flops'])} a batch{batch}, counted on "
                      f"{counted.get('model') or 'the model'}'s shapes{varying})")
+    kinds = [k for k in compute.get("kinds") or [] if isinstance(k, dict)]
+    weighted = ""
+    if len({k.get("precision") for k in kinds}) > 1:  # kinds in different precisions: the blend's parts
+        weighted = " (FLOP-weighted: " + ", ".join(
+            f"{KIND_NAMES.get(k.get('kind'), k.get('kind'))} {k.get('precision')} {percent(k.get('share'))}"
+            for k in kinds) + ")"
     if compute.get("mfu") is not None:
         peak = flop_text(compute.get("peak_flops_per_second"), "FLOP/s")
         utilization = (f"MFU {compute['mfu']:.1%} of {compute.get('device')}'s {peak} dense "
-                       f"{compute.get('precision')} peak")
+                       f"{compute.get('precision')} peak{weighted}")
     else:
         utilization = f"MFU: unknown peak for {compute.get('device') or 'this device'} ({compute.get('precision')})"
     lines = [f"Compute: {flop_text(compute.get('flops_per_step'))} a step{per_batch}, "
