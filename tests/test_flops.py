@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.request
 
 import pytest
@@ -225,26 +226,48 @@ def test_a_forward_that_needs_its_data_is_not_counted_and_says_why(run_dir):
     assert not [w for w in agent.snapshot()["warnings"] if "flops" in w["message"]]  # a reason, not a failure
 
 
+def loop_clock(starts, window):
+    """The loop's own wall time over the steps `window` holds (tuneup's step n is the loop's
+    iteration n - 1; `starts` holds each iteration's start and the loop's end), and how far
+    tuneup's sum may be from it: its step boundaries are not the loop's iteration starts (the
+    optimizer's step, a backward's end), at most a step off at each end of the window, so two
+    of the longest steps about it, as a share of the sum."""
+    durations = [after - before for before, after in zip(starts, starts[1:])]
+    first, last = window["first_step"] - 1, window["last_step"]
+    seconds = sum(durations[first:last])
+    return seconds, 2 * max(durations[max(0, first - 1):last + 1]) / seconds
+
+
 def test_cpu_states_achieved_flops_and_no_mfu_in_the_report_and_the_metrics(run_dir):
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
-    with tuneup.attach(run_dir=run_dir, port=0) as agent:
+    starts = []
+    # A window of the last 100 steps: past the count (at step 65), whose time is tuneup's own,
+    # kept out of its step times and not out of the loop's clock.
+    with tuneup.attach(run_dir=run_dir, port=0, window_steps=100) as agent:
         torch.manual_seed(0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
-        for _ in range(100):
+        for _ in range(240):
+            starts.append(time.perf_counter())
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+        starts.append(time.perf_counter())
         with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=10) as response:
             metrics = response.read().decode()
         snapshot = agent.snapshot()
     figures = snapshot["flops"]
     assert figures["mfu"] is None and figures["peak_flops_per_second"] is None
-    # Ground truth: the step's FLOPs over the loop's own mean step, within what load changes.
-    assert figures["achieved_flops_per_second"] == pytest.approx(
-        figures["flops_per_step"] * snapshot["window"]["steps_per_second"])
-    step_flops = [line for line in metrics.splitlines() if line.startswith("tuneup_step_flops{")]
-    assert len(step_flops) == 1 and float(step_flops[0].split()[-1]) == figures["flops_per_step"]
+    # Ground truth: the layer shapes' FLOPs (the first layer's forward and weight gradient, the
+    # second's forward and both gradients) over the loop's own clock on the window's steps.
+    step_flops = 2 * linear(32, 128, 256) + 3 * linear(32, 256, 10)
+    assert figures["flops_per_step"] == step_flops
+    window = snapshot["window"]
+    seconds, tolerance = loop_clock(starts, window)
+    assert window["steps"] == window["last_step"] - window["first_step"] + 1 >= 90
+    assert figures["achieved_flops_per_second"] == pytest.approx(step_flops * window["steps"] / seconds, rel=tolerance)
+    gauge = [line for line in metrics.splitlines() if line.startswith("tuneup_step_flops{")]
+    assert len(gauge) == 1 and float(gauge[0].split()[-1]) == step_flops
     assert "tuneup_achieved_flops_per_second{" in metrics
     assert "tuneup_model_flops_utilization" not in metrics  # no peak for a CPU
     from tuneup.report.summary import compute_lines
@@ -291,30 +314,34 @@ def fake_gpus():
 
 
 def energy_run(run_dir, **options):
-    """A CPU loop of 30 ms steps (a sleep: its pace is the ground truth) with GPU samples every 50 ms."""
-    import time
-
+    """A CPU loop of 30 ms steps (a sleep) with GPU samples every 50 ms: the snapshot, and the
+    loop's own clock (each iteration's start, and its end)."""
     model = nn.Linear(8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 8)
-    began = time.perf_counter()
+    starts = []
     with tuneup.attach(run_dir=run_dir, interval=0.05, port=0, **options) as agent:
         for _ in range(40):
+            starts.append(time.perf_counter())
             optimizer.zero_grad()
             model(x).sum().backward()
             optimizer.step()
             time.sleep(0.03)
-    return agent.snapshot(), time.perf_counter() - began
+        starts.append(time.perf_counter())
+    return agent.snapshot(), starts
 
 
 def test_energy_per_step_comes_from_the_energy_counter(run_dir, fake_gpus):
-    snapshot, _ = energy_run(run_dir, nvml_module=FAKE)
+    snapshot, starts = energy_run(run_dir, nvml_module=FAKE)
     spent = snapshot["energy"]
-    # Ground truth: the fake counter rises 350 J a second on each GPU; the job holds memory on GPU 0 only.
+    # Ground truth: the fake counter rises 350 J a second on each GPU (the job holds memory on
+    # GPU 0 only), over the loop's own time per step; its batch is 4.
     assert spent["source"] == "NVML energy counter" and spent["gpus"] == 1
-    assert spent["watts"] == pytest.approx(350, rel=0.05)
-    assert spent["joules_per_step"] == pytest.approx(spent["watts"] / snapshot["window"]["steps_per_second"])
-    assert spent["joules_per_sample"] == pytest.approx(spent["joules_per_step"] / 4)
+    assert spent["watts"] == pytest.approx(350, rel=0.01)
+    window = snapshot["window"]
+    seconds, tolerance = loop_clock(starts, window)
+    assert spent["joules_per_step"] == pytest.approx(350 * seconds / window["steps"], rel=tolerance + 0.01)
+    assert spent["joules_per_sample"] == pytest.approx(350 * seconds / window["steps"] / 4, rel=tolerance + 0.01)
     from tuneup.report.summary import energy_line
 
     line = energy_line(spent)
