@@ -4,8 +4,8 @@ Only the driver is fake: tuneup's NVML backend runs unchanged on it. Configure t
 module attributes (in-process tests) or FAKE_NVML_* environment variables (subprocesses):
 FAKE_NVML_GPUS (count), FAKE_NVML_FAIL_AFTER (raise a driver error from the Nth
 utilization read on), FAKE_NVML_NO_POWER (power readings not supported), FAKE_NVML_NO_ENERGY (no energy counter: a GPU before
-Volta), FAKE_NVML_UTILIZATION (GPU utilization
-percent of GPU 0; GPU i reads that plus i).
+Volta; "1" every GPU, or the indices of those without one, "1,3": a node that mixes them),
+FAKE_NVML_UTILIZATION (GPU utilization percent of GPU 0; GPU i reads that plus i).
 
 `reset()` also takes: `mig` ({gpu index: instances}: MIG mode on those GPUs), `old_driver`
 (a driver older than the binding: the v3 process list and the clock-event reasons are missing
@@ -47,7 +47,19 @@ class NVMLLibraryMismatchError(Exception):
 gpus = int(os.environ.get("FAKE_NVML_GPUS", "2"))
 fail_after = int(os.environ.get("FAKE_NVML_FAIL_AFTER", "0"))  # 0: never
 no_power = os.environ.get("FAKE_NVML_NO_POWER") == "1"
-no_energy = os.environ.get("FAKE_NVML_NO_ENERGY") == "1"  # a GPU before Volta: no energy counter
+
+
+def _without_energy(value: str | None) -> bool | frozenset[int]:
+    """True (every GPU), the GPU indices listed, or False."""
+    if not value:
+        return False
+    if value == "1":
+        return True
+    return frozenset(int(index) for index in value.split(","))
+
+
+# GPUs without an energy counter (a GPU before Volta): True for all, or a set of indices.
+no_energy: bool | frozenset[int] = _without_energy(os.environ.get("FAKE_NVML_NO_ENERGY"))
 utilization = int(os.environ.get("FAKE_NVML_UTILIZATION", "37"))
 throttle_mask = 0x4 | 0x40  # sw power cap + hw thermal
 utilization_reads = 0
@@ -62,7 +74,9 @@ own_gpu: int | None = int(os.environ["FAKE_NVML_OWN_GPU"]) if os.environ.get("FA
 def reset(**settings) -> None:
     global gpus, fail_after, no_power, no_energy, utilization_reads, initialized, throttle_mask, mig, old_driver, pids, own_gpu
     gpus, fail_after, no_power = settings.get("gpus", 2), settings.get("fail_after", 0), settings.get("no_power", False)
-    no_energy = settings.get("no_energy", False)
+    no_energy = settings.get("no_energy", False)  # True, or the indices of the GPUs without a counter
+    if not isinstance(no_energy, bool):
+        no_energy = frozenset(no_energy)
     throttle_mask = settings.get("throttle_mask", 0x4 | 0x40)
     mig, old_driver, pids = settings.get("mig", {}), settings.get("old_driver", False), settings.get("pids")
     own_gpu = settings.get("own_gpu")
@@ -141,9 +155,9 @@ def nvmlDeviceGetPowerUsage(handle):
 def nvmlDeviceGetTotalEnergyConsumption(handle):
     """Millijoules since the driver loaded (a uint64 in nvidia-ml-py): 350 W since the process
     started, on a counter that was already far along."""
-    if no_power or no_energy:
-        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     _handle(handle)
+    if no_power or no_energy is True or (no_energy and handle.index in no_energy):
+        raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
     return 9_000_000_000 + int(time.monotonic() * 350_000)
 
 

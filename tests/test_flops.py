@@ -595,3 +595,177 @@ def test_the_peak_table_matches_name_and_compute_capability_and_cites_each_rows_
     assert h200["flops_per_second"] == pytest.approx(3958e12 / 2) and "h200" in h200["source"].lower()
     for name, precision in (("NVIDIA H100 PCIe", "fp8"), ("NVIDIA H100 NVL", "bfloat16"), ("NVIDIA H200 NVL", "tf32")):
         assert "datasheet" in peak(name, precision, (9, 0))["source"]
+
+
+# --- every report format and /metrics, from real runs ----------------------------------------------
+
+REPORTED_JOB = """
+import json, sys, time
+import torch
+from torch import nn
+import tuneup
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
+starts = []
+with tuneup.attach():
+    for _ in range(150):
+        starts.append(time.perf_counter())
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        time.sleep(0.02)
+    starts.append(time.perf_counter())
+with open(sys.argv[1], "w") as out:
+    json.dump(starts, out)
+"""
+
+
+@pytest.fixture(scope="module", params=["counter", "no counter"])
+def reported_run(request, tmp_path_factory):
+    """A finished job's run directory and its loop's own clock: the MLP of the CPU test, 20 ms
+    steps, on the fake NVML (the job's memory on GPU 0), whose GPU has an energy counter or not."""
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    folder = tmp_path_factory.mktemp("reported")
+    (folder / "job.py").write_text(REPORTED_JOB)
+    env = child_env(TUNEUP_RUN_DIR=str(folder / "run"), TUNEUP_INTERVAL="0.1", TUNEUP_NVML_MODULE=FAKE,
+                    FAKE_NVML_OWN_GPU="0", FAKE_NVML_NO_ENERGY="1" if request.param == "no counter" else None)
+    result = subprocess.run([sys.executable, str(folder / "job.py"), str(folder / "starts.json")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return request.param, folder / "run", json.loads((folder / "starts.json").read_text())
+
+
+def test_every_report_format_states_the_flops_achieved_flops_mfu_and_energy(reported_run, tmp_path):
+    import html
+
+    from tests.test_cli import tuneup as cli
+    from tuneup.format import flops as flop_text
+
+    counter, run_dir, starts = reported_run
+    result = cli("report", str(run_dir), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    snapshot = json.loads(result.stdout)["runs"][0]["snapshot"]
+    # Ground truth: the layer shapes' FLOPs, the loop's own clock over the report's window, the
+    # fake GPU's 350 W (its counter's rise, or its power draw), the batch of 32.
+    forward = linear(32, 128, 256) + linear(32, 256, 10)
+    backward = linear(32, 128, 256) + 2 * linear(32, 256, 10)
+    window = snapshot["window"]
+    seconds, tolerance = loop_clock(starts, window)
+    figures, spent = snapshot["flops"], snapshot["energy"]
+    assert figures["flops_per_step"] == forward + backward
+    assert figures["achieved_flops_per_second"] == pytest.approx((forward + backward) * window["steps"] / seconds,
+                                                                 rel=tolerance)
+    assert figures["mfu"] is None and figures["peak_flops_per_second"] is None
+    source = "NVML energy counter" if counter == "counter" else "power draw x time (an estimate)"
+    assert spent["source"] == source and spent["gpus"] == 1 and spent["watts"] == pytest.approx(350, rel=0.01)
+    assert spent["joules_per_step"] == pytest.approx(350 * seconds / window["steps"], rel=tolerance + 0.01)
+    assert spent["joules_per_sample"] == pytest.approx(spent["joules_per_step"] / 32)
+    compute = (f"Compute: {flop_text(forward + backward)} a step (forward {flop_text(forward)} + backward "
+               f"{flop_text(backward)} a batch of 32, counted on Sequential's shapes), "
+               f"{flop_text(figures['achieved_flops_per_second'], 'FLOP/s')} achieved; MFU: unknown peak for cpu (float32)")
+    modules = "FLOPs by module: Sequential.0 (Linear) 90%, Sequential.2 (Linear) 10%"
+    energy = (f"Energy: {spent['joules_per_step']:.3g} J a step, {spent['joules_per_sample']:.3g} J a sample "
+              f"(1 GPU at 350 W, {source})")
+    text = cli("report", str(run_dir))
+    markdown = cli("report", str(run_dir), "--format", "markdown")
+    output = tmp_path / "report.html"
+    page = cli("report", str(run_dir), "--format", "html", "-o", str(output))
+    assert text.returncode == markdown.returncode == page.returncode == 0, (text.stderr, markdown.stderr, page.stderr)
+    flat = " ".join(text.stdout.split())  # the text report wraps its lines
+    for line in (compute, modules, energy):
+        assert line in flat, (line, text.stdout)
+        assert f"- {line}\n" in markdown.stdout, (line, markdown.stdout)
+        assert html.escape(line) in output.read_text(), line
+
+
+def test_metrics_state_the_flops_mfu_and_each_gpus_energy_counter_and_pass_promtool(run_dir, fake_gpus, monkeypatch):
+    """Two fake GPUs the job holds memory on, GPU 0 with an energy counter, GPU 1 without (a
+    node that mixes them). There is no CUDA device here: the count is said to be on an H100
+    and the step in bf16 (torch.cuda's name and the forward's precision stood in, as
+    tests/programs/export_job.py --fake-device does), so the MFU gauge has a peak."""
+    import shutil
+    import subprocess
+
+    from tuneup.export.metrics import COMPUTE_WINDOW
+
+    fake_gpus.reset(no_energy={1})
+    counted = flops_module.FlopCount._count
+    monkeypatch.setattr(flops_module.FlopCount, "_count", lambda self, *args: dict(
+        counted(self, *args), device="cuda", device_name="NVIDIA H100 80GB HBM3", capability=[9, 0]))
+    monkeypatch.setattr(flops_module, "_step_precision", lambda module, parameter: {"matmul": "bfloat16",
+                                                                                      "conv": "bfloat16"})
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 128), torch.randint(0, 10, (32,))
+    starts = []
+    with tuneup.attach(run_dir=run_dir, interval=0.05, port=0, nvml_module=FAKE) as agent:
+        for _ in range(400):  # the gauges' window (COMPUTE_WINDOW steps) past the count at step 65
+            starts.append(time.perf_counter())
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            time.sleep(0.003)
+        starts.append(time.perf_counter())
+        time.sleep(0.2)  # a few samples after the last step
+        began = time.monotonic()
+        with urllib.request.urlopen(f"{agent.server.url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        ended = time.monotonic()
+        window = agent.recorder.window(COMPUTE_WINDOW)
+        spent = agent.snapshot()["energy"]
+
+    def value(name, **labels):
+        found = [line for line in metrics.splitlines() if line.startswith(name + "{")
+                 and all(f'{key}="{wanted}"' in line for key, wanted in labels.items())]
+        assert len(found) <= 1, found
+        return float(found[0].split()[-1]) if found else None
+
+    step_flops = 2 * linear(32, 128, 256) + 3 * linear(32, 256, 10)
+    seconds, tolerance = loop_clock(starts, window)
+    assert value("tuneup_step_flops") == step_flops
+    achieved = value("tuneup_achieved_flops_per_second")
+    assert achieved == pytest.approx(step_flops * window["steps"] / seconds, rel=tolerance)
+    # The Hopper whitepaper's 989.4 TF dense bf16 for the H100 SXM.
+    assert value("tuneup_model_flops_utilization", precision="bfloat16") == pytest.approx(achieved / 989.4e12)
+    # GPU 0's counter: the fake's millijoules since its driver loaded (9e9 + 350 W x monotonic
+    # time) as joules, read by a sample of the last second before the scrape; GPU 1 has none
+    # (absent, not 0), though its power is read.
+    joules = value("tuneup_gpu_energy_joules_total", gpu="0")
+    assert 9e6 + 350 * (began - 1.0) <= joules <= 9e6 + 350 * ended
+    assert value("tuneup_gpu_energy_joules_total", gpu="1") is None
+    assert value("tuneup_gpu_power_watts", gpu="1") == 350
+    # The figure over both: GPU 0's counter and GPU 1's power draw, an estimate as one of them is.
+    assert spent["gpus"] == 2 and spent["watts"] == pytest.approx(700, rel=0.01)
+    assert spent["source"] == "power draw x time (an estimate)"
+    if shutil.which("promtool"):
+        checked = subprocess.run(["promtool", "check", "metrics"], input=metrics, capture_output=True, text=True,
+                                 timeout=60)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_is_not_counted_and_the_report_says_why(how, run_dir):
+    # Its graphs run the step, not its forward (recorder.py _lifecycle): no count, a reason.
+    from tuneup.report.summary import compute_lines
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    if how == "torch.compile(model)":
+        model = torch.compile(model, backend="eager")
+    else:
+        model.compile(backend="eager")
+    losses, agent = train(model, fixed((16, 32)), 80, agent_options=dict(run_dir=run_dir, port=0))
+    torch._dynamo.reset()
+    assert len(losses) == 80  # it trained, compiled
+    reason = "the model is compiled (its graphs run the step, not its forward)"
+    assert agent.snapshot()["habits"]["flops"] == {"skipped": reason}
+    assert agent.snapshot()["flops"] == {"skipped": reason}
+    assert compute_lines(agent.snapshot()["flops"], agent.snapshot()["habits"]["flops"]) == [
+        f"Compute: FLOPs not counted: {reason}"]

@@ -48,9 +48,11 @@ if args.fake_device:
     counted = flops.FlopCount._count
 
     def on_the_device(self, *positional, **named):
-        return dict(counted(self, *positional, **named), device="cuda", device_name=args.fake_device, dtype="bfloat16")
+        return dict(counted(self, *positional, **named), device="cuda", device_name=args.fake_device)
 
     flops.FlopCount._count = on_the_device
+    # The step's precision is read off its forward at each look, not from the count: bf16.
+    flops._step_precision = lambda module, parameter: {"matmul": "bfloat16", "conv": "bfloat16"}
 
 if args.fake_allocator:
     import tuneup.measure.memory as memory
