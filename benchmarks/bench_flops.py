@@ -1,20 +1,33 @@
-"""What counting a step's FLOPs costs (measure/flops.py), against the step it counts.
+"""What counting a step's FLOPs costs (measure/flops.py), against the step it counts, and what
+the per-step figure costs the steps that are not counted (nothing).
 
-    python benchmarks/bench_flops.py [--rounds 7]
+    python benchmarks/bench_flops.py [--rounds 7] [--per-step-rounds 9] [--trace-steps 3000]
 
 The count runs once per input shape, at a step close on the training thread: one forward and
 backward of the model on meta tensors under torch's FlopCounterMode (no data, no arithmetic:
 Python dispatch only). For three models (an MLP, a conv net, a 6-block transformer) this
 prints, over interleaved rounds, the median of the plain training step (SGD, one intra-op
-thread) and the median of one count, their ratio, and the count's FLOPs. On ordinary steps
-nothing of the count runs (it is scheduled at the recorder's lifecycle closes, every 64 steps,
-and after the first count only every RECHECK_STEPS): bench_instructions.py measures the
-per-step path, which this change does not touch.
+thread) and the median of one count, their ratio, and the count's FLOPs.
+
+Then the per-step figure, on bench_overhead.py's ~0.4 ms CPU step (its workload, loop and
+settling: the count itself is past, at step 65, before the timed steps). Achieved FLOP/s and
+MFU are computed where a snapshot or /metrics is read, on tuneup's thread; on the training
+thread the FLOP work after the count is a look after each lifecycle check (64 steps apart: the
+input's signature and the step's precision before the next detail step's forward, and that
+step's close; paced detail steps are rarer, so looks are too). Two figures:
+  - operations: a tracer counts every bytecode instruction of the FLOP count's code
+    (flops.py, offstep.py, the model probe's give_input) over --trace-steps steps, and on how
+    many steps any ran: the looks' steps, none of the others;
+  - time: tuneup attached with the FLOP count on and with it off (recorder.flops.on = False
+    before the first step), interleaved in shuffled rounds, each run's mean wall and CPU time
+    (time.process_time: tuneup's thread included) per step; medians over rounds, the ratio,
+    and the difference paired within a round.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -24,7 +37,12 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tuneup  # noqa: E402
+from benchmarks.bench_overhead import SETTLE, WARMUP_STEPS, WORKLOADS, loop, make  # noqa: E402
 from tuneup.measure.flops import FlopCount  # noqa: E402
+
+PER_STEP_WORKLOAD = "~0.4 ms step"
+PACED_AFTER = 1100  # steps before the trace (bench_operations.py): the detail steps are paced
 
 
 class Block(nn.Module):
@@ -93,9 +111,101 @@ def count_seconds(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     return time.perf_counter() - began, found["flops"]
 
 
+def flop_code(code) -> bool:
+    """The FLOP count's code on the training thread: flops.py, offstep.py (the capture it shares
+    with the precision trial) and the model probe's hand-over of a forward's input."""
+    name = code.co_filename.replace("\\", "/")
+    return name.endswith(("/tuneup/measure/flops.py", "/tuneup/measure/offstep.py")) or (
+        name.endswith("/tuneup/measure/model.py") and code.co_name == "give_input")
+
+
+def trace_steps(steps: int) -> tuple[int, int, int, int]:
+    """(steps traced, steps on which FLOP code ran, its operations in all, looks finished)."""
+    features, hidden, depth, batch, optimizer_class, pre_batched, _ = WORKLOADS[PER_STEP_WORKLOAD]
+    job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+    operations = [0]
+    per_step: list[int] = []
+
+    def opcodes(frame, event, arg):
+        if event == "opcode":
+            operations[0] += 1
+        return opcodes
+
+    def tracer(frame, event, arg):
+        if event == "call" and flop_code(frame.f_code):
+            frame.f_trace_opcodes = True
+            return opcodes
+        return None
+
+    def on_step():
+        per_step.append(operations[0])
+        operations[0] = 0
+
+    with tuneup.attach(log=False, serve=False, gpu=False) as agent:
+        loop(*job, max(PACED_AFTER, WARMUP_STEPS + 1), settle=SETTLE)
+        agent.ticker.stop()
+        agent.recorder.drain()
+        flops = agent.recorder.flops
+        assert flops.last is not None, "the count did not run before the trace"
+        finished = [0]
+        original = flops.finish
+
+        def counted_finish(*args, **kwargs):
+            finished[0] += 1
+            return original(*args, **kwargs)
+
+        flops.finish = counted_finish
+        sys.settrace(tracer)
+        try:
+            loop(*job, WARMUP_STEPS + steps, on_step=on_step)
+        finally:
+            sys.settrace(None)
+            del flops.finish
+    busy = [count for count in per_step if count]
+    return len(per_step), len(busy), sum(busy), finished[0]
+
+
+def timed_run(job, steps: int, tmp: str, flops_on: bool) -> tuple[float, float]:
+    with tuneup.attach(run_dir=Path(tmp) / f"run-{time.monotonic_ns()}") as agent:
+        agent.recorder.flops.on = flops_on
+        return loop(*job, steps, settle=SETTLE)
+
+
+def per_step_figures(rounds: int, trace: int) -> None:
+    import tempfile
+
+    steps, busy, operations, looks = trace_steps(trace)
+    print(f"\nper-step figure, {PER_STEP_WORKLOAD} workload (bench_overhead.py), after the count")
+    print(f"  operations: FLOP-count code ran on {busy} of {steps} steps ({looks} looks finished: each "
+          f"at the first detail step after a lifecycle check), {operations / max(looks, 1):.0f} operations a look, "
+          f"{operations / steps:.2f} a step on average, 0 on the other {steps - busy} steps")
+    features, hidden, depth, batch, optimizer_class, pre_batched, timed = WORKLOADS[PER_STEP_WORKLOAD]
+    job = make(features, hidden, depth, batch, optimizer_class, pre_batched)
+    configs = {"FLOP count on": True, "FLOP count off": False}
+    wall: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            order = list(configs.items())
+            random.shuffle(order)
+            for name, on in order:
+                seconds, processor = timed_run(job, WARMUP_STEPS + timed, tmp, on)
+                wall[name].append(seconds / timed)
+                cpu[name].append(processor / timed)
+    print(f"  time: {rounds} interleaved rounds of {timed} timed steps a run, mean per step, median over rounds")
+    for title, figures in (("wall time", wall), ("CPU time", cpu)):
+        on, off = (statistics.median(figures[name]) for name in configs)
+        paired = [(a - b) * 1e6 for a, b in zip(figures["FLOP count on"], figures["FLOP count off"])]
+        q1, _, q3 = statistics.quantiles(paired, n=4)
+        print(f"  {title:<10} on {on * 1e3:.4f} ms, off {off * 1e3:.4f} ms, on/off {on / off:.4f}; "
+              f"paired on - off {statistics.median(paired):+.2f} µs a step (IQR {q1:+.2f} to {q3:+.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--per-step-rounds", type=int, default=9, help="rounds of the per-step timing (0: none)")
+    parser.add_argument("--trace-steps", type=int, default=3000, help="steps the operation count traces")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 intra-op thread, {args.rounds} interleaved rounds (medians)")
@@ -112,6 +222,8 @@ def main() -> None:
             counts.append(seconds)
         step, count = statistics.median(steps), statistics.median(counts)
         print(f"{name:<36} {step * 1e3:>7.2f}ms {count * 1e3:>7.2f}ms {count / step:>9.2f}x {flops:>14,.0f}")
+    if args.per_step_rounds > 0:
+        per_step_figures(args.per_step_rounds, args.trace_steps)
 
 
 if __name__ == "__main__":

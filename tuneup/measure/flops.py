@@ -21,8 +21,10 @@ whose forward depends on its data (nonzero, a boolean mask, .item()) cannot run 
 the count is skipped and says why, as it is for a compiled model (its graphs run the step, not
 its forward), an FSDP one and a job with global module hooks.
 
-Looked at again at every lifecycle check after the first count (RECHECK_STEPS: each one, 64
-steps apart): a one-shot capture reads, before a detail step's training forward, the input's
+Looked at again after every lifecycle check past the first count (RECHECK_STEPS: each one, 64
+steps apart; the look waits for the next detail step, so paced detail steps make looks rarer:
+12 in 3,000 steps of bench_flops.py's 0.6 ms step): a one-shot capture reads, before that
+detail step's training forward, the input's
 shapes and the precision the step runs in; a new signature is counted (at most MAX_COUNTS;
 where they vary, the FLOPs per batch are the median of the counts, an estimate). The precision
 is no part of a count: it changes no FLOP, only the peak MFU divides by, so a loop that turns on
