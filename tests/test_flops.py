@@ -769,3 +769,25 @@ def test_a_compiled_model_is_not_counted_and_the_report_says_why(how, run_dir):
     assert agent.snapshot()["flops"] == {"skipped": reason}
     assert compute_lines(agent.snapshot()["flops"], agent.snapshot()["habits"]["flops"]) == [
         f"Compute: FLOPs not counted: {reason}"]
+
+
+def test_a_large_models_count_is_a_run_log_record_readers_keep(run_dir):
+    """A 7B-parameter language model's step on 32,768 tokens is about 6 x 7e9 x 32,768 = 1.4e15
+    FLOPs (2 a parameter a token forward, 4 backward): over the run log's 1e15 bound for amounts
+    (records.LIMIT: "larger is damage"), which dropped the whole steps record holding it."""
+    from tuneup import records
+
+    _, agent = train(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), fixed((16, 32)), 80,
+                     agent_options=dict(run_dir=run_dir, port=0))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [event] = [e for e in events if e["event"] == "steps" and ((e.get("habits") or {}).get("flops") or {}).get("flops")][-1:]
+    assert records.problem(event) is None
+    found = event["habits"]["flops"]
+    scale = 6 * 7e9 * 32768 / found["flops"]
+    for key in ("forward_flops", "backward_flops", "flops"):
+        found[key] *= scale
+    found["flops_by_kind"] = {kind: flops * scale for kind, flops in found["flops_by_kind"].items()}
+    for module in found["top_modules"]:
+        module["flops"] *= scale
+    assert found["flops"] > records.LIMIT
+    assert records.problem(event) is None

@@ -273,11 +273,14 @@ GRAD_NORMS = _maybe(skipped=TEXT, samples=COUNT, spikes=COUNT, nonfinite=COUNT, 
 BATCH_TRANSFER = _maybe(main_seconds=SECONDS, worker_seconds=SECONDS, bytes=COUNT, tensors=COUNT, reps=COUNT)
 MAIN_FETCHES = _maybe(timed=COUNT, seconds=SECONDS, cpu_share=SECONDS, core_wait_share=SECONDS)
 WORKER_FETCHES = _maybe(checked=COUNT, ready_share=SECONDS, queue_fill=SECONDS, unready_wait_seconds=SECONDS)
-# A training step's FLOPs, counted on the model's shapes (measure/flops.py)
-FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=SECONDS, backward_flops=SECONDS, flops=SECONDS,
+# A training step's FLOPs, counted on the model's shapes (measure/flops.py): past LIMIT for a
+# large model (a 7B language model's step on 32k tokens is 1.4e15), so bounded apart.
+FLOP_COUNT = Num(0, limit=1e30)
+FLOPS = _maybe(skipped=TEXT, stopped=TEXT, model=TEXT, forward_flops=FLOP_COUNT, backward_flops=FLOP_COUNT,
+               flops=FLOP_COUNT,
                batch=COUNT, dtype=TEXT, device=TEXT, device_name=TEXT, counts=COUNT, seconds=SECONDS,
-               flops_by_kind=MapOf(SECONDS), precisions=MapOf(TEXT), capability=ListOf(COUNT, max_items=2),
-               top_modules=ListOf(Obj(module=TEXT, flops=SECONDS, share=SECONDS, count=Opt(COUNT), **{"class": Opt(TEXT)}),
+               flops_by_kind=MapOf(FLOP_COUNT), precisions=MapOf(TEXT), capability=ListOf(COUNT, max_items=2),
+               top_modules=ListOf(Obj(module=TEXT, flops=FLOP_COUNT, share=SECONDS, count=Opt(COUNT), **{"class": Opt(TEXT)}),
                                   max_items=100))
 # Python's garbage collections from the first step on, by generation (measure/gc_pauses.py)
 BY_GENERATION = 3
