@@ -168,3 +168,44 @@ def test_the_cpu_bf16_capability_is_torchs_reading_unless_pinned(run_dir, monkey
         assert keyword["cpu_bf16"] is (not value)
     monkeypatch.setenv("TUNEUP_CPU_BF16", "auto")
     assert _hardware_after_a_few_steps(run_dir / "env-auto")["cpu_bf16_source"] == "detected"
+
+
+def test_a_job_on_torchs_new_tf32_api_has_its_configuration_read(tmp_path):
+    """torch >= 2.9's per-backend precision (`torch.backends.cuda.matmul.fp32_precision =
+    "tf32"`, what torch's notes now recommend) makes the legacy getters raise RuntimeError
+    (`matmul.allow_tf32`, torch.get_float32_matmul_precision(): "a mix of the legacy and new
+    APIs"); the whole configuration went unread, with no warning. In a fresh interpreter: the
+    setting is global and the mixed state outlives setting it back."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        import pytest
+
+        pytest.skip("a torch without the per-backend fp32_precision API")
+    script = f"""
+import json, warnings, torch, tuneup
+from torch import nn
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+model = nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with tuneup.attach(run_dir={str(tmp_path / "run")!r}, port=0, interval=0.1) as agent:
+        for _ in range(200):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+print(json.dumps({{"backends": (agent.snapshot()["config"] or {{}}).get("backends"),
+                  "warnings": [str(w.message) for w in caught]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["backends"] is not None, seen
+    assert seen["backends"]["matmul_allow_tf32"] is True and seen["backends"]["float32_matmul_precision"] == "high"
+    assert seen["backends"]["cudnn_allow_tf32"] is True  # torch's default for convolutions
+    assert not seen["warnings"], seen

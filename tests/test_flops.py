@@ -22,6 +22,7 @@ from torch import nn
 
 import tuneup
 from tuneup.measure import flops as flops_module
+from tuneup.measure.config import tf32_allowed
 from tuneup.measure.utilization import peak, utilization
 
 
@@ -485,12 +486,12 @@ def test_tf32_is_read_per_kind_from_torchs_own_flags():
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.conv.fp32_precision = "tf32"
-        assert (flops_module._tf32("matmul"), flops_module._tf32("conv")) == (False, True)
+        assert (tf32_allowed("matmul"), tf32_allowed("conv")) == (False, True)
         torch.set_float32_matmul_precision("high")  # the legacy API: matmul's fp32_precision "tf32"
         torch.backends.cudnn.allow_tf32 = False  # the legacy API: conv's "none", inherited IEEE
-        assert (flops_module._tf32("matmul"), flops_module._tf32("conv")) == (True, False)
+        assert (tf32_allowed("matmul"), tf32_allowed("conv")) == (True, False)
         torch.backends.cudnn.conv.fp32_precision = "tf32"  # the new API
-        assert flops_module._tf32("conv") is True
+        assert tf32_allowed("conv") is True
     finally:
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = True

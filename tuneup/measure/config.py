@@ -20,14 +20,50 @@ _BATCH_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 MAX_LISTED = 20
 
 
+def tf32_allowed(op: str) -> bool:
+    """Whether CUDA runs float32 `op`s ("matmul": cuBLAS, "conv": cuDNN) in TF32. torch from 2.9
+    keeps one precision per backend and op (torch/backends/__init__.py _FP32Precision, read by
+    torch._C._get_fp32_precision_getter): "tf32", "ieee", or "none" for the level above's (cuDNN
+    conv, then CUDA's "all", then the generic one; "none" at the top is IEEE). The legacy flags
+    map onto it: by default matmul reads "none" (IEEE: torch.get_float32_matmul_precision()
+    "highest") and conv "tf32" (torch.backends.cudnn.allow_tf32 is True), and the legacy
+    getters raise once both APIs were mixed ("a mix of the legacy and new APIs"), so they are
+    read only on a torch without the new one (a job that set the new API alone made them raise too:
+    `torch.backends.cuda.matmul.fp32_precision = "tf32"`, then `matmul.allow_tf32` and
+    torch.get_float32_matmul_precision() raise RuntimeError on torch 2.13, and the whole
+    configuration went unread)."""
+    levels = ((torch.backends.cuda.matmul,) if op == "matmul" else (torch.backends.cudnn.conv,)) + (
+        torch.backends.cudnn, torch.backends)  # cudnn.fp32_precision is CUDA's "all"
+    try:
+        for level in levels:
+            value = level.fp32_precision
+            if value != "none":
+                return value == "tf32"
+        return False
+    except (AttributeError, RuntimeError):  # torch < 2.9: the legacy flags alone
+        if op == "matmul":
+            return torch.get_float32_matmul_precision() != "highest"
+        return bool(torch.backends.cudnn.allow_tf32)
+
+
+
+def float32_matmul_precision() -> str:
+    """torch.get_float32_matmul_precision(), or what the new API's matmul setting means where
+    that getter raises (the legacy and new APIs both used: tf32_allowed)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return "high" if tf32_allowed("matmul") else "highest"
+
+
 def backends() -> dict[str, Any]:
     cudnn = torch.backends.cudnn
     return {
         "cudnn_benchmark": bool(cudnn.benchmark),
         "cudnn_deterministic": bool(cudnn.deterministic),
-        "cudnn_allow_tf32": bool(cudnn.allow_tf32),
-        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_allow_tf32": tf32_allowed("conv"),
+        "matmul_allow_tf32": tf32_allowed("matmul"),
+        "float32_matmul_precision": float32_matmul_precision(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
 

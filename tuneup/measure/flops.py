@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .config import tf32_allowed
 from .model import forward_autocast
 from .offstep import ModelCapture, unseen
 
@@ -94,35 +95,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return "fp8" if name.startswith("float8") else name
 
 
-def _tf32(op: str) -> bool:
-    """Whether CUDA runs float32 `op`s ("matmul": cuBLAS, "conv": cuDNN) in TF32. torch from 2.9
-    keeps one precision per backend and op (torch/backends/__init__.py _FP32Precision, read by
-    torch._C._get_fp32_precision_getter): "tf32", "ieee", or "none" for the level above's (cuDNN
-    conv, then CUDA's "all", then the generic one; "none" at the top is IEEE). The legacy flags
-    map onto it: by default matmul reads "none" (IEEE: torch.get_float32_matmul_precision()
-    "highest") and conv "tf32" (torch.backends.cudnn.allow_tf32 is True), and the legacy
-    getters raise once both APIs were mixed ("a mix of the legacy and new APIs"), so they are
-    read only on a torch without the new one."""
-    levels = ((torch.backends.cuda.matmul,) if op == "matmul" else (torch.backends.cudnn.conv,)) + (
-        torch.backends.cudnn, torch.backends)  # cudnn.fp32_precision is CUDA's "all"
-    try:
-        for level in levels:
-            value = level.fp32_precision
-            if value != "none":
-                return value == "tf32"
-        return False
-    except (AttributeError, RuntimeError):  # torch < 2.9: the legacy flags alone
-        if op == "matmul":
-            return torch.get_float32_matmul_precision() != "highest"
-        return bool(torch.backends.cudnn.allow_tf32)
-
-
 def _step_precision(module: nn.Module, parameter: torch.Tensor) -> dict[str, str]:
     """{"matmul", "conv"}: the precision the forward's matmuls and convolutions run in, read
     before the forward on the training thread: autocast's dtype where it is on, in the thread
     or entered by the module's own forward (Accelerate's, after this looks: model.py
     forward_autocast; autocast casts both to its dtype), else the parameters'; fp32 on CUDA is
-    TF32 for the kinds whose flag allows it (_tf32)."""
+    TF32 for the kinds whose flag allows it (config.tf32_allowed)."""
     device = parameter.device.type
     try:
         if torch.is_autocast_enabled(device):
@@ -136,7 +114,7 @@ def _step_precision(module: nn.Module, parameter: torch.Tensor) -> dict[str, str
     dtype = _dtype_name(parameter.dtype)
     if dtype != "float32" or device != "cuda":
         return {"matmul": dtype, "conv": dtype}
-    return {kind: "tf32" if _tf32(kind) else "float32" for kind in ("matmul", "conv")}
+    return {kind: "tf32" if tf32_allowed(kind) else "float32" for kind in ("matmul", "conv")}
 
 
 def _by_kind(counts: dict[Any, int]) -> dict[str, int]:

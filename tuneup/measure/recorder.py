@@ -583,10 +583,10 @@ class Recorder:
                 cpu_bf16=self.options.cpu_bf16,
                 loaders_job_own=dict(self.loader.job_own),
             )
-        except RuntimeError:
-            return  # a dict changed size while the job mutated it: read again next time
         except Exception as exc:
-            self.slow_probe_failed("config", exc)
+            if isinstance(exc, RuntimeError) and ("changed size" in str(exc) or "mutated during" in str(exc)):
+                return  # a dict or set changed size while the job mutated it: read again next time
+            self.slow_probe_failed("config", exc)  # (any other: one warning, not a configuration silently never read)
             return
         if self.config is not None:
             # The job may have dropped its objects (the loop ended): keep what they were.

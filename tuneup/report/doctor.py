@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._version import __version__
-from ..measure.config import hardware
+from ..measure.config import float32_matmul_precision, hardware, tf32_allowed
 from ..measure.host import usable_cores
 from ..options import Options, agent_port, resolve
 
@@ -48,8 +48,8 @@ def _torch() -> list[Check]:
         checks.append((f"cuda:{index}", "ok", f"{name}, sm_{major}{minor}: {bf16}"))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     checks.append(("cuDNN", "ok" if cudnn else "warn", str(cudnn) if cudnn else "not available"))
-    precision = torch.get_float32_matmul_precision()
-    tf32 = precision != "highest" or torch.backends.cuda.matmul.allow_tf32
+    precision = float32_matmul_precision()  # (torch's getters raise where a job mixed its TF32 APIs)
+    tf32 = precision != "highest" or tf32_allowed("matmul")
     status = "ok" if tf32 or torch.cuda.get_device_capability(0)[0] < 8 else "warn"
     checks.append(("TF32 matmuls", status, f"float32_matmul_precision={precision!r}"
                    + ("" if tf32 else ": fp32 matmuls skip TF32 (torch.set_float32_matmul_precision('high'))")))
