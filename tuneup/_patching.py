@@ -258,7 +258,8 @@ def call_site(frame: types.FrameType) -> Callable[..., Any]:
     that frame's module's. Called from a wrapper of a C method (the host reads: hotpath.py
     HOST_READ), a warning inside it would name the wrapper's place (torch/_tensor.py, its
     `class Tensor` line); called through this, the job's line and module, as without the
-    wrapper. An error inside leaves this frame off its traceback (unwind). One function per
+    wrapper. An error inside leaves this frame off its traceback (unwind); dynamo never sees
+    the frame (dynamo_skips). One function per
     site, kept for the next call (the first _SITE_CACHE_SIZE sites)."""
     code = frame.f_code
     key = (code, frame.f_lineno)
@@ -267,7 +268,11 @@ def call_site(frame: types.FrameType) -> Callable[..., Any]:
         template = _SITE_TEMPLATE
         site_code = template.__code__.replace(co_filename=code.co_filename, co_name=code.co_name,
                                               co_firstlineno=max(1, frame.f_lineno or 1))
-        site = types.FunctionType(site_code, frame.f_globals, code.co_name, None, template.__closure__)
+        # Its frame is the job's file: inside a compiled function's eager part (a `.item()`
+        # after its graph break) dynamo's frame callback would get it as the job's own frame
+        # and count it (counters["frames"]["total"], convert_frame.py ConvertFrame.__call__).
+        # Skipped: only this frame, the read it calls is handled as without tuneup.
+        site = dynamo_skips(types.FunctionType(site_code, frame.f_globals, code.co_name, None, template.__closure__))
         if len(_sites) < _SITE_CACHE_SIZE:
             _sites[key] = site
     return site
