@@ -5,10 +5,12 @@ tests/programs/compiled_loops.py trains eight compiled shapes one after another
 `model.compile()`, a compiled `optimizer.step`, `fullgraph=True`, `dynamic=True`, inductor,
 a whole training step compiled with `optimizer.step()` inside it)
 and prints, per shape, its losses and what torch's own counters say it compiled. Run with
-plain python and under `tuneup run --apply` (attached before the script builds or compiles
-anything, so model discovery is active while the first graphs are traced): the same
-graphs, frames, recompiles, graph breaks, warnings and torch log records, bit-identical
-losses, and every step counted.
+plain python and under `tuneup run`, advise and apply mode (attached before the script builds
+or compiles anything, so model discovery is active while the first graphs are traced): the
+same graphs, frames, recompiles, graph breaks, warnings and torch log records, bit-identical
+losses, and every step counted. The same for two programs that compile with a recompile
+(compiled_last_batch.py) and with a graph break (compiled_item_forward.py), whose reports
+name the guard and the line.
 """
 
 from __future__ import annotations
@@ -42,16 +44,34 @@ def shapes(stdout: str) -> dict[str, dict]:
             (json.loads(line[len("SHAPE "):]) for line in stdout.splitlines() if line.startswith("SHAPE "))}
 
 
+MODES = {"advise": [], "apply": ["--apply"]}  # `tuneup run`'s options for each mode
+
+
+def run_modes(program: Path, tmp_path_factory, *argv: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`program` with plain python, then under `tuneup run` in each of MODES (a run directory
+    each): (plain, {mode: (completed, run_dir)})."""
+    base = tmp_path_factory.mktemp(program.stem)
+    plain = subprocess.run([sys.executable, str(program), *argv], capture_output=True, text=True,
+                           env=child_env(TUNEUP_RUN_DIR=str(base / "plain")), timeout=900)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    tuned = {}
+    for mode, options in MODES.items():
+        run_dir = base / mode
+        done = subprocess.run([sys.executable, "-m", "tuneup", "run", *options, str(program), *argv],
+                              capture_output=True, text=True, env=child_env(TUNEUP_RUN_DIR=str(run_dir)), timeout=900)
+        assert done.returncode == 0, (mode, done.stderr[-3000:])
+        tuned[mode] = done, run_dir
+    return plain, tuned
+
+
+def end_totals(run_dir: Path) -> dict:
+    [end] = [event for event in read_log(next(run_dir.glob("events*.jsonl"))).events if event.get("event") == "end"]
+    return end["totals"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("compiled") / "run"
-    env = child_env(TUNEUP_RUN_DIR=str(run_dir))
-    plain = subprocess.run([sys.executable, str(PROGRAM)], capture_output=True, text=True, env=env, timeout=900)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    tuned = subprocess.run([sys.executable, "-m", "tuneup", "run", "--apply", str(PROGRAM)], capture_output=True,
-                           text=True, env=env, timeout=900)
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
-    return plain, tuned, run_dir
+    return run_modes(PROGRAM, tmp_path_factory)
 
 
 def one_frame_fewer(compiled: dict, expected: dict) -> None:
@@ -70,8 +90,10 @@ def one_frame_fewer(compiled: dict, expected: dict) -> None:
     assert (plain["total"] - frames["total"], plain["ok"] - frames["ok"]) == (1, 1), (frames, plain)
 
 
-def test_a_compiled_program_compiles_the_same_under_tuneup(runs):
-    plain, tuned, _ = runs
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_program_compiles_the_same_under_tuneup(runs, mode):
+    plain, tuned = runs
+    tuned = tuned[mode][0]
     before, after = shapes(plain.stdout), shapes(tuned.stdout)
     assert len(before) == SHAPES and list(after) == list(before)
     for shape, record in before.items():
@@ -120,10 +142,69 @@ def test_every_compiled_step_is_counted(runs):
     and tuneup calls them around the compiled function instead. A whole training step
     compiled too: no hook of the optimizer's runs eagerly there, and its steps close at the
     fetch after the parameters changed (their version counters)."""
-    _, _, run_dir = runs
-    events = read_log(next(run_dir.glob("events*.jsonl"))).events
-    [end] = [event for event in events if event.get("event") == "end"]
-    assert end["totals"]["steps"] == SHAPES * STEPS, end["totals"]
+    for mode, (_, run_dir) in runs[1].items():
+        assert end_totals(run_dir)["steps"] == SHAPES * STEPS, mode
+
+
+def compiled_record(stdout: str) -> dict:
+    [line] = [line for line in stdout.splitlines() if line.startswith("COMPILED ")]
+    return json.loads(line[len("COMPILED "):])
+
+
+@pytest.fixture(scope="module", params=["compiled_last_batch.py", "compiled_item_forward.py"])
+def program_runs(request, tmp_path_factory):
+    return request.param, *run_modes(PROGRAM.parent / request.param, tmp_path_factory)
+
+
+def test_a_recompiling_or_breaking_program_compiles_the_same_under_tuneup(program_runs):
+    """compiled_last_batch.py (inductor): its short last batch recompiles the forward once
+    (ground truth in its docstring: 2 graphs, one guard failed, 21 steps); compiled_item_forward.py
+    (inductor): `.item()` in the forward breaks its graph on every step (the code resumed after
+    it recompiles once, for the float it read), and tuneup counts that read on its sampled
+    steps (the frame it calls it from is no frame of dynamo's: 3 frames, 3 graphs, 1 break,
+    one guard failed, 24 steps). Under `tuneup run`, advise and apply mode: torch's own
+    counters the same (frames total and ok, graphs, recompiles, breaks), the same guards
+    failed, the same warnings and torch log records, bit-identical losses, the job's own output
+    line for line, and every step counted."""
+    name, plain, tuned = program_runs
+    expected = compiled_record(plain.stdout)
+    truth = {"compiled_last_batch.py": (21, 2, 2, 0, 1), "compiled_item_forward.py": (24, 3, 3, 1, 1)}[name]
+    assert (expected["steps"], expected["compiled"]["frames"]["total"], expected["compiled"]["stats"]["unique_graphs"],
+            sum(expected["compiled"]["graph_break"].values()),
+            sum(map(len, expected["guard_failures"].values()))) == truth, expected
+    for mode, (done, run_dir) in tuned.items():
+        seen = compiled_record(done.stdout)
+        assert seen["losses"] == expected["losses"], mode  # bit-identical (float.hex)
+        assert (seen["compiled"], seen["guard_failures"]) == (expected["compiled"], expected["guard_failures"]), mode
+        assert [w for w in seen["warnings"] if not w.startswith("TuneupWarning")] == expected["warnings"], mode
+        assert seen["torch_log"] == expected["torch_log"], mode
+        assert [line for line in done.stdout.splitlines() if not line.startswith("COMPILED ")] == \
+            [line for line in plain.stdout.splitlines() if not line.startswith("COMPILED ")], mode
+        assert end_totals(run_dir)["steps"] == expected["steps"], mode
+
+
+def test_the_report_names_the_guard_that_recompiled_and_the_line_that_broke(program_runs):
+    """`tuneup report` on each program's run: compiled_last_batch.py's recompile with the guard
+    that failed (x's size: 32, then 8, the guard torch's own record holds), compiled_item_forward.py's
+    graph break at its BREAK line with dynamo's reason; compile time kept out of the step
+    times, its warm-up steps said."""
+    name, plain, tuned = program_runs
+    source = (PROGRAM.parent / name).read_text().splitlines()
+    for mode, (_, run_dir) in tuned.items():
+        report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir)], capture_output=True, text=True,
+                                env=child_env(COLUMNS="400"), timeout=300)
+        assert report.returncode == 0, report.stderr[-2000:]
+        text = report.stdout
+        assert "torch.compile:" in text and "kept out of their times" in text, (mode, text)
+        if name == "compiled_last_batch.py":
+            [guard] = [reason for reasons in compiled_record(plain.stdout)["guard_failures"].values()
+                       for reason in reasons]
+            assert "size mismatch at index 0. expected 32, actual 8" in guard
+            assert "recompiled 1x: " in text and guard.split(": ", 1)[1] in text, (mode, text)
+        else:
+            line = next(number for number, text_line in enumerate(source, 1) if "# BREAK" in text_line)
+            assert f"graph break 1x at {name}:{line}: Unsupported Tensor.item()" in text, (mode, text)
+            assert "[graph-breaks]" in text, (mode, text)
 
 
 class Net(nn.Module):
