@@ -428,6 +428,47 @@ def test_the_compile_rules_name_the_recompiling_guard_and_the_breaking_line(run_
     assert f"test_compile.py:{break_line}" in breaking.observed and "capture_scalar_outputs" in breaking.fix
 
 
+def test_recompiles_before_a_reset_are_not_given_to_the_frames_after_it(run_dir):
+    """Ground truth from the loop: a first model compiled with dynamic=False and trained on
+    batches of 64, 48, 32 and 16 rows compiles its forward four times (3 recompiles); then
+    `torch._dynamo.reset()`, which numbers dynamo's frames from 0 again
+    (torch/_dynamo/__init__.py reset: FRAME_COUNTER = 0), and a second model trained on 64
+    and 48 compiles its forward twice (1 recompile), as frame 0 again. The run recompiled 4
+    times; the second model's forward once, so no site recompiled >= 2 times since the reset
+    and the recompiles rule stays silent (the first model's sites went with torch's records
+    of them: reset clears guard_failures)."""
+    from tuneup.diagnose.engine import evaluate
+
+    def train(sizes):
+        model = torch.compile(Net(), backend="eager", dynamic=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(24):
+            size = sizes[step % len(sizes)]
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(size, 16)), torch.randn(size, 1)).backward()
+            optimizer.step()
+
+    torch._dynamo.reset()
+    agent = tuneup.attach(run_dir=run_dir, interval=60)
+    try:
+        torch.manual_seed(0)
+        train((64, 48, 32, 16))
+        before = agent.snapshot()["compile"]
+        torch._dynamo.reset()
+        train((64, 48))
+        agent.ticker.tick()
+    finally:
+        agent.detach()
+    snapshot = agent.snapshot()  # (before the reset below clears torch's records it reads)
+    torch._dynamo.reset()
+    compiled = snapshot["compile"]
+    assert (before["recompiles"], [site["count"] for site in before["recompile_sites"]]) == (3, [3]), before
+    assert compiled["compiles"] == 6 and compiled["recompiles"] == 4, compiled
+    [site] = compiled["recompile_sites"]
+    assert site["count"] == 1 and "size" in site["guard"], site
+    assert "recompiles" not in {finding.rule for finding in evaluate(snapshot).findings}
+
+
 def test_amp_off_on_a_compiled_model_waits_for_a_measure_it_cannot_take(run_dir):
     """A compiled fp32 model on a CPU with bf16 (claimed: cpu_bf16=True): its forward is not
     timed (its graphs run the step, not its forward), so amp-off says what it wants, not a guess, and apply

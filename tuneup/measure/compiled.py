@@ -10,7 +10,8 @@ records; nothing of tuneup's runs where dynamo traces.
   recompiles with the guard that failed (`torch._dynamo.utils.guard_failures`: code object →
   the failure reasons, one per recompile), graph breaks with dynamo's reason and the job's
   line (`graph_break_reasons`: each with the user stack at the break). torch keeps these for
-  the whole process and `torch._dynamo.reset()` clears them: the figures are the process's.
+  the whole process and `torch._dynamo.reset()` clears them: the sites are those since the
+  latest reset (the recompile total keeps those before it: CompileProbe._wrap_clear).
 
 torch._dynamo is never imported here: a job that never compiles never loads it. It is looked
 for in sys.modules at attach and at every tick, and where the job loads it after attach
@@ -48,7 +49,8 @@ class CompileProbe:
         self.seconds = 0.0
         self._started: float | None = None
         self._handler: Any = None
-        self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen
+        self.frames: dict[int, int] = {}  # dynamo frame id -> its recompiles seen, since the latest reset
+        self.recompiles_before = 0  # those of the frames before it (a reset numbers frames from 0 again)
         self.began = False  # a compilation began since attach
         self.on_begin: Any = None  # told when one begins, before dynamo traces (OptimizerProbe.compile_begins)
         self._patches: Any = None  # the agent's PatchSet (install): callback_handler.clear
@@ -101,10 +103,17 @@ class CompileProbe:
     def _wrap_clear(self, original: Any) -> Any:
         """callback_handler.clear, which `torch._dynamo.reset()` calls (torch/_dynamo/__init__.py
         reset): the callbacks cleared, ours registered again at once, so a compilation right
-        after a reset is seen too. A clear that raises (a compilation pending) raises as it would."""
+        after a reset is seen too. A clear that raises (a compilation pending) raises as it would.
+
+        reset() also numbers dynamo's frames from 0 again (`convert_frame.FRAME_COUNTER = 0`,
+        before this clear): the frames counted so far are set apart, their recompiles kept in
+        the total, none of them given to a new frame of the same number. (The new dict first:
+        a summary in between counts them in neither, for one tick, never twice.)"""
 
         def clear() -> None:
             original()
+            earlier, self.frames = self.frames, {}
+            self.recompiles_before += sum(earlier.values())
             self._watch_quietly()
 
         return clear
@@ -159,7 +168,7 @@ class CompileProbe:
             "compiles": self.compiles,
             "seconds": self.seconds,
             "graphs": int(stats.get("unique_graphs", 0)),
-            **recompiles(dict(self.frames), getattr(utils, "guard_failures", {})),
+            **recompiles(dict(self.frames), getattr(utils, "guard_failures", {}), before=self.recompiles_before),
             **graph_breaks(list(getattr(utils, "graph_break_reasons", ()))),
         }
 
@@ -190,10 +199,11 @@ def _first_line(text: Any) -> str:
     return str(text).strip().splitlines()[0][:200] if str(text).strip() else "?"
 
 
-def recompiles(frames: dict[int, int], failures: Any) -> dict[str, Any]:
-    """{"recompiles": n, "recompile_sites": [{"where", "count", "guard"}]}: per compiled frame,
-    how often it recompiled (from the compile ids dynamo's callbacks saw) and the latest guard
-    that failed for it. `guard_failures` is no count: it holds a reason for every cached graph
+def recompiles(frames: dict[int, int], failures: Any, before: int = 0) -> dict[str, Any]:
+    """{"recompiles": n, "recompile_sites": [{"where", "count", "guard"}]}: per compiled frame
+    since the latest `torch._dynamo.reset()`, how often it recompiled (from the compile ids
+    dynamo's callbacks saw) and the latest guard that failed for it; `n` adds `before`, the
+    recompiles of the frames before it. `guard_failures` is no count: it holds a reason for every cached graph
     whose guards failed at a lookup (a call that finds its graph third notes two), each
     prefixed with that graph's compile id "F/C"; the frame's code is its key."""
     reasons_by_frame: dict[int, tuple[Any, str]] = {}
@@ -211,7 +221,7 @@ def recompiles(frames: dict[int, int], failures: Any) -> dict[str, Any]:
         sites.append({"where": _where(code) if code is not None else f"frame {frame}", "count": count,
                       "guard": guard})
     sites.sort(key=lambda site: -site["count"])
-    return {"recompiles": sum(frames.values()), "recompile_sites": sites[:TOP]}
+    return {"recompiles": before + sum(frames.values()), "recompile_sites": sites[:TOP]}
 
 
 def graph_breaks(reasons: list[Any]) -> dict[str, Any]:
