@@ -805,6 +805,56 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
 
 
 @pytest.mark.own_amp_timing
+def test_amp_off_does_not_promise_apply_mode_for_a_forward_set_on_the_instance(run_dir, monkeypatch):
+    """Ground truth from the loop: Timed, whose forward is set on the instance as Accelerate's
+    prepare() wraps a model's (`model.forward = ...`, calling the class's forward). The AMP
+    action puts autocast on the class's forward and refuses such a model; amp-off asks the same
+    test (measure/config.py amp_refusal), so it fires on the gain measured off the job's steps
+    but says apply mode cannot make it, with the action's own reason; the action's record says
+    that reason, and no training forward ran under autocast. The timing is made to say a clear
+    3x (claimed, not made: whether bf16 pays on a CPU is the machine's; on this suite's 2-core
+    machine the real one said 0.18x), so the premise, amp-off firing, is the code's."""
+    from tuneup.measure.precision import PrecisionTrial
+
+    measure = PrecisionTrial._time
+
+    def three_times(self, *args, **kwargs):
+        result = measure(self, *args, **kwargs)
+        if not result.get("pairs"):
+            return result
+        return dict(result, reduced_seconds=result["fp32_seconds"] / 3, speedup=3.0, faster_pairs=result["pairs"])
+
+    monkeypatch.setattr(PrecisionTrial, "_time", three_times)
+    torch.manual_seed(0)
+    model = Timed()
+    own = model.forward
+
+    def forward(*args, **kwargs):  # the instance's own, around the class's
+        return own(*args, **kwargs)
+
+    model.forward = forward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    agent = tuneup.attach(**apply_options(run_dir, actions=["amp"], cpu_bf16=True))
+    try:
+        for _ in range(20000):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if records(agent, "amp"):
+                break
+    finally:
+        agent.detach()
+    [record] = records(agent, "amp")
+    [finding] = [f for f in agent.findings() if f["rule"] == "amp-off"]
+    assert record["decision"] == "not applicable" and "Timed.forward is replaced on the instance" in record["reason"]
+    assert finding["evidence"]["measured"], finding["evidence"]  # fired on the gain measured on the model
+    assert finding["can_apply"] is False and finding["evidence"]["not_applicable"] == record["reason"], finding
+    assert "apply mode can make it" not in agent.report("text")
+    assert not any(model.autocast)
+
+
+@pytest.mark.own_amp_timing
 def test_amp_on_a_gain_that_is_not_clear_is_left_to_the_user_with_the_reason(run_dir, monkeypatch):
     """Timed's gain under autocast is real (4 passes waited in fp32, none under it), but the timing off the
     job's steps is made to say "faster in 10 of 12 pairs": enough for amp-off (75%), not for

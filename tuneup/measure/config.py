@@ -117,18 +117,36 @@ CLOSURE_OPTIMIZERS = ("LBFGS",)
 
 def amp_refusal(config: dict[str, Any]) -> str | None:
     """Why apply mode's AMP action cannot try autocast in a job of this configuration (its
-    models' classes and `compiled`, its optimizers' classes, `distributed.initialized`), in one
-    phrase; None where it can. The amp-off rule asks too, so a finding never says apply mode
-    can make a change the action then refuses."""
+    models' amp_facts, its optimizers' classes, `distributed.initialized`), in one phrase; None
+    where it can. The one test of it: the action refuses by it (act/actions/amp.py Amp.propose)
+    and the amp-off rule asks it, so a finding never says apply mode can make a change the
+    action then refuses."""
     for model in config.get("models") or []:
         if model.get("compiled"):
             return f"{model.get('class')} is compiled: set autocast in the code before compiling"
+    for model in config.get("models") or []:
+        if model.get("forward_on_instance"):
+            return (f"{model.get('class')}.forward is replaced on the instance (a wrapper owns it); "
+                    "tuneup leaves it alone")
+    if any(model.get("sparse_gradients") for model in config.get("models") or []):
+        return "the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check"
     closures = sorted({optimizer.get("class") for optimizer in config.get("optimizers") or []} & set(CLOSURE_OPTIMIZERS))
     if closures:
         return f"{', '.join(closures)} re-evaluates the model in its closure"
     if (config.get("distributed") or {}).get("initialized"):
         return "a distributed job: each rank would keep or roll back autocast on its own"
     return None
+
+
+def amp_facts(model: nn.Module) -> dict[str, Any]:
+    """What amp_refusal asks of a model, read off the live object: its class, whether it is
+    compiled, whether its `forward` is set on the instance (autocast goes on the class's
+    forward, which such an instance never calls), whether it has sparse gradients (an
+    Embedding or EmbeddingBag with sparse=True: the guard's finiteness check reads dense ones)."""
+    return {"class": type(model).__name__, "compiled": is_compiled(model),
+            "forward_on_instance": "forward" in vars(model),
+            "sparse_gradients": any(getattr(module, "sparse", False) for module in model.modules()
+                                    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)))}
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -256,14 +274,13 @@ def model_config(model: nn.Module, leaf_order: list[nn.Module] | None) -> dict[s
     elif isinstance(model, nn.DataParallel):
         wrapper = "DataParallel"
     return {
-        "class": type(model).__name__,
+        **amp_facts(model),  # class, compiled, forward_on_instance, sparse_gradients
         "parameters": parameters,
         "dtypes": dtypes,
         "devices": sorted(devices),
         "training": model.training,
         "memory_format": memory_format,
         "parallel": wrapper,
-        "compiled": is_compiled(model),
         "convolutions": sum(1 for m in model.modules() if isinstance(m, _CONV)),
         "conv_bias_before_batchnorm": _conv_bias_before_batchnorm(order, names),
         "module_order": order_source,

@@ -34,7 +34,7 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from ..._patching import PatchSet, measured, posing_as
-from ...measure.config import amp_refusal, cuda_bf16, is_compiled
+from ...measure.config import amp_facts, amp_refusal, cuda_bf16
 from ...measure.model import tracing
 from ...measure.precision import shadow_refusal, small_gain_refusal
 from ..action import NOT_SLOWER, Action, Change, LiveJob
@@ -303,18 +303,11 @@ class Amp(Action):
         if not models:
             return None
         refusal = amp_refusal({  # the test amp-off's "apply mode can make it" asks as well
-            "models": [{"class": type(model).__name__, "compiled": is_compiled(model)} for model in models],
+            "models": [amp_facts(model) for model in models],
             "optimizers": [{"class": type(optimizer).__name__} for optimizer in job.optimizers.optimizers],
             "distributed": {"initialized": job.distributed}})
         if refusal:
             return self.refuse(refusal)
-        for model in models:
-            if "forward" in vars(model):
-                return self.refuse(f"{type(model).__name__}.forward is replaced on the instance "
-                                   "(a wrapper owns it); tuneup leaves it alone")
-        if any(getattr(module, "sparse", False) for model in models for module in model.modules()
-               if isinstance(module, (nn.Embedding, nn.EmbeddingBag))):
-            return self.refuse("the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check")
         parameters = [p for model in models for p in model.parameters()]
         if any(p.dtype != torch.float32 for p in parameters if p.is_floating_point()):
             self.done = True  # already in reduced precision
