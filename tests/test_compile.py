@@ -389,6 +389,7 @@ def test_compile_time_recompiles_and_graph_breaks_are_shown_with_their_lines(run
     assert totals["compile_seconds"] == pytest.approx(compiled["seconds"]), (totals, compiled)
     report = agent.report()
     assert "torch.compile:" in report and "graph break" in report and "recompiled" in report
+    assert "left out of the step-time statistics and the split" in " ".join(report.split()), report
 
 
 def test_the_compile_rules_name_the_recompiling_guard_and_the_breaking_line(run_dir):

@@ -1094,9 +1094,17 @@ def test_a_step_that_compiled_is_a_warm_up_step_without_its_compile_time():
     columns = ring.columns(1, 4)
     assert columns["step_seconds"] == [1.5, 1.5, 0.75, 1.5]
     assert columns["detailed"] == [True, False, False, False]  # step 3 gives no phase split
-    sums = summarize(columns)["sums"]
+    summary = summarize(columns, ordered=sorted(columns["step_seconds"]))  # (as the drain passes it)
+    sums = summary["sums"]
     assert (sums["steps"], sums["seconds"], sums["compile_seconds"], sums["warmup_steps"]) == (4, 5.25, 0.75, 1)
     assert sums["detailed_steps"] == 1
+    # ... and no step-time statistic: those are steps 1, 2 and 4's (step 3's 0.75 s left out).
+    assert summary["step_seconds"] == {"median": 1.5, "mean": 1.5, "p90": 1.5, "min": 1.5, "max": 1.5}
+    # A window of warm-up steps only: their own statistics (there are no others).
+    ring.put("compile_seconds", 1, 0.1, add=True)
+    ring.put("compile_seconds", 2, 0.1, add=True)
+    ring.put("compile_seconds", 4, 0.1, add=True)
+    assert summarize(ring.columns(1, 4))["step_seconds"]["min"] == pytest.approx(0.75)
 
 
 def test_step_ring_put_add_does_not_add_to_another_steps_value():

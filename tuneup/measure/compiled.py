@@ -5,7 +5,8 @@ records; nothing of tuneup's runs where dynamo traces.
   `callback_handler`: the start callbacks run before the first of nested compilations, the
   end callbacks after the last, on the thread that compiles). Its seconds go to the open
   step's `compile_seconds` (steps.py LATE): that step is a warm-up step, reported without its
-  compile time and left out of the phase split (StepRing.columns).
+  compile time, left out of the phase split (StepRing.columns) and of the step-time
+  statistics (windows.py step_distribution).
 - At each tick, off the training thread: graphs (`counters["stats"]["unique_graphs"]`),
   recompiles with the guard that failed (`torch._dynamo.utils.guard_failures`: code object →
   the failure reasons, one per recompile), graph breaks with dynamo's reason and the job's

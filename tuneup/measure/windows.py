@@ -126,6 +126,20 @@ def detail_cost(pairs: Sequence[float], plain: Sequence[float]) -> float | None:
     return max(0.0, median(pairs) - 2 * median(plain))
 
 
+def step_distribution(step_seconds: Sequence[float], compiling: Sequence[float],
+                      ordered: Sequence[float] | None = None) -> dict[str, float]:
+    """The step-time statistics (median, mean, p90, min, max) of the steps that compiled
+    nothing: a step that compiled (`compiling`: its compile seconds) is a warm-up step, kept
+    out of them even with its compile time taken off (its first calls of the new graph, a
+    recompile's guard checks and cache lookups are no steady step). Of every step where each
+    one compiled (a window of warm-up only). The sums (seconds, steps/s) and the step-time
+    histogram keep every step, their compile time taken off: the histogram's count is the
+    dashboards' step counter (steps/s is its rate) and its sum is over the steps it counts."""
+    if any(compiling) and 0.0 in compiling:
+        return distribution(list(compress(step_seconds, map((0.0).__eq__, compiling))))
+    return distribution(step_seconds, ordered)
+
+
 def summarize(columns: Columns, forward_measured: bool = True,
               ordered: Sequence[float] | None = None) -> dict[str, Any] | None:
     """`forward_measured`: whether any model is timed; without one the forward hides in
@@ -188,7 +202,7 @@ def summarize(columns: Columns, forward_measured: bool = True,
         "first_step": columns["step"][0],
         "last_step": columns["step"][-1],
         "seconds": total_time,
-        "step_seconds": distribution(step_seconds, ordered),
+        "step_seconds": step_distribution(step_seconds, compiling, ordered),
         "stall_ratio": _ratio(sums["data_wait_seconds"], total_time),
         "steps_per_second": _ratio(steps, total_time),
         "samples_per_second": samples_rate(sums, steps),

@@ -208,7 +208,8 @@ def compile_lines(compiled: dict[str, Any] | None, totals: dict[str, Any] | None
     kept_out = ""
     if isinstance(spent, (int, float)) and spent > 0:
         kept_out = (f" ({seconds(spent)} of it in the steps measured, kept out of their times; "
-                    f"{warmup} warm-up step{'s' if warmup != 1 else ''} left out of the split)")
+                    f"{warmup} warm-up step{'s' if warmup != 1 else ''} left out of the step-time "
+                    f"statistics and the split)")
     total = compiled.get("seconds")
     lines = [f"torch.compile: {count('compiles')} compilation{'s' if count('compiles') != 1 else ''}, "
              f"{seconds(total if isinstance(total, (int, float)) else None)}{kept_out}; {count('graphs')} graphs, "
