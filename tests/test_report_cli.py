@@ -4,6 +4,7 @@ real processes, real run logs, a live agent's loopback endpoint."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -303,3 +304,52 @@ def test_the_daemon_refuses_an_unsafe_or_wrong_setting_by_name(tmp_path):
                             text=True, env=env, timeout=120)
     one_line_error(result, "TUNEUP_NVML_MODULE", "expected pynvml")
     assert "Zen of Python" not in result.stdout
+
+
+def test_the_live_line_names_the_step_the_stall_the_work_and_what_explains_the_gap(tmp_path):
+    """Ground truth from the loop: each step waits for its batch (16 samples of 0.5 ms,
+    num_workers=0: its own clock around next() says how long) and trains a 64-256-256-1 MLP
+    (FLOPs from the layer shapes); `tuneup demo` shows this line beside its progress bar."""
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    import tuneup
+    from tuneup.report.summary import live_line
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 1024
+
+        def __getitem__(self, index):
+            time.sleep(0.0005)
+            return torch.randn(64), torch.randn(1)
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    waited, began = 0.0, time.perf_counter()
+    with tuneup.attach(run_dir=tmp_path / "run", port=0, interval=0.2) as agent:
+        for _ in range(2):
+            batches = iter(DataLoader(Slow(), batch_size=16))
+            while True:
+                asked = time.perf_counter()
+                try:
+                    x, y = next(batches)
+                except StopIteration:
+                    break
+                waited += time.perf_counter() - asked
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+        elapsed = time.perf_counter() - began
+        line = live_line(agent.snapshot(), agent.findings())
+    assert live_line({}) == ""  # before the first window: nothing to say
+    step = float(re.search(r"step ([\d.]+) ms", line).group(1)) / 1e3
+    assert step == pytest.approx(elapsed / 128, rel=0.5), line  # the median against the loop's mean
+    stall = int(re.search(r"stall (\d+)%", line).group(1)) / 100
+    assert stall == pytest.approx(waited / elapsed, abs=0.1), (line, waited / elapsed)
+    flops = 6 * 16 * (64 * 256 + 256 * 256 + 256)  # forward 2x, backward 4x the multiply-adds
+    achieved = re.search(r"([\d.]+) (k|M|G)FLOP/s \(MFU: unknown peak\)", line)
+    assert achieved, line
+    rate = float(achieved.group(1)) * {"k": 1e3, "M": 1e6, "G": 1e9}[achieved.group(2)]
+    assert rate == pytest.approx(flops * 128 / elapsed, rel=0.5), (line, flops * 128 / elapsed)
+    assert line.endswith("top finding: data-stall"), line

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -128,15 +129,36 @@ def demo(
                           soft_wrap=True)
         try:
             with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TextColumn("loss {task.fields[loss]:.3f}"), console=console, transient=True) as bar:
-                task = bar.add_task("train", total=steps, loss=float("nan"))
-                demo_job.train(steps, num_workers=workers,
-                               progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
+                          TextColumn("loss {task.fields[loss]:.3f}  {task.fields[live]}"), console=console,
+                          transient=True) as bar:
+                task = bar.add_task("train", total=steps, loss=float("nan"), live="")
+                demo_job.train(steps, num_workers=workers, progress=_live_progress(agent, bar, task))
         finally:
             agent.detach()
     render_text(agent.document(), console)
     if agent.run_dir is not None:  # None when the run log could not be written (the warning said why)
         console.print(f"This report again: tuneup report {agent.run_dir}", soft_wrap=True)
+
+
+LIVE_EVERY = 1.0  # seconds between the demo's live line's readings of the agent
+
+
+def _live_progress(agent: Any, bar: Any, task: Any) -> Any:
+    """The demo's progress callback: the bar's step and loss at every step, and about once a
+    second the agent's live line (report/summary.py live_line: step, stall, FLOP/s, MFU, the
+    top finding), read off its snapshot."""
+    from .report.summary import live_line
+
+    read_at = [time.monotonic() + LIVE_EVERY]
+
+    def progress(step: int, loss: float) -> None:
+        fields = {"completed": step, "loss": loss}
+        if time.monotonic() >= read_at[0]:
+            read_at[0] = time.monotonic() + LIVE_EVERY
+            fields["live"] = live_line(agent.snapshot(), agent.findings())
+        bar.update(task, **fields)
+
+    return progress
 
 
 RUNS = Path("tuneup-runs")  # where runs go by default (options.py default_run_dir)

@@ -290,6 +290,25 @@ def gc_line(snapshot: dict[str, Any]) -> str | None:
             f"({seconds(young_s + middle_s)}){frozen}")
 
 
+def live_line(snapshot: dict[str, Any], findings: list[dict[str, Any]] | None = None) -> str:
+    """One line of where the job stands, for a progress display (`tuneup demo`): the median
+    step, the stall, achieved FLOP/s and MFU where the peak is known, and the finding ranked
+    first (what explains the gap). Empty before the first window."""
+    window = snapshot.get("window") or {}
+    step = (window.get("step_seconds") or {}).get("median")
+    if step is None:
+        return ""
+    parts = [f"step {seconds(step)}", f"stall {percent(window.get('stall_ratio'))}"]
+    compute = snapshot.get("flops")
+    if isinstance(compute, dict) and compute.get("achieved_flops_per_second") is not None:
+        mfu = compute.get("mfu")
+        parts.append(flop_text(compute["achieved_flops_per_second"], "FLOP/s")
+                     + (f" (MFU {mfu:.1%})" if mfu is not None else " (MFU: unknown peak)"))
+    if findings:
+        parts.append(f"top finding: {findings[0]['rule']}")
+    return " · ".join(parts)
+
+
 def work_lines(snapshot: dict[str, Any]) -> list[str]:
     """What a step does and costs, for every report format: compute_lines, gpu_work_line,
     energy_line, gc_line."""
