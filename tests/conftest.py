@@ -250,3 +250,20 @@ def pre_hook_in_place(agent) -> bool:
     from torch.optim import optimizer as registry
 
     return agent.recorder.optimizer._hooks[0] in registry._global_optimizer_pre_hooks.values()
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one rank on gloo, as `torchrun --nproc_per_node=1` gives a DDP script
+    (a TCPStore on a free loopback port: no fixed port, none left behind)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

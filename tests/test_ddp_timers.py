@@ -4,12 +4,10 @@ ranks is tests/test_distributed.py's, with two real ranks)."""
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import tuneup
@@ -28,17 +26,6 @@ class Slow(nn.Module):
         return self.layer(x)
 
 
-@pytest.fixture
-def group():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=20))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def train(model, steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
@@ -48,7 +35,7 @@ def train(model, steps):
         optimizer.step()
 
 
-def test_the_timers_of_sampled_iterations_in_seconds_from_the_third(group):
+def test_the_timers_of_sampled_iterations_in_seconds_from_the_third(one_rank):
     # Ground truth: DDP times iterations 1-10 (then every 100th); each forward sleeps 4 ms.
     model = nn.parallel.DistributedDataParallel(Slow())
     wait = AllReduceWait()
@@ -98,7 +85,7 @@ def test_the_median_leaves_the_first_ten_iterations_once_the_steady_state_has_sa
         assert summary["allreduce_wait_seconds"] == pytest.approx(0.002 if k == STEADY_SAMPLES else 0.020)
 
 
-def test_an_attached_ddp_job_reports_its_wait_in_the_system_sample(group, run_dir):
+def test_an_attached_ddp_job_reports_its_wait_in_the_system_sample(one_rank, run_dir):
     model = nn.parallel.DistributedDataParallel(Slow())
     agent = tuneup.attach(model, interval=0.05, run_dir=str(run_dir))
     try:

@@ -14,31 +14,19 @@ with plain python's.
 """
 
 import argparse
-import json
-import logging
-import warnings
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from compile_witness import watch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--backend", default="inductor")
 args = parser.parse_args()
 
-seen_warnings = []
-warnings.simplefilter("always")
-warnings.showwarning = lambda message, category, *rest, **kw: seen_warnings.append(f"{category.__name__}: {message}")
-torch_log_records = []
-
-
-class Keep(logging.Handler):
-    def emit(self, record):
-        torch_log_records.append(f"{record.levelname}: {record.getMessage()[:200]}")
-
-
-logging.getLogger("torch").addHandler(Keep(level=logging.WARNING))
+witness = watch()
 
 torch.manual_seed(0)
 features = torch.randn(200, 12)
@@ -60,12 +48,4 @@ for epoch in range(args.epochs):
         losses.append(loss.item())
     print(f"epoch {epoch} loss {losses[-1]:.6f}", flush=True)
 
-from torch._dynamo.utils import counters, guard_failures  # noqa: E402  (loaded by torch.compile's first call)
-
-print("COMPILED " + json.dumps({
-    "steps": len(losses), "losses": [float.hex(value) for value in losses],
-    "compiled": {section: dict(counters[section]) for section in ("frames", "stats", "recompiles", "graph_break")},
-    # The guards that failed, per compiled code (a recompile each, and a lookup that passed over a cached graph)
-    "guard_failures": {f"{code.co_name}:{code.co_firstlineno}": [str(reason) for reason in reasons]
-                       for code, reasons in guard_failures.items()},
-    "warnings": sorted(set(seen_warnings)), "torch_log": sorted(set(torch_log_records))}), flush=True)
+witness.print("COMPILED", losses, steps=len(losses))

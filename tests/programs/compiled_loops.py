@@ -18,10 +18,6 @@ marks it not to be traced) run outside compiled code.
 """
 
 import argparse
-import json
-import logging
-import re
-import warnings
 
 import torch
 import torch._dynamo
@@ -29,26 +25,15 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
+from compile_witness import watch
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--shapes", default="module,user-module,in-place,optimizer,fullgraph,dynamic,inductor,step")
 parser.add_argument("--device", default="cpu", help="cuda: on the GPU (add the shape reduce-overhead: CUDA graphs)")
 args = parser.parse_args()
 
-seen_warnings = []
-warnings.simplefilter("always")
-# (A process id in a message, as in fork()'s DeprecationWarning, differs run to run: made one.)
-warnings.showwarning = lambda message, category, *rest, **kw: seen_warnings.append(
-    re.sub(r"pid=\d+", "pid=N", f"{category.__name__}: {message}"))
-torch_log_records = []
-
-
-class Keep(logging.Handler):
-    def emit(self, record):
-        torch_log_records.append(f"{record.levelname}: {record.getMessage()[:200]}")
-
-
-logging.getLogger("torch").addHandler(Keep(level=logging.WARNING))
+witness = watch()
 
 
 class Block(nn.Module):
@@ -125,11 +110,6 @@ def train(shape):
 for shape in args.shapes.split(","):
     torch._dynamo.reset()
     counters.clear()
-    seen_warnings.clear()
-    torch_log_records.clear()
+    witness.clear()
     losses = train(shape)
-    compiled = {section: dict(counters[section]) for section in ("frames", "stats", "recompiles", "graph_break")
-                if counters[section]}
-    print("SHAPE " + json.dumps({"shape": shape, "losses": [float.hex(value) for value in losses],
-                                 "compiled": compiled, "warnings": sorted(set(seen_warnings)),
-                                 "torch_log": sorted(set(torch_log_records))}), flush=True)
+    witness.print("SHAPE", losses, guard_failures=False, shape=shape)
