@@ -2,10 +2,14 @@
 with the right evidence and no unrelated rule fires; rules are silenced by id; a failing
 rule never takes the others down; the live agent keeps current findings.
 
-Whether amp-off fires depends on the CPU (bf16 units or not), so every scenario runs twice,
-with the capability pinned absent and present through the documented cpu_bf16 option: both
-paths are exercised on whatever CPU the suite runs on, and neither expectation comes from the
-machine the test was written on. The other tests here pin it absent."""
+Whether amp-off fires depends on the CPU (bf16 units or not), so scenarios run with the
+capability pinned absent and present through the documented cpu_bf16 option: both paths are
+exercised on whatever CPU the suite runs on, and neither expectation comes from the machine
+the test was written on. Every scenario runs without bf16 units; with them, the clean job and
+one of each kind the amp-off trial meets differently (a stalled loader, host reads, a conv
+net, autocast already on in fp16 and in bf16, a CPU oversubscribed): amp-off's premise is the
+job's measured bf16 gain, timed before and after the run, and that costs each run 8-15 s on
+a 2-core machine. The other tests here pin it absent."""
 
 from __future__ import annotations
 
@@ -22,6 +26,10 @@ from tuneup.diagnose.rule import rule
 
 RESULTS: list[tuple[frozenset[str], set[str]]] = []
 CPU_BF16 = {"no bf16": False, "bf16": True}
+WITH_BF16 = {"clean", "io-bound loader", "host reads", "conv bias before BN", "fp16 without scaler", "misaligned bf16",
+             "oversubscribed CPU"}
+RUNS = [pytest.param(scenario, cpu, id=f"{scenario.name}-{cpu}") for scenario in SCENARIOS for cpu in CPU_BF16
+        if cpu == "no bf16" or scenario.name in WITH_BF16]
 # Evidence each scenario's rule must carry: (rule, evidence key, check).
 EVIDENCE = {
     # Ground truth: 64 samples of 0.1 ms sleep a batch in the main process, so at least 6.4 ms
@@ -40,8 +48,7 @@ EVIDENCE = {
 }
 
 
-@pytest.mark.parametrize("cpu", CPU_BF16)
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+@pytest.mark.parametrize("scenario, cpu", RUNS)
 def test_the_right_rule_fires_and_no_other(scenario, cpu, tmp_path, heap_as_a_script_has):
     cpu_bf16 = CPU_BF16[cpu]
     document = run_scenario(scenario, tmp_path / "run", cpu_bf16=cpu_bf16)
@@ -74,7 +81,7 @@ def test_the_right_rule_fires_and_no_other(scenario, cpu, tmp_path, heap_as_a_sc
 
 
 def test_precision_and_recall_over_the_scenarios():
-    if len(RESULTS) < 2 * len(SCENARIOS):
+    if len(RESULTS) < len(RUNS):
         pytest.skip("run with the scenario tests (the whole module)")
     precision, recall = precision_recall(RESULTS)
     print(f"\nadvice over {len(RESULTS)} scenario runs: precision {precision:.2f}, recall {recall:.2f}")
