@@ -188,7 +188,7 @@ def endpoint():
     server.server_close()
 
 
-@settings(max_examples=16, **SETTINGS)
+@settings(max_examples=10, **SETTINGS)
 @given(payload=PAYLOADS, command=st.sampled_from(["watch", "report"]))
 def test_whatever_an_endpoint_answers_watch_and_report_say_one_line(endpoint, payload, command):
     endpoint.body = json.dumps(payload).encode()

@@ -3,7 +3,7 @@ serves a node (one target per node, each rank's series with its run_id), made fr
 agent's exposition.
 
     python fleet_exporter.py --template METRICS.txt --nodes 64 --per-node 8 --straggler 77 \
-        --slow-node 5 --drop-at 30
+        --slow-node 5 --drop-at 45
 
 `--template` is what a real agent's /metrics answered (tests/test_fleet_prometheus.py scrapes
 one from tests/programs/export_job.py): every rank exports exactly its families and series,
