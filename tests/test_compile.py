@@ -228,6 +228,19 @@ class Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def compile_as(how: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
+    """The module the loop calls, compiled `how` on the eager backend: torch.compile(model)'s
+    wrapper, the model compiled in place (model.compile()), or the model itself with its
+    optimizer's step compiled ("compiled optimizer step")."""
+    if how == "torch.compile(model)":
+        return torch.compile(model, backend="eager")
+    if how == "model.compile()":
+        model.compile(backend="eager")
+    else:
+        optimizer.step = torch.compile(optimizer.step, backend="eager")
+    return model
+
+
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "compiled optimizer step"])
 def test_a_compiled_model_or_step_is_found_and_timed(how, run_dir):
     """Attached before the model is built or compiled (as `tuneup run` is): the model is found
@@ -240,13 +253,7 @@ def test_a_compiled_model_or_step_is_found_and_timed(how, run_dir):
         torch.manual_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        trained = model
-        if how == "torch.compile(model)":
-            trained = torch.compile(model, backend="eager")
-        elif how == "model.compile()":
-            model.compile(backend="eager")
-        else:
-            optimizer.step = torch.compile(optimizer.step, backend="eager")
+        trained = compile_as(how, model, optimizer)
         job_step, job_call = vars(optimizer).get("step"), vars(model).get("_compiled_call_impl")
         job_forward = vars(trained).get("forward")  # built while discovery stood in for __call__
         x, y = torch.randn(64, 16), torch.randn(64, 1)
@@ -304,11 +311,7 @@ def gated_run(how: str, agent_options: dict | None, run_dir) -> tuple[list[str],
         torch.manual_seed(0)
         model = Gated()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        trained = model
-        if how == "torch.compile(model)":
-            trained = torch.compile(model, backend="eager")
-        else:
-            model.compile(backend="eager")
+        trained = compile_as(how, model, optimizer)
         losses = []
         for step in range(40):
             size = 64 if step % 2 == 0 else 48

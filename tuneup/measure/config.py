@@ -121,14 +121,15 @@ def amp_refusal(config: dict[str, Any]) -> str | None:
     where it can. The one test of it: the action refuses by it (act/actions/amp.py Amp.propose)
     and the amp-off rule asks it, so a finding never says apply mode can make a change the
     action then refuses."""
-    for model in config.get("models") or []:
+    models = config.get("models") or []
+    for model in models:
         if model.get("compiled"):
             return f"{model.get('class')} is compiled: set autocast in the code before compiling"
-    for model in config.get("models") or []:
+    for model in models:
         if model.get("forward_on_instance"):
             return (f"{model.get('class')}.forward is replaced on the instance (a wrapper owns it); "
                     "tuneup leaves it alone")
-    if any(model.get("sparse_gradients") for model in config.get("models") or []):
+    if any(model.get("sparse_gradients") for model in models):
         return "the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check"
     closures = sorted({optimizer.get("class") for optimizer in config.get("optimizers") or []} & set(CLOSURE_OPTIMIZERS))
     if closures:
