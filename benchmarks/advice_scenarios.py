@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import tuneup
-from tuneup.measure.gradients import SPIKE_FACTOR, SPIKE_HISTORY
+from tuneup.measure.terms import SPIKE_FACTOR, SPIKE_HISTORY
 from tuneup.report.document import build
 from tuneup.report.sources import load
 
@@ -415,7 +415,7 @@ def expected_findings(scenario: Scenario, cpu_bf16: bool, truth: Truth | None = 
             if not all(gain <= 0 and faster <= 0.1 for gain, faster in truth.amp):
                 either.add("amp-off")
     if truth is not None and norms_read is not None and "no-grad-clipping" in expected:
-        from tuneup.measure.gradients import MIN_BEFORE
+        from tuneup.measure.terms import MIN_BEFORE
 
         judged = max(0, norms_read - MIN_BEFORE)  # the first norms have nothing before them
         share = len(truth.spike_steps) / truth.judged_steps if truth.judged_steps else 0.0

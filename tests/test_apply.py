@@ -23,7 +23,7 @@ from benchmarks.scenarios import sample
 from tuneup.act.actions import amp as amp_action
 from tuneup.act.actions.dataloader import LoaderChange
 from tuneup.act.judge import ALPHA, MIN_SPEEDUP
-from tuneup.measure.precision import shadow_refusal
+from tuneup.measure.terms import shadow_refusal
 from tuneup.report.live import frame as live_frame
 from tests.conftest import one_intra_op_thread
 
@@ -798,7 +798,7 @@ def test_a_job_where_amp_does_not_pay_ends_bit_identical_to_plain_python(run_dir
     plain, _, _ = train()
     tuned, model, agent = train(apply_options(run_dir, cpu_bf16=True))
     # The premise, measured: the timing off the job's steps ran and found no clear gain (beside
-    # busy processes its figure is noise, but not a clear one: measure/precision.shadow_refusal).
+    # busy processes its figure is noise, but not a clear one: measure/terms.shadow_refusal).
     trial = agent.recorder.precision.result
     assert trial and trial.get("pairs") and shadow_refusal(trial) is not None, trial
     assert not any(model.autocast) and not records(agent, "amp"), decisions(agent)

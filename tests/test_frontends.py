@@ -291,7 +291,7 @@ def phases(request, tmp_path_factory):
         patch.setattr(PrecisionTrial, "_time", claimed_bf16_gain)
         # And so is the model's share of the step (forward + backward: 15-25% of this loop's,
         # whose loader and AdamW do most of it): on a machine busy enough to push it under 10%,
-        # apply mode would leave AMP to the user (precision.small_gain_refusal) and try nothing.
+        # apply mode would leave AMP to the user (terms.small_gain_refusal) and try nothing.
         patch.setattr(precision_rules, "_compute_share", lambda facts: 0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import tuneup
 from tuneup.measure import gradients
-from tuneup.measure.gradients import SPIKE_FACTOR
+from tuneup.measure.terms import SPIKE_FACTOR
 
 
 def norm_of(parameters) -> float:

@@ -115,6 +115,29 @@ def test_report_formats(finished_run, tmp_path):
     assert [f["rule"] for f in findings(finished_run, "--silence", "data-stall")] == ["host-syncs"]
 
 
+def test_a_report_of_a_run_log_never_imports_torch(finished_run, tmp_path):
+    # sys.modules["torch"] = None makes every `import torch` raise ImportError: the report, the
+    # rules it runs and each format must do without it (measure/terms.py), and say the same.
+    without_torch = "import sys; sys.modules['torch'] = None; from tuneup.cli import main; main(sys.argv[1:])"
+    for form in ("json", "text", "html", "markdown"):
+        paths = {tmp_path / f"with.{form}": [sys.executable, "-m", "tuneup"],
+                 tmp_path / f"without.{form}": [sys.executable, "-c", without_torch]}
+        for path, command in paths.items():
+            result = subprocess.run([*command, "report", str(finished_run), "-f", form, "-o", str(path)],
+                                    env=child_env(COLUMNS="200"), capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        with_torch, without = (path.read_text() for path in paths)
+        if form == "json":  # the same document but for when it was made
+            with_torch, without = (json.loads(text) | {"generated_at": None} for text in (with_torch, without))
+            assert [f["rule"] for f in without["findings"]] == [f["rule"] for f in with_torch["findings"]] != []
+        elif form == "html":
+            with_torch, without = (re.sub(r"generated [^<]* by", "", text) for text in (with_torch, without))
+        assert without == with_torch, form
+    rules = subprocess.run([sys.executable, "-c", without_torch, "rules"], env=child_env(COLUMNS="200"),
+                           capture_output=True, text=True, timeout=300)
+    assert rules.returncode == 0 and rules.stdout == tuneup("rules").stdout, rules.stderr
+
+
 def one_line_error(result, *words):
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stderr.startswith("tuneup: ") and result.stderr.count("\n") == 1, result.stderr

@@ -172,7 +172,7 @@ def test_fixes_speak_the_framework_that_owns_the_setting(cpu_snapshot, framework
 
 
 def test_amp_off_on_a_compiled_gpu_model_estimates_and_says_apply_mode_cannot_make_it(cpu_snapshot):
-    from tuneup.measure.config import amp_refusal
+    from tuneup.measure.terms import amp_refusal
 
     s = on_cuda(cpu_snapshot)
     s["config"]["models"][0]["compiled"] = True

@@ -111,34 +111,6 @@ def loader_config(loader: DataLoader, job_own: dict[str, Any] | None = None) -> 
     return config
 
 
-# Optimizers whose step() takes a closure and re-evaluates the model inside it.
-CLOSURE_OPTIMIZERS = ("LBFGS",)
-
-
-def amp_refusal(config: dict[str, Any]) -> str | None:
-    """Why apply mode's AMP action cannot try autocast in a job of this configuration (its
-    models' amp_facts, its optimizers' classes, `distributed.initialized`), in one phrase; None
-    where it can. The one test of it: the action refuses by it (act/actions/amp.py Amp.propose)
-    and the amp-off rule asks it, so a finding never says apply mode can make a change the
-    action then refuses."""
-    models = config.get("models") or []
-    for model in models:
-        if model.get("compiled"):
-            return f"{model.get('class')} is compiled: set autocast in the code before compiling"
-    for model in models:
-        if model.get("forward_on_instance"):
-            return (f"{model.get('class')}.forward is replaced on the instance (a wrapper owns it); "
-                    "tuneup leaves it alone")
-    if any(model.get("sparse_gradients") for model in models):
-        return "the model has sparse gradients (Embedding(sparse=True)), which the guard cannot check"
-    closures = sorted({optimizer.get("class") for optimizer in config.get("optimizers") or []} & set(CLOSURE_OPTIMIZERS))
-    if closures:
-        return f"{', '.join(closures)} re-evaluates the model in its closure"
-    if (config.get("distributed") or {}).get("initialized"):
-        return "a distributed job: each rank would keep or roll back autocast on its own"
-    return None
-
-
 def amp_facts(model: nn.Module) -> dict[str, Any]:
     """What amp_refusal asks of a model, read off the live object: its class, whether it is
     compiled, whether its `forward` is set on the instance (autocast goes on the class's

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-BLOCKING_COPY_KIND = "blocking_copy"
 _COPY_METHODS = frozenset({"to", "cuda", "copy_"})
 _calls: dict[tuple[Any, int], tuple[str | None, bool] | None] = {}  # (code, lasti): the copy call there
 _MAX_CALLS = 1024

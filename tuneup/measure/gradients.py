@@ -31,19 +31,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .device_values import DeviceValues
+from .terms import MIN_BEFORE, SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
 
 BUDGET = 0.005  # of the training time, at most, spent on norms
 MIN_EVERY = 4  # steps between two norms of one series, at least
-# A spike: a norm over SPIKE_FACTOR times the median of the SPIKE_HISTORY norms read before it
-# (at least MIN_BEFORE of them). Minibatch noise moves a norm a few times over (a policy
-# gradient's 6x, tests/test_gradients.py); a corrupt batch or an exploding gradient, tens.
-SPIKE_FACTOR = 10.0
-SPIKE_HISTORY = 8
-MIN_BEFORE = 4
-# And at least this share of the largest norm read before it: a model that has fit its data
-# has norms near zero, where a tenfold leap is noise (2e-4 after 1.5e-5 on a classifier whose
-# first norms were ~1: tests/programs/trainer_callbacks.py), not an exploding gradient.
-SPIKE_FLOOR = 0.1
 RECENT = 64  # norms kept for the typical size (p90: the max_norm the fix suggests)
 
 _total_norm: Callable[..., torch.Tensor] | None = getattr(torch.nn.utils, "get_total_norm", None)

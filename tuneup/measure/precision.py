@@ -39,19 +39,13 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .hotpath import StepTimeline
 from .offstep import MISSES, ModelCapture, unseen
-from .windows import DETECT
+from .terms import CONSISTENT, MIN_PAIRS
 
 FROM_STEP = 40  # past the warm-up the rules leave out: the model runs as it will
 # Interleaved fp32 / reduced pairs after one warm-up pair: the result says in how many the
 # reduced one was faster (a machine's noise can exceed the difference: a 2-core CPU's MLP
 # measured 0.84x to 1.40x on four runs of four pairs).
 REPS = 12
-# Faster under autocast in this share of the pairs, at least: a clear result (amp-off's test;
-# 9 of 12 by chance: 7%). A first block between half and this is unclear: a loaded machine
-# flips pairs whichever is faster (a 25% gain measured 8 of 12 beside a busy process, and 12 of
-# 12 before and after the run), so one more block of REPS pairs is timed, within the budget
-# again, and the result is over both (18 of 24 by chance: 1%).
-CONSISTENT = 0.75
 # The timing's budget: BUDGET_STEPS of the job's recent steps, within [MIN_BUDGET, MAX_BUDGET]
 # seconds, once a run, counted from after the warm-up pair (a first bf16 call can take a
 # machine's oneDNN set-up: on a busy machine that alone cut the timing to 3 pairs); fewer
@@ -60,47 +54,6 @@ CONSISTENT = 0.75
 BUDGET_STEPS = 30
 MIN_BUDGET, MAX_BUDGET = 0.05, 3.0
 MAX_INPUT_BYTES = 1 << 30  # a larger batch is not cloned
-
-
-# Of the interleaved pairs, those faster under autocast before apply mode changes the job's
-# numerics on the strength of it: a switch it would undo leaves its trace (the weights updated
-# in bf16 meanwhile), so it is made only where undoing it is unlikely. And at least
-# SHADOW_MIN_PAIRS of them: with fewer, "all faster" is a sign test's p of 1/8 to 1/32 (beside
-# busy processes, 3 of 3 pairs once said 3.4x faster of a model doing 9 passes under autocast
-# against 5 in fp32); from 6 on, p <= 1/64 at any 90% outcome.
-SHADOW_CLEAR = 0.9
-SHADOW_MIN_PAIRS = MIN_PAIRS = 6
-
-
-def shadow_refusal(trial: dict[str, Any] | None) -> str | None:
-    """Why this measurement is not clear enough for apply mode to switch autocast on (None:
-    it is): measured off the job's steps, and faster in at least SHADOW_CLEAR of at least
-    SHADOW_MIN_PAIRS pairs."""
-    if not trial or trial.get("skipped") or not trial.get("pairs"):
-        reason = f" ({trial['skipped']})" if trial and trial.get("skipped") else ""
-        return ("its gain was not measured on this job's model" + reason + ", and a trial on the job's own "
-                "steps would leave its bf16 updates in the weights if undone; switch it on yourself")
-    pairs, faster = trial["pairs"], trial.get("faster_pairs") or 0
-    if pairs < SHADOW_MIN_PAIRS or faster < SHADOW_CLEAR * pairs:
-        return (f"autocast was faster in {faster} of {pairs} pairs timed off the job's steps, not clear enough "
-                "to change the run's numerics (a trial undone would leave its bf16 updates in the weights); "
-                "switch it on yourself, or a run on a quieter machine measures it again")
-    return None
-
-
-def small_gain_refusal(gain: float | None, trial: dict[str, Any] | None) -> str | None:
-    """Why apply mode leaves autocast to the user although the timing was clear (None: it does
-    not): what it saves makes under DETECT of the job's step (amp-off's gain: the model's share
-    of the step). A trial's windows would not show it: it would be kept as "not slower" with no
-    gain shown (a 1.26x forward + backward, 6% of a step with CPU augmentation beside it: kept
-    at 1.01x), or, undone, leave its bf16 updates in the weights; the run's numerics are not
-    changed for that."""
-    if gain is None or gain >= DETECT:
-        return None
-    speedup = (trial or {}).get("speedup")
-    return ((f"its {speedup:.2f}x on the model's forward + backward" if speedup else "its measured speed-up")
-            + f" makes about {gain:.0%} of a step, under the {DETECT:.0%} a trial on the job's steps can confirm; "
-            "the run's numerics are not changed for that: switch it on yourself if you want it")
 
 
 def premise(config: dict[str, Any] | None) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from .calls import CallWatch
 from .compiled import CompileProbe
-from .config import CLOSURE_OPTIMIZERS, read_config
+from .config import read_config
 from .device_values import DeviceValues, raw_item
 from .ddp import AllReduceWait
 from .gpu import NvmlGpus, cuda_uuids, open_gpus
@@ -45,6 +45,7 @@ from .scaler import ScalerProbe
 from .stacks import InputSampler
 from .hotpath import PACED_FROM_STEP, StepTimeline
 from .syncs import SyncCounter
+from .terms import CLOSURE_OPTIMIZERS
 from .windows import Totals, detail_cost, detail_pairs, summarize
 
 DETAIL_PAIRS_KEPT = 64  # the latest detail steps whose cost paces them (windows.detail_cost)

@@ -39,9 +39,10 @@ from typing import Any, Callable
 import torch
 
 from .._patching import PatchSet, Switch, call_site, compile_bindings, posing_as, quiet_dynamo_switch
-from .copies import BLOCKING_COPY_KIND, is_blocking_copy
+from .copies import is_blocking_copy
 from .hotpath import HOST_READ, StepTimeline
 from .steps import sampled_after
+from .terms import BLOCKING_COPY_KIND, DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, OPTIMIZER_KIND
 
 HOST_READS: tuple[tuple[Any, str], ...] = (
     (torch.Tensor, "item"),
@@ -119,14 +120,6 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     return None
 
 
-# Reads that torch's own code makes for itself, before any user frame: not the loop's to
-# remove. GradScaler.step reads found_inf; a closure optimizer (LBFGS) reads the closure's
-# loss and compares tensors on the host (torch/optim/lbfgs.py: `float(orig_loss)`, the
-# `<= tolerance` tests), inside the optimizer's step but after the closure's forward has
-# left the optimizer's region.
-GRAD_SCALER_KIND = "grad_scaler"
-OPTIMIZER_KIND = "optimizer"
-INHERENT_KINDS = (GRAD_SCALER_KIND, OPTIMIZER_KIND)
 _GRAD_SCALER_MODULES = frozenset({"torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler"})
 
 
@@ -143,12 +136,6 @@ def _inherent_kind(frame: FrameType | None) -> str | None:
             return None
         frame = frame.f_back
     return None
-
-
-# Reads torch.distributions makes to validate arguments and samples (on by default:
-# Distribution.__init__ and _validate_sample end in `if not torch._is_all_true(valid): raise`,
-# torch/distributions/distribution.py): their own kind, with their own fix (validate_args=False).
-DISTRIBUTION_CHECK_KIND = "distribution check"
 
 
 def _source(frame: FrameType | None, kind: str) -> tuple[str, int, str, str] | None:

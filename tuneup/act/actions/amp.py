@@ -34,9 +34,9 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 
 from ..._patching import PatchSet, measured, posing_as
-from ...measure.config import amp_facts, amp_refusal, cuda_bf16
+from ...measure.config import amp_facts, cuda_bf16
 from ...measure.model import tracing
-from ...measure.precision import shadow_refusal, small_gain_refusal
+from ...measure.terms import amp_refusal, shadow_refusal, small_gain_refusal
 from ..action import NOT_SLOWER, Action, Change, LiveJob
 
 GUARD_STEPS = 300

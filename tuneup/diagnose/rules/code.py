@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ...format import percent
-from ...measure.gradients import SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
+from ...measure.terms import SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
 from ..rule import Evidence, Facts, Missing, rule
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"

@@ -7,7 +7,7 @@ import math
 
 from ..rule import MIN_GAIN, Evidence, Facts, Missing, rule
 from ...format import percent, read_rate, seconds, set_by_apply_mode
-from ...measure.copies import BLOCKING_COPY_KIND
+from ...measure.terms import BLOCKING_COPY_KIND
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
 STALL_THRESHOLD = 0.10

@@ -4,8 +4,7 @@ GradScaler skipping steps, and layer sizes Tensor Cores cannot use fully."""
 from __future__ import annotations
 
 from ...format import percent, seconds
-from ...measure.config import amp_refusal
-from ...measure.precision import CONSISTENT, shadow_refusal, small_gain_refusal
+from ...measure.terms import CONSISTENT, amp_refusal, shadow_refusal, small_gain_refusal
 from ..rule import Evidence, Facts, Missing, rule
 
 AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
@@ -17,7 +16,7 @@ AMP_DOC = "https://docs.pytorch.org/docs/stable/amp.html"
 # measured gain there.
 AMP_SPEEDUP_SHARE = 0.5
 AMP_MIN_GAIN = 0.05  # of a step, measured: less is not worth autocast's numerics (and is noise)
-AMP_CONSISTENT = CONSISTENT  # of the trial's interleaved pairs, those where autocast was faster (measure/precision.py)
+AMP_CONSISTENT = CONSISTENT  # of the trial's interleaved pairs, those where autocast was faster (measure/terms.py)
 AMP_MIN_PAIRS = 3
 # TF32 runs fp32 matmuls on Tensor Cores: conservatively a third of forward + backward.
 TF32_SPEEDUP_SHARE = 1 / 3

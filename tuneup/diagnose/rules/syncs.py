@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ...measure.copies import BLOCKING_COPY_KIND
-from ...measure.syncs import DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
+from ...measure.terms import BLOCKING_COPY_KIND, DISTRIBUTION_CHECK_KIND, GRAD_SCALER_KIND, INHERENT_KINDS, OPTIMIZER_KIND
 from ...format import read_rate
 from ..rule import Evidence, Facts, rule
 from .compiled import compile_fix, gpu_busy_share
