@@ -20,7 +20,8 @@ the share of the hand-picked gain apply mode got: (plain - apply) / (plain - han
 end-to-end wall time (goal: >= 90%). Several run lengths (--steps 600,3000) are interleaved
 in the same rounds: apply mode pays for its start (tuneup's own start-up, the warm-up and the
 baseline before the first change, about half a second of steps), so its share grows with the
-run's length, and a run of a few seconds cannot reach 90%. --busy N runs N CPU-bound processes
+run's length, and a run of a few seconds cannot reach 90%. Each apply run's changes are printed
+as its run log recorded them ("num_workers 8 -> 0 kept@125": kept, effective from step 125). --busy N runs N CPU-bound processes
 beside every variant for the whole benchmark (a shared machine: what the advice and the trials
 must get right when the cores are not the job's alone).
 """
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benchmarks" / "apply_scripts"
@@ -61,15 +63,32 @@ def variants(script: str, cores: int) -> dict[str, list[str]]:
     return out
 
 
-def run(command: list[str], steps: int, run_dir: str) -> dict[str, float]:
+def run(command: list[str], steps: int, run_dir: str) -> dict[str, Any]:
     began = time.perf_counter()
+    applying = "--apply" in command  # its run log kept: what it changed, and when (decisions)
+    own_dir = tempfile.mkdtemp(dir=run_dir) if applying else run_dir
     done = subprocess.run([*command, "--steps", str(steps)], capture_output=True, text=True, timeout=1800,
-                          env=child_env(TUNEUP_RUN_DIR=run_dir, TUNEUP_LOG="0", TUNEUP_PORT="0"))
+                          env=child_env(TUNEUP_RUN_DIR=own_dir, TUNEUP_LOG=None if applying else "0", TUNEUP_PORT="0"))
     wall = time.perf_counter() - began
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"wall": wall, "train": result["seconds"], "cpu_ms": 1000 * result["cpu"] / result["steps"]}
+    out: dict[str, Any] = {"wall": wall, "train": result["seconds"], "cpu_ms": 1000 * result["cpu"] / result["steps"]}
+    if applying:
+        out["decisions"] = decisions(Path(own_dir))
+    return out
+
+
+def decisions(run_dir: Path) -> str:
+    """Apply mode's changes as its run log's last word on each: "num_workers 8 -> 0 kept@125"."""
+    last: dict[Any, dict[str, Any]] = {}
+    for log in run_dir.glob("**/events*.jsonl"):
+        for line in log.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "action":
+                last[event["id"]] = event
+    return "; ".join(f"{event['change']} {event['decision']}@{event.get('effective_step') or event.get('applied_step')}"
+                     for _, event in sorted(last.items())) or "no change"
 
 
 def main() -> None:
@@ -93,7 +112,7 @@ def main() -> None:
                 parser.error(f"--variants has no hand-picked count for {script} (one of "
                              f"{', '.join(f'workers={n}' for n in HAND[script](cores))}): its share of the gain needs one")
     lengths = [int(steps) for steps in args.steps.split(",")]
-    results: dict[tuple[str, int, str], list[dict[str, float]]] = {}
+    results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     with busy_processes(args.busy), tempfile.TemporaryDirectory() as run_dir:
         for round_ in range(args.rounds):
             order = [(script, steps, name) for script in scripts for steps in lengths for name in plan[script]]
@@ -108,7 +127,7 @@ def main() -> None:
         report(script, steps, runs)
 
 
-def report(script: str, steps: int, runs: dict[str, list[dict[str, float]]]) -> None:
+def report(script: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> None:
     """One script at one run length: the variants' medians, and apply mode's share of the gain."""
     med = {name: {key: statistics.median(r[key] for r in results) for key in ("wall", "train", "cpu_ms")}
            for name, results in runs.items()}
@@ -130,6 +149,8 @@ def report(script: str, steps: int, runs: dict[str, list[dict[str, float]]]) -> 
               zip(runs["plain"], runs["apply"], runs[hand]) if p["wall"] > h["wall"]]
     if rounds:
         print(f"  per round: {', '.join(f'{r:.0%}' for r in rounds)}; median {statistics.median(rounds):.0%}")
+    for index, result in enumerate(runs["apply"], start=1):
+        print(f"  apply, round {index}: {result['wall']:.2f} s; {result['decisions']}")
 
 
 if __name__ == "__main__":
