@@ -145,10 +145,13 @@ def report(script: str, steps: int, runs: dict[str, list[dict[str, Any]]]) -> No
     print(f"  apply mode got {share} of the hand-picked gain")
     # The same share within each round (its runs ran close together, so the machine's drifts
     # cancel more of the way), and the median of those
-    rounds = [(p["wall"] - a["wall"]) / (p["wall"] - h["wall"]) for p, a, h in
-              zip(runs["plain"], runs["apply"], runs[hand]) if p["wall"] > h["wall"]]
-    if rounds:
-        print(f"  per round: {', '.join(f'{r:.0%}' for r in rounds)}; median {statistics.median(rounds):.0%}")
+    # (n/a: a round whose plain run was no slower than its hand-picked one)
+    rounds = [(p["wall"] - a["wall"]) / (p["wall"] - h["wall"]) if p["wall"] > h["wall"] else None
+              for p, a, h in zip(runs["plain"], runs["apply"], runs[hand])]
+    shares = [share for share in rounds if share is not None]
+    if shares:
+        listed = ", ".join("n/a" if share is None else f"{share:.0%}" for share in rounds)
+        print(f"  per round: {listed}; median {statistics.median(shares):.0%}")
     for index, result in enumerate(runs["apply"], start=1):
         print(f"  apply, round {index}: {result['wall']:.2f} s; {result['decisions']}")
 
