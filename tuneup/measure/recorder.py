@@ -59,6 +59,8 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 INPUT_SAMPLING_SHARE = 0.05  # input before the forward, of the detail steps' time, that starts the stack sampler
+INPUT_WINDOW = 256  # ... over the run, and on the typical detail step of this many latest steps
+INPUT_MIN_DETAILED = 3  # ... of at least this many detail steps (a median that one outlier does not make)
 
 # Why the model is not run off the step (precision trial, FLOP count) in a loop whose steps close
 # on another thread than the one it trains on.
@@ -413,17 +415,23 @@ class Recorder:
     def _watch_input(self, interval: dict[str, Any] | None, final: bool) -> None:
         """Start the stack sampler (stacks.py) once the loop's input before the forward is
         INPUT_SAMPLING_SHARE of the detail steps' time, both over the run and on the typical
-        detail step of the steps just drained (their medians, as input-in-loop judges): it
-        names the lines that input is. (By the time alone, one detail step descheduled
-        between its fetch and its forward on a busy machine started it for a DataLoader loop
-        whose input is a few µs: 384 steps of 0.2 ms hold ~30 ms of detail steps.)"""
+        detail step of the latest INPUT_WINDOW steps (their medians, as input-in-loop judges;
+        at least INPUT_MIN_DETAILED detail steps among them): it names the lines that input is.
+        (By the time alone, one detail step descheduled between its fetch and its forward on a
+        busy machine started it for a DataLoader loop whose input is a few µs: 384 steps of
+        0.2 ms hold ~30 ms of detail steps. By one drain's median, so did a drain that held
+        that step alone, ticks 0.1 s apart in a full suite.)"""
         if self.input_lines is not None or final or interval is None:
             return
         sums = self.totals.sums
-        typical = (interval.get("input_seconds") or {}).get("median")
-        step = interval["step_seconds"]["median"]
-        if sums["detailed_seconds"] and sums["input_seconds"] >= INPUT_SAMPLING_SHARE * sums["detailed_seconds"] \
-                and typical is not None and step and typical >= INPUT_SAMPLING_SHARE * step:
+        if not sums["detailed_seconds"] or sums["input_seconds"] < INPUT_SAMPLING_SHARE * sums["detailed_seconds"]:
+            return
+        recent = self.window(INPUT_WINDOW)
+        if recent is None or recent["detailed_steps"] < INPUT_MIN_DETAILED:
+            return
+        typical = (recent.get("input_seconds") or {}).get("median")
+        step = recent["step_seconds"]["median"]
+        if typical is not None and step and typical >= INPUT_SAMPLING_SHARE * step:
             self.input_lines = InputSampler(self.timeline, self.syncs.thread_id)
             self.input_lines.start()
 
