@@ -115,16 +115,19 @@ def test_report_formats(finished_run, tmp_path):
     assert [f["rule"] for f in findings(finished_run, "--silence", "data-stall")] == ["host-syncs"]
 
 
+def without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`tuneup ARGS` in a process where `import torch` raises ImportError (sys.modules["torch"] = None)."""
+    code = "import sys; sys.modules['torch'] = None; from tuneup.cli import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], env=child_env(COLUMNS="200"), capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_a_report_of_a_run_log_never_imports_torch(finished_run, tmp_path):
-    # sys.modules["torch"] = None makes every `import torch` raise ImportError: the report, the
-    # rules it runs and each format must do without it (measure/terms.py), and say the same.
-    without_torch = "import sys; sys.modules['torch'] = None; from tuneup.cli import main; main(sys.argv[1:])"
+    # The report, the rules it runs and each format do without torch (measure/terms.py), and say the same.
     for form in ("json", "text", "html", "markdown"):
-        paths = {tmp_path / f"with.{form}": [sys.executable, "-m", "tuneup"],
-                 tmp_path / f"without.{form}": [sys.executable, "-c", without_torch]}
-        for path, command in paths.items():
-            result = subprocess.run([*command, "report", str(finished_run), "-f", form, "-o", str(path)],
-                                    env=child_env(COLUMNS="200"), capture_output=True, text=True, timeout=300)
+        paths = (tmp_path / f"with.{form}", tmp_path / f"without.{form}")
+        for run, path in zip((tuneup, without_torch), paths):
+            result = run("report", str(finished_run), "-f", form, "-o", str(path))
             assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
         with_torch, without = (path.read_text() for path in paths)
         if form == "json":  # the same document but for when it was made
@@ -133,8 +136,7 @@ def test_a_report_of_a_run_log_never_imports_torch(finished_run, tmp_path):
         elif form == "html":
             with_torch, without = (re.sub(r"generated [^<]* by", "", text) for text in (with_torch, without))
         assert without == with_torch, form
-    rules = subprocess.run([sys.executable, "-c", without_torch, "rules"], env=child_env(COLUMNS="200"),
-                           capture_output=True, text=True, timeout=300)
+    rules = without_torch("rules")
     assert rules.returncode == 0 and rules.stdout == tuneup("rules").stdout, rules.stderr
 
 

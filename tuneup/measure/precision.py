@@ -49,7 +49,7 @@ REPS = 12
 # The timing's budget: BUDGET_STEPS of the job's recent steps, within [MIN_BUDGET, MAX_BUDGET]
 # seconds, once a run, counted from after the warm-up pair (a first bf16 call can take a
 # machine's oneDNN set-up: on a busy machine that alone cut the timing to 3 pairs); fewer
-# pairs where they take longer, at least MIN_PAIRS (SHADOW_MIN_PAIRS below: enough for apply
+# pairs where they take longer, at least MIN_PAIRS (SHADOW_MIN_PAIRS, measure/terms.py: enough for apply
 # mode to act on).
 BUDGET_STEPS = 30
 MIN_BUDGET, MAX_BUDGET = 0.05, 3.0
