@@ -35,7 +35,7 @@ from torch.distributed import TCPStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tuneup.diagnose import evaluate  # noqa: E402
-from tuneup.measure.ranks import RANK_KEY, RankExchange, compact, expand  # noqa: E402
+from tuneup.measure.ranks import RANK_KEY, RankExchange, compact  # noqa: E402
 
 PER_NODE = 8
 FLAT_KEY = "tuneup/rank/{rank}"
@@ -58,6 +58,9 @@ def summary(rank: int, world: int, straggler: int | None, slow_node: int | None)
                    "backward_seconds": {"median": 0.040, "mean": 0.041, "p90": 0.044, "min": 0.039, "max": 0.05},
                    "data_wait_seconds": {"median": 0.002, "mean": 0.002, "p90": 0.003, "min": 0.0, "max": 0.01},
                    "stall_ratio": 0.02, "steps_per_second": 1 / step, "samples_per_second": 64 / step},
+        # DDP's all-reduce wait and the threads' wait for a CPU, at full float precision.
+        "system": {"ddp": {"allreduce_wait_seconds": 0.0123456789, "steady": True},
+                   "host": {"step_cpu_wait_seconds": 0.000812345678}},
     }
     findings = [{"rule": "host-syncs", "severity": "medium", "gain": 0.04}]
     return compact(snapshot, findings, final=False)

@@ -1666,3 +1666,17 @@ def test_the_loader_configuration_marks_apply_mode_s_settings_with_the_job_s_own
     assert loader_config(loader, own)["set_by_tuneup"] == {"num_workers": 0, "prefetch_factor": None}
     assert set_by_apply_mode(config) == "set by apply mode: num_workers (the job's own: 0)"
     assert set_by_apply_mode({}) == "" and set_by_apply_mode({"set_by_tuneup": ["damaged"]}) == ""
+
+
+def test_per_step_wait_spans_the_window_of_steps():
+    from tuneup.measure.host import MIN_STEPS, PerStep
+
+    marks = PerStep(steps=100)
+    assert marks.add(0, 0.0) is None and marks.add(MIN_STEPS - 1, 0.5) is None  # under MIN_STEPS steps
+    assert marks.add(50, 1.0) == pytest.approx(1.0 / 50)
+    assert marks.add(50, 1.5) == pytest.approx(1.5 / 50)  # no step since: the newer total stands
+    # At step 150 the marks reach back to step 50 (the one at or before 150 - 100): 2.0 s more over 100 steps.
+    assert marks.add(150, 3.5) == pytest.approx(2.0 / 100)
+    # At 300: the mark at 150 is dropped only once a later one is at or before 200; none is: 150 stays.
+    assert marks.add(300, 5.0) == pytest.approx(1.5 / 150)
+    assert marks.add(420, 5.0) == pytest.approx(0.0)  # from the mark at 300: no wait since

@@ -81,8 +81,30 @@ def test_the_median_leaves_the_first_ten_iterations_once_the_steady_state_has_sa
     assert summary["allreduce_wait_seconds"] == pytest.approx(0.020)
     for k in range(1, STEADY_SAMPLES + 1):
         summary = sampled(100 * k, 2)
-        # Until STEADY_SAMPLES are in, the start-up's eight samples still hold the median.
+        # Until STEADY_SAMPLES are in, the start-up's eight samples still hold the figure.
         assert summary["allreduce_wait_seconds"] == pytest.approx(0.002 if k == STEADY_SAMPLES else 0.020)
+        assert summary["steady"] is (k == STEADY_SAMPLES)
+
+
+def test_the_wait_is_the_one_a_rank_has_at_nearly_every_iteration(monkeypatch):
+    # Ground truth: a rank that waits for a straggler waits at every iteration (15 ms and more);
+    # one on a crowded host waits at some iterations only, when the other rank was held back:
+    # 0.3 ms at most iterations, 9 ms at a third of them. Its lower quartile is its usual
+    # 0.3 ms; its median of 6 iterations would read 4.65 ms.
+    model = Timed()
+    monkeypatch.setattr("tuneup.measure.ddp.is_ddp", lambda m: m is model)
+
+    def summary(waits_ms):
+        wait = AllReduceWait()
+        for k, wait_ms in enumerate(waits_ms, start=1):
+            model.data = {"iteration": 100 * k, "backward_comm_time": int((wait_ms + 1) * 1e6),
+                          "backward_compute_comm_overlap_time": int(1e6)}
+            out = wait.sample([model])
+        return out["allreduce_wait_seconds"]
+
+    assert summary([0.3, 9, 0.3, 9, 0.3, 0.3]) == pytest.approx(0.0003)
+    assert summary([15, 16, 15.5, 30, 15.2, 15]) == pytest.approx(0.015)  # (sorted: the 2nd of 6)
+    assert summary([4, 2, 3]) == pytest.approx(0.002)  # up to four: the smallest
 
 
 def test_an_attached_ddp_job_reports_its_wait_in_the_system_sample(one_rank, run_dir):

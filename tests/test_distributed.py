@@ -15,18 +15,27 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, child_env, free_port, wait_for
+from tests.conftest import PROGRAMS, ROOT, child_env, free_port, wait_for
+from tuneup.diagnose.rules.distributed import CPU_STARVED_SHARE
 from tuneup.export import discovery
 
 JOB = str(ROOT / "examples" / "torchrun_ddp.py")
 
 
-def torchrun(tmp_path, *args, **env):
+def torchrun(tmp_path, *args, pinned=False, **env):
+    """The example under `torchrun -m tuneup run` on two ranks; `pinned`: each rank on a CPU of
+    its own (tests/programs/pinned_rank.py), local rank R on the R-th usable CPU."""
     full = child_env(TUNEUP_REGISTRY_DIR=str(tmp_path / "agents"), TUNEUP_INTERVAL="0.2",
                      TUNEUP_RUN_DIR=str(tmp_path / "run"), **env)
+    launch = [str(PROGRAMS / "pinned_rank.py"), sys.executable, "-m"] if pinned else ["-m"]
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "tuneup", "run", JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             *launch, "tuneup", "run", JOB, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=full, cwd=tmp_path)
+
+
+def rank_events(tmp_path, rank=0):
+    return [json.loads(line) for line in (tmp_path / "run" / f"events-rank{rank}.jsonl").read_text().splitlines()
+            if line.strip()]
 
 
 def samples(url, name):
@@ -67,6 +76,9 @@ def test_a_straggling_rank_is_found_live_and_named_at_the_end(tmp_path):
     ranks = [e for e in events if e["event"] == "ranks"]
     assert len(ranks) == 1 and sorted(r["run"]["rank"] for r in ranks[0]["ranks"]) == [0, 1]
     assert ranks[0]["findings"][0]["evidence"]["rank"] == 1
+    # Its 10 ms are a sleep, not a wait for a CPU: the rank's own time, and the fix says so.
+    assert ranks[0]["findings"][0]["evidence"]["cpu_wait_share"] < CPU_STARVED_SHARE
+    assert "for a CPU" not in err
     report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run), "--format", "json"],
                             capture_output=True, text=True, timeout=60)
     straggler = next(f for f in json.loads(report.stdout)["findings"] if f["rule"] == "rank-straggler")
@@ -77,12 +89,12 @@ def test_a_rank_slow_in_its_backward_is_named_by_the_wait_ddp_measures(tmp_path)
     # Ground truth: rank 1 sleeps 15 ms inside its backward, before any gradient is ready. The
     # all-reduce evens the ranks out: both ranks' steps and backwards last the same, and rank 0
     # waits the 15 ms in the all-reduce. Only that wait tells the ranks apart.
-    job = torchrun(tmp_path, "--steps", "300", "--slow-rank", "1", "--slow-in", "backward", "--delay", "0.015")
+    # DDP times iterations 1-10, then every 100th: 500 steps give the steady median 3 or more.
+    job = torchrun(tmp_path, "--steps", "500", "--slow-rank", "1", "--slow-in", "backward", "--delay", "0.015")
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-2000:]
     assert "straggler: rank 1 (node 0, " in err and "in DDP's all-reduce it waits" in err
-    events = [json.loads(line) for line in (tmp_path / "run" / "events-rank0.jsonl").read_text().splitlines()]
-    ranks = next(e for e in events if e["event"] == "ranks")
+    ranks = next(e for e in rank_events(tmp_path) if e["event"] == "ranks")
     waits = {r["run"]["rank"]: r["ddp"]["allreduce_wait_seconds"] for r in ranks["ranks"]}
     assert waits[0] - waits[1] >= 0.015 / 2  # the sleep, less scheduling noise on a shared machine
     evidence = ranks["findings"][0]["evidence"]
@@ -90,10 +102,42 @@ def test_a_rank_slow_in_its_backward_is_named_by_the_wait_ddp_measures(tmp_path)
 
 
 def test_ranks_at_the_same_pace_have_no_straggler(tmp_path):
-    job = torchrun(tmp_path, "--steps", "300")
+    # 500 steps: past DDP's start-up, its timers' steady samples (iterations 100-500) give the wait.
+    job = torchrun(tmp_path, "--steps", "500")
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-2000:]
-    assert "tuneup: summary across 2 ranks" in err and "no straggler" in err
+    assert "tuneup: summary across 2 ranks" in err and "no straggler" in err, err[-2000:]
+    ranks = next(e for e in rank_events(tmp_path) if e["event"] == "ranks")
+    assert all(r["ddp"]["allreduce_wait_seconds"] is not None for r in ranks["ranks"])  # by DDP's waits
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs (a rank on each)")
+def test_a_rank_starved_of_cpu_is_named_with_its_wait_for_a_core(tmp_path):
+    # Ground truth: both ranks run the same work; each rank has a CPU of its own, and six busy
+    # processes share rank 1's: its threads get about a seventh of that CPU and are runnable and
+    # waiting for it most of each step; rank 0's wait less (they sleep in the all-reduce), even
+    # with two other busy processes on the machine, which the scheduler moves to rank 0's CPU
+    # (a third of it left). The straggler is rank 1, and its host, not its work, is the cause.
+    cpu = sorted(os.sched_getaffinity(0))[1]
+    crowd = [subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+             for _ in range(6)]
+    try:
+        job = torchrun(tmp_path, "--steps", "600", pinned=True)
+        out, err = job.communicate(timeout=180)
+    finally:
+        for process in crowd:
+            process.kill()
+            process.wait()
+    assert job.returncode == 0, err[-2000:]
+    assert "straggler: rank 1 (node 0, " in err and "per step for a CPU (runnable, not running)" in err, err[-2000:]
+    table = err[err.index("tuneup: summary across 2 ranks"):].splitlines()
+    assert "cpu wait" in table[1]
+    ranks = next(e for e in rank_events(tmp_path) if e["event"] == "ranks")
+    evidence = ranks["findings"][0]["evidence"]
+    assert evidence["rank"] == 1 and evidence["cpu_wait_share"] >= CPU_STARVED_SHARE
+    waits = {r["run"]["rank"]: r["host"]["step_cpu_wait_seconds"] for r in ranks["ranks"]}
+    assert waits[1] > waits[0] and evidence["cpu_wait_seconds"] == waits[1]
+    assert "give each rank cores of its own" in ranks["findings"][0]["fix"]
 
 
 def test_a_rank_that_dies_ends_the_job_without_a_hang(tmp_path):

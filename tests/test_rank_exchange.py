@@ -16,13 +16,17 @@ from tuneup.report.ranks import rank_summary
 
 
 def snapshot(rank: int, local: int, step: float = 0.010, backward: float = 0.004, host: str = "node-a",
-             wait: float | None = None):
-    """A rank's snapshot; `wait`: its all-reduce wait as DDP's timers give it (measure/ddp.py)."""
+             wait: float | None = None, cpu_wait: float | None = None):
+    """A rank's snapshot; `wait`: its all-reduce wait as DDP's timers give it (measure/ddp.py);
+    `cpu_wait`: its threads' run-queue wait per step (measure/host.py)."""
+    system = {"ddp": {"allreduce_wait_seconds": wait}} if wait is not None else {}
+    if cpu_wait is not None:
+        system["host"] = {"step_cpu_wait_seconds": cpu_wait}
     return {"run": {"rank": rank, "local_rank": local, "run_id": "r", "host": host, "pid": 1000 + rank},
             "window": {"steps": 100, "step_seconds": {"median": step}, "backward_seconds": {"median": backward},
                        "data_wait_seconds": {"median": 0.0}, "stall_ratio": 0.0, "steps_per_second": 1 / step,
                        "samples_per_second": 32 / step},
-            "system": {"ddp": {"allreduce_wait_seconds": wait}} if wait is not None else {}}
+            "system": system}
 
 
 @pytest.fixture
@@ -48,9 +52,10 @@ def one_round(exchanges, times, final=False, skip=()):
     for exchange in order:
         if exchange.rank in skip:
             continue
-        step, backward, *wait = times(exchange.rank)
+        step, backward, *waits = times(exchange.rank)
+        wait, cpu_wait = (list(waits) + [None, None])[:2]
         summary = compact(snapshot(exchange.rank, exchange.topology.local_rank, step, backward,
-                                   host=f"host-{exchange.topology.node}", wait=wait[0] if wait else None), [], final)
+                                   host=f"host-{exchange.topology.node}", wait=wait, cpu_wait=cpu_wait), [], final)
         assert exchange.exchange(summary, wait=30, final_within=0.6 if final else 0.0)
 
 
@@ -122,6 +127,57 @@ def test_a_rank_slow_in_its_backward_is_named_by_the_others_allreduce_wait(store
         assert "rank-straggler" not in {f.rule for f in blind.findings}
     finally:
         close_all(exchanges)
+
+
+def test_a_rank_starved_of_cpu_is_named_by_its_wait_for_a_core_where_no_own_time_stands_out(store):
+    # Ground truth: 4 ranks on one node, the same work, the same 10 ms steps and 3 ms all-reduce
+    # waits (own time 7 ms each: rank 2's slowness is in its communication threads, which every
+    # rank's all-reduce waits for alike). Rank 2's threads wait 4 ms a step for a CPU, the
+    # others 0.5 ms: 3.5 ms more, over 15% of its step (1.5 ms) and over 1 ms.
+    exchanges = fleet(store, nodes=1, per_node=4)
+    try:
+        one_round(exchanges, lambda r: (0.010, 0.004, 0.003, 0.004 if r == 2 else 0.0005))
+        peers = exchanges[0].peer_snapshots()
+        assert {p["run"]["rank"]: p["host"]["step_cpu_wait_seconds"] for p in peers} == \
+            {0: 0.0005, 1: 0.0005, 2: 0.004, 3: 0.0005}  # through the node summary's rows
+        own = snapshot(0, 0, 0.010, 0.004, wait=0.003, cpu_wait=0.0005)
+        straggler = {f.rule: f for f in evaluate(own, ranks=peers).findings}["rank-straggler"]
+        assert straggler.evidence["rank"] == 2 and straggler.evidence["basis"] == "cpu_wait"
+        assert straggler.evidence["cpu_wait_seconds"] == 0.004 and straggler.evidence["others_cpu_wait_seconds"] == 0.0005
+        assert "rank 2 (node 0, host-0) is starved of CPU: its threads wait 4.0 ms per step for a CPU" in straggler.observed
+        assert "cores of its own" in straggler.fix and straggler.gain is None and "up to 35%" in straggler.gain_text
+        table = rank_summary(peers, 4, [straggler.to_dict()]).splitlines()
+        assert "cpu wait" in table[1] and table[2 + 2].split()[9:11] == ["4.0", "ms"]
+        # 1.3 ms more: over 1 ms, under 15% of the step: no straggler.
+        one_round(exchanges, lambda r: (0.010, 0.004, 0.003, 0.0018 if r == 2 else 0.0005))
+        quiet = evaluate(snapshot(0, 0, 0.010, 0.004, wait=0.003, cpu_wait=0.0005), ranks=exchanges[0].peer_snapshots())
+        assert "rank-straggler" not in {f.rule for f in quiet.findings}
+    finally:
+        close_all(exchanges)
+
+
+def test_a_straggler_whose_excess_is_its_wait_for_a_cpu_is_told_to_free_its_cores():
+    # Ground truth: rank 3 waits 0.5 ms in the all-reduce, the others 3 ms: its own time 9.5 ms
+    # against 7 ms (median), 2.5 ms more. Its threads wait 3 ms a step for a CPU, the others
+    # 0.5: the 2.5 ms are that wait (share 1.0), and its host is the cause. With 0.8 ms of wait
+    # (share 0.12) the excess is its own work, and the fix looks there.
+    def ranks(starved_wait):
+        return [compact(snapshot(r, r, 0.010, 0.004, host="host-0", wait=0.0005 if r == 3 else 0.003,
+                                 cpu_wait=starved_wait if r == 3 else 0.0005), [], True) for r in range(4)]
+
+    rows = ranks(0.003)
+    straggler = {f.rule: f for f in evaluate(rows[0], ranks=rows[1:]).findings}["rank-straggler"]
+    assert straggler.evidence["rank"] == 3 and straggler.evidence["basis"] == "allreduce_wait"
+    assert straggler.evidence["cpu_wait_share"] == pytest.approx(1.0)
+    assert "its threads wait 3.0 ms per step for a CPU (runnable, not running), the other ranks 500 µs" in straggler.observed
+    assert "cores of its own" in straggler.fix and straggler.gain == pytest.approx(0.25)
+    rows = ranks(0.0008)
+    straggler = {f.rule: f for f in evaluate(rows[0], ranks=rows[1:]).findings}["rank-straggler"]
+    assert straggler.evidence["cpu_wait_share"] == pytest.approx(0.12)
+    assert "for a CPU" not in straggler.observed and "uneven work" in straggler.fix
+    rows[2]["host"]["step_cpu_wait_seconds"] = None  # a rank that cannot tell (no schedstat)
+    straggler = {f.rule: f for f in evaluate(rows[0], ranks=rows[1:]).findings}["rank-straggler"]
+    assert straggler.evidence["cpu_wait_share"] is None and straggler.evidence["rank"] == 3
 
 
 def test_final_exchange_waits_a_bounded_time_for_a_rank_that_never_reports(store):

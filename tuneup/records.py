@@ -336,7 +336,7 @@ DEVICE = Obj(gpu=COUNT, throttle_reasons=Opt(ListOf(TEXT)), temperature_celsius=
 HOST = Obj(usable_cores=SECONDS, torch_threads=COUNT, rss_bytes=SECONDS,
            **{name: Opt(SECONDS) for name in ("cpu_ratio", "busy_cores", "workers_cpu_ratio", "wait_cores",
                                               "workers_wait_cores", "workers_rss_bytes", "load_1m",
-                                              "memory_available_bytes")},
+                                              "memory_available_bytes", "step_cpu_wait_seconds")},
            threads=Opt(COUNT), workers=Opt(COUNT), worker_processes=Opt(ListOf(ANY)))
 MEMORY_DEVICE = Obj(device=ANY, allocated_bytes=Nullable(SECONDS), allocated_peak_bytes=Nullable(SECONDS),
                     reserved_bytes=SECONDS, reserved_peak_bytes=SECONDS, total_bytes=Num(1),

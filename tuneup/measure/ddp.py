@@ -26,12 +26,22 @@ job's place or be refused; nor per-parameter gradient hooks on the training thre
 
 Each tick reads every DDP model once; a new sampled iteration adds one entry to the model's
 short window, and the summary is the window's median (summed over the DDP models a step runs,
-as a GAN's two). The first iterations (bucket rebuild, the ranks meeting for the first time)
-are left out, and once the window holds STEADY_SAMPLES iterations past DDP's first ten the
-median is over those alone (`steady`): iterations 3-10 still hold start-up (ranks arriving at
-their first steps at different times), and on a loaded machine their waits outweighed the
-steady state's seven samples of an 800-step run, reading a wait longer than the step itself,
-and in a 300-step run of two ranks at the same pace named one a straggler.
+as a GAN's two), but for the wait: its lower quartile, the wait a rank has at (nearly) every
+iteration. The ranks wait for a straggler at every iteration, so their lower quartile holds its
+delay, while the straggler's is near none. On a crowded host a sampled iteration's wait is
+whichever rank the scheduler held back then: two ranks at the same pace beside two busy
+processes on 2 cores read waits of 0.02-12 ms at single iterations, on both ranks alike (both
+long at once where the all-reduce's own threads waited); medians over four iterations read
+4.3 ms on one rank and 0.5 ms on the other and named a straggler, where the lower quartiles
+of 16 iterations were 0.3 and 0.4 ms.
+
+The first iterations (bucket rebuild, the ranks meeting for the first time) are left out, and
+once the window holds STEADY_SAMPLES iterations past DDP's first ten the figures are over those
+alone (`steady`): iterations 3-10 still hold start-up (ranks arriving at their first steps at
+different times), and on a loaded machine their waits outweighed the steady state's seven
+samples of an 800-step run, reading a wait longer than the step itself, and in a 300-step run
+of two ranks at the same pace named one a straggler. Three, not two: two iterations (a 300-step
+run's 100 and 200) are too few to tell a rank held back once from one that always is.
 """
 
 from __future__ import annotations
@@ -41,9 +51,9 @@ from statistics import median
 from typing import Any, Iterable
 
 FIRST_ITERATION = 3  # DDP's iterations 1-2 hold the bucket rebuild and the ranks' first meeting
-WINDOW = 16  # sampled iterations the median is over (the last ~1,000 steps past the first ten)
+WINDOW = 16  # sampled iterations the figures are over (the last ~1,000 steps past the first ten)
 EARLY_ITERATIONS = 10  # DDP samples iterations 1-10, then every 100th (kDDPRuntimeLoggingSampleRate)
-STEADY_SAMPLES = 2  # sampled iterations past the first ten that make the median theirs alone
+STEADY_SAMPLES = 3  # sampled iterations past the first ten that make the figures theirs alone
 NANOSECONDS = 1e-9
 
 
@@ -96,10 +106,17 @@ class AllReduceWait:
                                "last_iteration": max(w[-1]["iteration"] for w in windows),
                                # past the start-up (iteration 100 and on, STEADY_SAMPLES of them)
                                "steady": all(w[0]["iteration"] > EARLY_ITERATIONS for w in windows)}
-        for key, name in (("wait", "allreduce_wait_seconds"), ("comm", "allreduce_seconds"),
-                          ("backward_compute", "backward_compute_seconds"), ("forward", "forward_seconds")):
+        # The wait a rank has at (nearly) every iteration: its lower quartile (see WAIT_QUANTILE).
+        out["allreduce_wait_seconds"] = sum(lower_quartile([s["wait"] for s in w]) for w in windows)
+        for key, name in (("comm", "allreduce_seconds"), ("backward_compute", "backward_compute_seconds"),
+                          ("forward", "forward_seconds")):
             out[name] = sum(median(s[key] for s in w) for w in windows)
         return out
+
+
+def lower_quartile(values: list[float]) -> float:
+    """The value a quarter of the way up the sorted `values` (the smallest of up to four)."""
+    return sorted(values)[(len(values) - 1) // 4]
 
 
 def _steady(window: list[dict[str, float]]) -> list[dict[str, float]]:

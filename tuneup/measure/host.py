@@ -8,6 +8,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -59,14 +60,17 @@ class RunQueue:
         self.root = root
         self._seen: dict[tuple[int, str], int] = {}  # (pid, tid): wait ns at the last reading
         self.available = (root / "self" / "schedstat").exists()
+        self.skipped = 0.0  # of the last call's wait, the skipped threads' (seconds)
 
-    def waited(self, pids: Iterable[int]) -> float | None:
+    def waited(self, pids: Iterable[int], skip: frozenset[int] = frozenset()) -> float | None:
         """Seconds of run-queue wait of the threads of `pids` since the last call (a thread
-        seen for the first time counts from the previous call's view: nothing of it)."""
+        seen for the first time counts from the previous call's view: nothing of it); of it,
+        the threads whose ids are in `skip` waited `self.skipped`."""
+        self.skipped = 0.0
         if not self.available:
             return None
         seen: dict[tuple[int, str], int] = {}
-        total = 0
+        total = skipped = 0
         for pid in pids:
             try:
                 tasks = os.listdir(self.root / str(pid) / "task")
@@ -80,8 +84,12 @@ class RunQueue:
                     continue
                 key = (pid, tid)
                 seen[key] = wait
-                total += wait - self._seen.get(key, wait)
+                grown = wait - self._seen.get(key, wait)
+                total += grown
+                if int(tid) in skip:
+                    skipped += grown
         self._seen = seen
+        self.skipped = skipped / 1e9
         return total / 1e9
 
 
@@ -116,10 +124,40 @@ class ThreadRunQueue:
             file.close()
 
 
+MIN_STEPS = 20  # fewer steps than this give no per-step run-queue wait
+
+
+class PerStep:
+    """A running total per step over about the latest `steps` steps: the total's marks beside
+    the closed-step count, back to `steps` steps ago (the rolling window's span)."""
+
+    MARKS = 4096  # a bound on the marks held while no step closes (a long eval, a stuck job)
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._marks: deque[tuple[int, float]] = deque(maxlen=self.MARKS)  # (closed steps, total)
+
+    def add(self, closed: int, total: float) -> float | None:
+        """The total's growth per step since the mark about `steps` steps before `closed`
+        (None: under MIN_STEPS steps marked)."""
+        marks = self._marks
+        if marks and marks[-1][0] == closed:
+            marks.pop()  # no step since: the newer total stands for this step count
+        marks.append((closed, total))
+        while len(marks) > 1 and marks[1][0] <= closed - self.steps:
+            marks.popleft()
+        first_steps, first_total = marks[0]
+        if closed - first_steps < MIN_STEPS:
+            return None
+        return max(0.0, total - first_total) / (closed - first_steps)
+
+
 class HostProbe:
+    """`window_steps`: the span of the per-step run-queue wait (the rolling window's)."""
+
     name = "host"
 
-    def __init__(self) -> None:
+    def __init__(self, window_steps: int = 1000) -> None:
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # the first call only starts the interval
         self._workers: dict[int, psutil.Process] = {}
@@ -131,9 +169,12 @@ class HostProbe:
         psutil.cpu_percent(None, percpu=True)  # starts the machine-wide interval
         self._own_queue, self._workers_queue = RunQueue(), RunQueue()
         self._own_queue.waited([self.process.pid])
+        self._job_waited = 0.0  # the job's threads' run-queue wait since this probe began (not tuneup's)
+        self._per_step = PerStep(window_steps)
         self._last = time.monotonic()
 
-    def sample(self, worker_pids: Iterable[int]) -> dict[str, Any]:
+    def sample(self, worker_pids: Iterable[int], closed_steps: int | None = None) -> dict[str, Any]:
+        """`closed_steps`: the steps closed so far, for the wait per step (None: not given)."""
         with self.process.oneshot():
             cpu = self.process.cpu_percent(None)
             rss = self.process.memory_info().rss
@@ -162,8 +203,15 @@ class HostProbe:
         busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
-        own_wait = self._own_queue.waited([self.process.pid])
+        # tuneup's own threads (all named tuneup-*), told apart for the job's wait per step.
+        ours = frozenset(t.native_id for t in threading.enumerate() if t.name.startswith("tuneup") and t.native_id)
+        own_wait = self._own_queue.waited([self.process.pid], skip=ours)
+        job_wait = own_wait - self._own_queue.skipped if own_wait is not None else None
         workers_wait = self._workers_queue.waited(alive)
+        step_wait = None
+        if job_wait is not None and closed_steps is not None:
+            self._job_waited += job_wait
+            step_wait = self._per_step.add(closed_steps, self._job_waited)
         return {
             "cpu_ratio": cpu / 100,  # 1.0 = one core busy
             "busy_cores": busy,  # machine-wide, on the cores this process may use
@@ -174,6 +222,13 @@ class HostProbe:
             # Cores' worth of CPU time wanted and not given (run-queue wait; None: not known).
             "wait_cores": own_wait / elapsed if own_wait is not None and elapsed > 0 else None,
             "workers_wait_cores": workers_wait / elapsed if workers_wait is not None and elapsed > 0 else None,
+            # The job's threads' run-queue wait per step (summed over the process's threads but
+            # tuneup's own) over the rolling window's steps: a rank on a crowded host waits longer
+            # than its peers, in its training thread or in its communication threads (gloo's,
+            # whose starved work shows in every rank's all-reduce alike). tuneup's threads are
+            # left out: rank 0's do more (the cross-rank rules), and on a busy 2-core machine
+            # their waits made its sum 1 ms a step longer than its peer's.
+            "step_cpu_wait_seconds": step_wait,
             "workers_rss_bytes": sum(w["rss_bytes"] for w in workers),
             "worker_processes": workers,
             "usable_cores": self.cores,

@@ -14,7 +14,7 @@ the node summaries. Once every key exists a read of many keys is two store opera
 of the list, then `multi_get`: one round trip); until then one `check` + `get` per key present.
 So rank 0's store work grows with the number of nodes, not ranks, and the bytes it reads are
 the node summaries: under NODE_ROW_BUDGET bytes per rank (benchmarks/bench_rank_exchange.py
-measures ~100). No cap on the world size.
+measures ~135 with the all-reduce and CPU waits). No cap on the world size.
 
 Nodes come from torchrun's environment (GROUP_RANK: the node's number, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_WORLD_SIZE: the number of nodes). Without it (mp.spawn, a plain
@@ -46,7 +46,7 @@ FLEET_WAIT_FACTOR = 1.5  # rank 0 waits this many times a leader's wait for the 
 NODE_ROW_BUDGET = 160  # bytes per rank in a node summary (the budget the benchmark checks)
 # A rank's row in a node summary, in this order (compact: columns, not keys per rank).
 ROW = ("rank", "local_rank", "pid", "steps", "step", "backward", "data_wait", "stall", "rate", "samples_rate",
-       "time", "final", "findings", "allreduce_wait")
+       "time", "final", "findings", "allreduce_wait", "cpu_wait")
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,14 @@ def compact(snapshot: dict[str, Any], findings: list[dict[str, Any]], final: boo
     keep = ("steps", "step_seconds", "backward_seconds", "data_wait_seconds", "stall_ratio", "steps_per_second",
             "samples_per_second")
     ddp = (snapshot.get("system") or {}).get("ddp") or {}
+    host = (snapshot.get("system") or {}).get("host") or {}
     return {
         "run": {key: run.get(key) for key in ("rank", "local_rank", "run_id", "host", "pid", "world_size")},
         "window": {key: window.get(key) for key in keep},
         # Past DDP's start-up only (ddp.py `steady`): before it, the ranks' first meetings.
         "ddp": {"allreduce_wait_seconds": ddp.get("allreduce_wait_seconds") if ddp.get("steady", True) else None},
+        # Its threads' wait for a CPU per step (host.py): a starved rank's is long.
+        "host": {"step_cpu_wait_seconds": host.get("step_cpu_wait_seconds")},
         "findings": [{"rule": f["rule"], "severity": f["severity"], "gain": f.get("gain")} for f in findings],
         "time": time.time(),
         "final": final,
@@ -128,7 +131,8 @@ def node_summary(node: int, summaries: list[dict[str, Any]], expected: int, assu
                      window.get("steps_per_second"), window.get("samples_per_second"),
                      round(summary.get("time") or 0.0, 1), bool(summary.get("final")),
                      [f["rule"] for f in summary.get("findings") or []],
-                     (summary.get("ddp") or {}).get("allreduce_wait_seconds")])
+                     (summary.get("ddp") or {}).get("allreduce_wait_seconds"),
+                     (summary.get("host") or {}).get("step_cpu_wait_seconds")])
     return {"node": node, "assumed": assumed, "hosts": sorted(str(h) for h in hosts if h), "expected": expected,
             "rows": rows,
             "run_id": next((s["run"].get("run_id") for s in summaries if (s.get("run") or {}).get("run_id")), None),
@@ -155,6 +159,7 @@ def expand(summary: dict[str, Any]) -> list[dict[str, Any]]:
                        "samples_per_second": values["samples_rate"]},
             "findings": [{"rule": rule} for rule in values["findings"] or ()],
             "ddp": {"allreduce_wait_seconds": values["allreduce_wait"]},
+            "host": {"step_cpu_wait_seconds": values["cpu_wait"]},
             "time": values["time"],
             "final": values["final"],
         })

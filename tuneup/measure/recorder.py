@@ -484,13 +484,13 @@ class Recorder:
             try:
                 from .host import HostProbe
 
-                self.host = HostProbe()
+                self.host = HostProbe(self.options.window_steps)
             except Exception as exc:
                 self.slow_probe_failed("host", exc)
         if on["host"] and self.host is not None:
             try:
                 with self.cost.part("host"):
-                    system["host"] = self.host.sample(self.loader.worker_pids())
+                    system["host"] = self.host.sample(self.loader.worker_pids(), self.timeline.ring.count)
             except Exception as exc:
                 self.slow_probe_failed("host", exc)
         if on["gpu"]:

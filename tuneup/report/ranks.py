@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from ..diagnose.rules.distributed import allreduce_wait, own_times
+from ..diagnose.rules.distributed import allreduce_wait, cpu_wait, own_times
 from ..format import percent, seconds
 
 
@@ -38,19 +38,24 @@ def rank_summary(summaries: list[dict[str, Any]], world_size: int, findings: lis
 
 def _per_rank(seen: dict[int, dict[str, Any]], times: dict[int, float], world_size: int) -> list[str]:
     """A line per rank; `times`: each rank's own time (own_times). The all-reduce wait column
-    is there when DDP's timers gave one: the straggler waits least."""
+    is there when DDP's timers gave one: the straggler waits least. The CPU wait column (its
+    threads' run-queue wait per step) where a rank measured it: a starved rank's is long."""
     waits = any(allreduce_wait(s) is not None for s in seen.values())
+    starved = any(cpu_wait(s) is not None for s in seen.values())
 
     def wait(text: str) -> str:  # the column, where there is one
         return f" {text:>10}" if waits else ""
 
-    lines = [f"  {'rank':>4}  {'host':<16} {'steps/s':>8} {'step':>9} {'own time':>9}{wait('all-reduce')} "
-             f"{'data stall':>10}  findings"]
+    def queued(text: str) -> str:
+        return f" {text:>9}" if starved else ""
+
+    lines = [f"  {'rank':>4}  {'host':<16} {'steps/s':>8} {'step':>9} {'own time':>9}{wait('all-reduce')}"
+             f"{queued('cpu wait')} {'data stall':>10}  findings"]
     now = time.time()
     for rank in range(world_size):
         summary = seen.get(rank)
         if summary is None:
-            lines.append(f"  {rank:>4}  {'':<16} {'–':>8} {'–':>9} {'–':>9}{wait('–')} {'–':>10}  "
+            lines.append(f"  {rank:>4}  {'':<16} {'–':>8} {'–':>9} {'–':>9}{wait('–')}{queued('–')} {'–':>10}  "
                          "no summary from this rank")
             continue
         window = summary.get("window") or {}
@@ -60,7 +65,7 @@ def _per_rank(seen: dict[int, dict[str, Any]], times: dict[int, float], world_si
         state = "" if summary.get("final") else f" (last heard {now - summary.get('time', now):.0f} s ago: ended early?)"
         lines.append(f"  {rank:>4}  {str((summary.get('run') or {}).get('host') or '')[:16]:<16} "
                      f"{'–' if rate is None else f'{rate:,.1f}':>8} {seconds(step):>9} {seconds(times.get(rank)):>9}"
-                     f"{wait(seconds(allreduce_wait(summary)))} "
+                     f"{wait(seconds(allreduce_wait(summary)))}{queued(seconds(cpu_wait(summary)))} "
                      f"{percent(window.get('stall_ratio')):>10}  {rules}{state}")
     return lines
 

@@ -67,6 +67,7 @@ def ddp_backend(facts: Facts) -> Evidence | None:
 
 STRAGGLER_FACTOR = 1.15
 STRAGGLER_MIN_SECONDS = 0.001  # below a millisecond per step, ranks differ by scheduling jitter alone
+CPU_STARVED_SHARE = 0.5  # a straggler whose extra wait for a CPU is this much of its excess is starved
 
 
 def allreduce_wait(snapshot: dict) -> float | None:
@@ -75,6 +76,14 @@ def allreduce_wait(snapshot: dict) -> float | None:
     start-up (`steady`; logs without the flag are taken as they are)."""
     ddp = snapshot.get("ddp") or (snapshot.get("system") or {}).get("ddp") or {}
     return ddp.get("allreduce_wait_seconds") if ddp.get("steady", True) else None
+
+
+def cpu_wait(snapshot: dict) -> float | None:
+    """A rank's threads' wait for a CPU per step (runnable, not running: Linux's run-queue
+    wait, summed over the job's threads, not tuneup's: measure/host.py), from a rank summary's `host` or
+    a full snapshot's system sample; None where not known."""
+    host = snapshot.get("host") or (snapshot.get("system") or {}).get("host") or {}
+    return host.get("step_cpu_wait_seconds")
 
 
 def own_time(snapshot: dict, by_wait: bool = False) -> float | None:
@@ -141,46 +150,131 @@ def _node(summary: dict) -> Any:
     title="One rank is slower than the others",
     severity="high",
     inputs="per-rank step time less the all-reduce wait (DDP's own timers; where a rank has none, less the "
-           "backward, which holds the wait), from every rank: the node summaries live, the run logs after",
+           "backward, which holds the wait), from every rank: the node summaries live, the run logs after; "
+           "each rank's threads' wait for a CPU per step (Linux run-queue wait) to tell a starved rank",
     threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks, and >= "
-              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more",
+              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more; or its threads' wait for a CPU longer than the other "
+              f"ranks' (median) by >= {percent(STRAGGLER_FACTOR - 1)} of its step and >= "
+              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms",
     why="Every all-reduce waits for the slowest rank, so the whole job runs at its pace; 15% is "
         "well above the few percent ranks differ by on identical hardware, and a millisecond above "
-        "the scheduling jitter of steps that short.",
+        "the scheduling jitter of steps that short. Where the slow rank's threads wait for a CPU "
+        f"for {percent(CPU_STARVED_SHARE)} or more of its excess beyond the other ranks' wait, its host is "
+        "the cause (a crowded machine), not its work, and the fix says so. A rank starved in its "
+        "communication threads (gloo's, on a CPU it shares) slows every rank's all-reduce alike, so no "
+        "rank's own time stands out: only its wait for a CPU names it.",
     doc="https://docs.pytorch.org/docs/stable/notes/ddp.html",
 )
 def rank_straggler(facts: Facts) -> Evidence | None:
     times, summaries, by_wait = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
-    if not _too_slow(times[slowest], middle):
-        return None
+    starved = _cpu_waits(summaries)
+    if _too_slow(times[slowest], middle):
+        return _slow_rank(slowest, times, middle, summaries, by_wait, starved)
+    if starved is not None:
+        return _starved_rank(starved, times, middle, summaries)
+    return None
+
+
+def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: dict[int, dict], by_wait: bool,
+               starved: dict[str, Any] | None) -> Evidence:
+    """A rank over the straggler criterion in its own time; its host named as the cause where
+    its threads' extra wait for a CPU is CPU_STARVED_SHARE of its excess or more."""
     excess = times[slowest] - middle
     slow = summaries[slowest]
-    node = (slow.get("run") or {}).get("node")
-    step = (slow.get("window") or {}).get("step_seconds", {}).get("median") or times[slowest]
+    step = _step(slow) or times[slowest]
     slow_ranks = sorted(rank for rank, value in times.items() if _too_slow(value, middle))
     waits = {rank: allreduce_wait(summaries[rank]) for rank in times} if by_wait else {}
     others_wait = median(w for rank, w in waits.items() if rank != slowest) if waits else None
     wait_text = (f"; in DDP's all-reduce it waits {seconds(waits[slowest])} per step, the other ranks "
                  f"{seconds(others_wait)} (median): they wait for it" if waits else "")
+    fix = (f"# look at rank {slowest}'s own report: its data wait, its host (CPU load, GPU clocks),\n"
+           "# and uneven work (variable-length batches: bucket by length or pad)")
+    cpu = _cpu_numbers(slowest, starved, excess)
+    if cpu["cpu_wait_share"] is not None and cpu["cpu_wait_share"] >= CPU_STARVED_SHARE:
+        wait_text += "; " + _starved_text(cpu)
+        fix = _starved_fix(slowest)
     return Evidence(
         observed=f"rank {slowest}{_where(slow)} spends {seconds(times[slowest])} per step outside the all-reduce, "
                  + (f"{percent(excess / middle)} more than the median rank ({seconds(middle)})" if middle > 0
                     else "while the median rank spends none: its wait in the all-reduce takes its whole step")
                  + (f"; {len(slow_ranks)} ranks are that slow" if len(slow_ranks) > 1 else "") + wait_text,
-        numbers={"rank": slowest, "node": node, "rank_seconds": times[slowest], "median_seconds": middle,
-                 "basis": "allreduce_wait" if by_wait else "backward",
+        numbers={"rank": slowest, "node": (slow.get("run") or {}).get("node"), "rank_seconds": times[slowest],
+                 "median_seconds": middle, "basis": "allreduce_wait" if by_wait else "backward",
                  "allreduce_wait_seconds": waits.get(slowest),
-                 "others_allreduce_wait_seconds": others_wait,
+                 "others_allreduce_wait_seconds": others_wait, **cpu,
                  "slow_ranks": slow_ranks[:64], "ranks_compared": len(times),
                  # Every rank's figure where there are few; at fleet size the slow ones only.
                  "per_rank_seconds": {str(k): v for k, v in sorted(times.items())
                                       if len(times) <= 64 or k in slow_ranks[:64]}},
-        fix=f"# look at rank {slowest}'s own report: its data wait, its host (CPU load, GPU clocks),\n"
-            "# and uneven work (variable-length batches: bucket by length or pad)",
+        fix=fix,
         gain=min(1.0, excess / step),  # every rank's step is the slowest rank's
     )
+
+
+def _starved_rank(starved: dict[str, Any], times: dict[int, float], middle: float,
+                  summaries: dict[int, dict]) -> Evidence | None:
+    """No rank slow in its own time, but one whose threads wait for a CPU longer than the other
+    ranks' by the straggler margins (STRAGGLER_FACTOR of its step, STRAGGLER_MIN_SECONDS): a
+    starved rank whose slowness is in its communication threads (gloo's on a CPU it shares), so
+    that it shows in every rank's all-reduce alike and no rank's own time stands out."""
+    rank = starved["rank"]
+    step = _step(summaries[rank])
+    extra = starved["waits"][rank] - starved["others"]
+    if step is None or extra < STRAGGLER_MIN_SECONDS or extra < (STRAGGLER_FACTOR - 1) * step:
+        return None
+    cpu = _cpu_numbers(rank, starved, extra)
+    slow = summaries[rank]
+    return Evidence(
+        observed=f"rank {rank}{_where(slow)} is starved of CPU: {_starved_text(cpu)}; its whole step takes "
+                 f"{seconds(step)}, and every rank's all-reduce waits for its threads",
+        numbers={"rank": rank, "node": (slow.get("run") or {}).get("node"), "rank_seconds": times.get(rank),
+                 "median_seconds": middle, "basis": "cpu_wait", **cpu, "slow_ranks": [rank],
+                 "ranks_compared": len(times)},
+        fix=_starved_fix(rank),
+        gain_text=f"up to {percent(min(1.0, extra / step))} of every rank's step: the CPU time its threads wait for "
+                  "beyond the other ranks' (less where its threads wait at the same time)",
+    )
+
+
+def _step(summary: dict) -> float | None:
+    return ((summary.get("window") or {}).get("step_seconds") or {}).get("median")
+
+
+def _cpu_waits(summaries: dict[int, dict]) -> dict[str, Any] | None:
+    """Every rank's threads' wait for a CPU per step (cpu_wait), the rank that waits longest,
+    and the other ranks' median: {"waits", "rank", "others"}; None where a rank's is not known
+    (no schedstat: another OS) or under two ranks."""
+    waits = {rank: cpu_wait(summary) for rank, summary in summaries.items()}
+    if len(waits) < 2 or any(wait is None for wait in waits.values()):
+        return None
+    most = max(waits, key=waits.get)
+    return {"waits": waits, "rank": most, "others": median(w for r, w in waits.items() if r != most)}
+
+
+def _cpu_numbers(rank: int, starved: dict[str, Any] | None, excess: float) -> dict[str, Any]:
+    """The evidence's CPU-wait figures for `rank`: its wait, the other ranks' (median), and its
+    extra wait as a share of `excess` (its time beyond the median rank's); None where unknown."""
+    if starved is None:
+        return {"cpu_wait_seconds": None, "others_cpu_wait_seconds": None, "cpu_wait_share": None}
+    others = median(w for r, w in starved["waits"].items() if r != rank)
+    extra = starved["waits"][rank] - others
+    return {"cpu_wait_seconds": starved["waits"][rank], "others_cpu_wait_seconds": others,
+            "cpu_wait_share": max(0.0, extra / excess) if excess > 0 else 0.0}
+
+
+def _starved_text(cpu: dict[str, Any]) -> str:
+    return (f"its threads wait {seconds(cpu['cpu_wait_seconds'])} per step for a CPU (runnable, not running), "
+            f"the other ranks {seconds(cpu['others_cpu_wait_seconds'])} (median): its host gives it less CPU "
+            "than its work needs")
+
+
+def _starved_fix(rank: int) -> str:
+    return (f"# rank {rank}'s threads wait for a core: its host's CPUs are shared with other work.\n"
+            "# Free them (other processes; DataLoader workers and torch threads beyond its cores: its\n"
+            "# report's cpu-oversubscribed), or give each rank cores of its own (numactl --physcpubind,\n"
+            "# taskset, a cpuset)")
 
 
 def _median_without(values: list[float], removed: list[float]) -> float:
