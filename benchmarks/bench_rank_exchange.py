@@ -13,9 +13,10 @@ gathers them, two ways in the same run:
   (`check` + `get`), at most 1,024 of them.
 
 Printed per N and scheme (medians over --rounds): rank 0's time for one exchange, its store
-operations and the bytes it read, the memory its view of the ranks holds (tracemalloc), the
-rules' time over that view, and whether the injected straggler (one rank, in the last node but
-one) and the injected slow node (every rank of node 1) were named correctly. Ranks other than
+operations and the bytes it read (in all, and per rank: two levels' against NODE_ROW_BUDGET),
+the memory its view of the ranks holds (tracemalloc), the rules' time over that view, and
+whether the injected straggler (one rank, in the last node but one) and the injected slow
+node (every rank of node 1) were named correctly. Ranks other than
 rank 0 and the leaders publish through a pool of connections (a `set` is all they do).
 """
 
@@ -35,7 +36,7 @@ from torch.distributed import TCPStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tuneup.diagnose import evaluate  # noqa: E402
-from tuneup.measure.ranks import RANK_KEY, RankExchange, compact  # noqa: E402
+from tuneup.measure.ranks import NODE_ROW_BUDGET, RANK_KEY, RankExchange, compact  # noqa: E402
 
 PER_NODE = 8
 FLAT_KEY = "tuneup/rank/{rank}"
@@ -153,7 +154,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.rounds} rounds per cell, medians; nodes of {PER_NODE} ranks; one TCPStore server on loopback")
     print(f"  {'ranks':>6} {'scheme':<11} {'rank-0 exchange':>16} {'store ops':>10} {'KB read':>9} "
-          f"{'rank-0 MB':>10} {'rules':>9} {'heard':>6} {'straggler':>10} {'slow node':>10}")
+          f"{'rank-0 MB':>10} {'rules':>9} {'heard':>6} {'straggler':>10} {'slow node':>10} {'B/rank':>7}"
+          f"  (two levels: the node summaries' rows, under NODE_ROW_BUDGET={NODE_ROW_BUDGET} B a rank)")
     with ThreadPoolExecutor(16) as pool:
         for world in args.worlds:
             for name, scheme in (("two levels", two_levels), ("flat (old)", flat)):
@@ -178,7 +180,8 @@ def main() -> None:
                     nodes = {"no rule"}
                 print(f"  {world:>6} {name:<11} {med('seconds') * 1e3:>13.1f} ms {med('operations'):>10,.0f} "
                       f"{med('bytes') / 1024:>9,.1f} {med('memory') / 2**20:>10.2f} {med('rules') * 1e3:>6.1f} ms "
-                      f"{med('heard'):>6,.0f} {'/'.join(sorted(verdicts)):>10} {'/'.join(sorted(nodes)):>10}")
+                      f"{med('heard'):>6,.0f} {'/'.join(sorted(verdicts)):>10} {'/'.join(sorted(nodes)):>10} "
+                      f"{med('bytes') / world:>7,.0f}")
 
 
 if __name__ == "__main__":

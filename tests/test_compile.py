@@ -198,8 +198,8 @@ def test_a_recompiling_or_breaking_program_compiles_the_same_under_tuneup(progra
 def test_the_report_names_the_guard_that_recompiled_and_the_line_that_broke(program_runs):
     """`tuneup report` on each program's run: compiled_last_batch.py's recompile with the guard
     that failed (x's size: 32, then 8, the guard torch's own record holds), compiled_item_forward.py's
-    graph break at its BREAK line with dynamo's reason; compile time kept out of the step
-    times, its warm-up steps said."""
+    graph break at its BREAK line with dynamo's reason and the read it broke at, counted at that
+    line on every sampled step; compile time kept out of the step times, its warm-up steps said."""
     name, plain, tuned = program_runs
     source = (PROGRAM.parent / name).read_text().splitlines()
     for mode, (_, run_dir) in tuned.items():
@@ -217,6 +217,10 @@ def test_the_report_names_the_guard_that_recompiled_and_the_line_that_broke(prog
             line = next(number for number, text_line in enumerate(source, 1) if "# BREAK" in text_line)
             assert f"graph break 1x at {name}:{line}: Unsupported Tensor.item()" in text, (mode, text)
             assert "[graph-breaks]" in text, (mode, text)
+            # The read dynamo broke at runs eagerly at every step: the syncs probe counted it there.
+            flat = " ".join(text.split())  # (the report wraps its lines)
+            assert "at the break the job reads the device: item at " in flat, (mode, text)
+            assert f"{name}:{line} (1.0/step) (measured on sampled steps" in flat, (mode, text)
 
 
 class Net(nn.Module):

@@ -831,3 +831,27 @@ def test_data_stall_does_not_advise_again_what_apply_mode_measured_and_did_not_k
     s["actions"] = s["actions"][:3] + [record("reverted", persistent_workers=True)]
     spent = next(f for f in evaluate(s).findings if f.rule == "data-stall")
     assert "DataLoader(" not in spent.fix and spent.can_apply is False, spent.fix
+
+
+def test_graph_breaks_name_the_host_reads_counted_at_their_lines(cpu_snapshot):
+    # Ground truth: one break at model.py:12 (an .item() in forward, run eagerly every step) and
+    # a loss.item() at train.py:40 that is no break's: only the first is the break's read.
+    s = copy.deepcopy(cpu_snapshot)
+    s["compile"] = {"compiles": 3, "graphs": 2, "graph_breaks": 1, "recompiles": 0,
+                    "graph_break_sites": [{"where": "model.py:12", "count": 1,
+                                           "reason": "Unsupported Tensor.item() call with capture_scalar_outputs=False"}]}
+    sources = [{"location": "src/nets/model.py:12", "function": "forward", "kind": "item", "per_step": 1.0,
+                "steps": 8, "out_of": 8},
+               {"location": "train.py:40", "function": "<module>", "kind": "item", "per_step": 1.0,
+                "steps": 8, "out_of": 8}]
+    s["syncs"] = dict(s["syncs"], measured=True, per_step=2.0, sampled_steps=8, top_sources=sources,
+                      by_kind={"item": 2.0}, backend="cpu")
+    found = fired(s)["graph-breaks"]
+    assert [read["location"] for read in found.evidence["reads_at_breaks"]] == ["src/nets/model.py:12"]
+    assert "at the break the job reads the device: item at src/nets/model.py:12 (1.0/step)" in found.observed
+    assert "each a host-device sync on a GPU" in found.observed
+    s["syncs"]["backend"] = "cuda"
+    assert "CUDA synchronizations, counted by torch's sync debug mode" in fired(s)["graph-breaks"].observed
+    s["syncs"]["measured"] = False  # no sampled step: the break alone, as before
+    found = fired(s)["graph-breaks"]
+    assert found.evidence["reads_at_breaks"] == [] and "reads the device" not in found.observed

@@ -3,7 +3,7 @@ an eager CUDA model whose steps go to launching kernels rather than running them
 
 from __future__ import annotations
 
-from ...format import percent
+from ...format import percent, read_rate
 from ...measure.history import nvml_utilization
 from ..rule import Evidence, Facts, Missing, rule
 
@@ -114,7 +114,7 @@ def recompiles(facts: Facts) -> Evidence | None:
     title="torch.compile breaks the graph in the job's code",
     severity="low",
     inputs="graph breaks with dynamo's reason and the job's source line (torch._dynamo.utils."
-           "graph_break_reasons)",
+           "graph_break_reasons); the host reads counted at those lines on sampled steps",
     threshold=">= 1 graph break",
     why="At a graph break dynamo ends the graph, runs the rest of the Python eagerly and starts another "
         "graph after it: more guards to check each call, no fusion across the break, and for a host "
@@ -134,13 +134,35 @@ def graph_breaks(facts: Facts) -> Evidence | None:
     else:
         fix = ("# torch.compile(model, fullgraph=True) stops at each break with its reason;\n"
                "# move the unsupported call out of the compiled function or replace it with a torch op")
+    reads, on_gpu = _reads_at(facts, sites[:3])
+    read_text = "; ".join(f"{read['kind']} at {read['location']} ({read_rate(read)})" for read in reads)
+    if reads:
+        named += (f"; at the break{'s' if len(reads) > 1 else ''} the job reads the device: {read_text} "
+                  + ("(CUDA synchronizations, counted by torch's sync debug mode: host-syncs has their cost)"
+                     if on_gpu else "(measured on sampled steps; each a host-device sync on a GPU)"))
     return Evidence(
         observed=f"{compiled['graph_breaks']} graph break(s) while compiling: {named}",
-        numbers={"graph_breaks": compiled["graph_breaks"], "sites": sites, "graphs": compiled.get("graphs")},
+        numbers={"graph_breaks": compiled["graph_breaks"], "sites": sites, "graphs": compiled.get("graphs"),
+                 "reads_at_breaks": reads},
         fix=fix,
-        gain_text="fewer, larger graphs: fusion across the break, fewer guard checks, no host wait there "
-                  "(not measurable from step times alone)",
+        gain_text="fewer, larger graphs: fusion across the break, fewer guard checks"
+                  + (", and no host wait at the break's read" if reads else "")
+                  + " (not measurable from step times alone)",
     )
+
+
+def _reads_at(facts: Facts, sites: list[dict]) -> tuple[list[dict], bool]:
+    """The host reads the syncs probe counted at the breaks' lines (a break's `where` is the
+    file's name and line, a read's location its path and line), and whether they are CUDA's
+    syncs; none where the reads were not sampled."""
+    try:
+        syncs = facts.syncs
+    except Missing:
+        return [], False
+    lines = {str(site.get("where")) for site in sites}
+    reads = [dict(source) for source in syncs.get("top_sources") or []
+             if str(source.get("location", "")).rsplit("/", 1)[-1] in lines]
+    return reads, syncs.get("backend") == "cuda"
 
 
 @rule(
