@@ -130,6 +130,10 @@ def test_the_catalog_counts_what_the_loop_did(exposition):
     assert value(found, "tuneup_gpu_throttled", gpu="0", reason="hw_slowdown", **base) == 0
     assert value(found, "tuneup_run_info", run_id=agent.run_info["run_id"], mode="advise", **base) == 1
     assert 0 < time.time() - value(found, "tuneup_last_step_time_seconds", **base) < 30
+    # The job's threads' wait for a CPU per step (Linux): no more than all its threads waiting
+    # through every step.
+    waited = value(found, "tuneup_cpu_wait_seconds_per_step", **base)
+    assert 0 <= waited and waited * 95 <= sums["seconds"] * agent.state.system["host"]["threads"]
     # Findings as series: the stall.
     assert value(found, "tuneup_finding_active", rule="data-stall", **base) == 1
     assert 0 < value(found, "tuneup_finding_gain_ratio", rule="data-stall", **base) <= 1

@@ -346,6 +346,11 @@ class AgentCollector(Collector):
                        "CPU the DataLoader workers use together (1 = one core busy)", host["workers_cpu_ratio"])
         yield f.single("gauge", "tuneup_dataloader_workers_resident_memory_bytes",
                        "Resident memory of the DataLoader workers together", host["workers_rss_bytes"])
+        if host.get("step_cpu_wait_seconds") is not None:
+            yield f.single("gauge", "tuneup_cpu_wait_seconds_per_step",
+                           "Time per step the job's threads were runnable and had no CPU (Linux run-queue wait, "
+                           "summed over its threads, tuneup's left out; over the rolling window's steps)",
+                           host["step_cpu_wait_seconds"])
 
     def ddp(self) -> Iterator[Metric]:
         ddp = (self.state.system or {}).get("ddp") or {}
@@ -354,7 +359,8 @@ class AgentCollector(Collector):
         f = self.families
         yield f.single("gauge", "tuneup_ddp_allreduce_wait_seconds",
                        "Time per step this rank waited in DDP's all-reduce after its own gradients were ready "
-                       "(DDP's timers, median of its last sampled iterations): the slow rank waits least",
+                       "(DDP's timers, the lower quartile of its last sampled iterations: the wait it has at "
+                       "nearly every one): the slow rank waits least",
                        ddp["allreduce_wait_seconds"])
         yield f.single("gauge", "tuneup_ddp_backward_compute_seconds",
                        "Backward compute time per step, without the all-reduce wait (DDP's timers)",
