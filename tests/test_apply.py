@@ -764,7 +764,10 @@ def test_a_kept_amp_change_is_reported_on_its_finding_with_the_step_the_run_chan
     document = json.loads(agent.report("json"))
     [finding] = [f for f in document["findings"] if f["rule"] == "amp-off"] or [document["findings"]]
     assert finding["applied"]["id"] == record["id"] and finding["applied"]["decision"] == "kept"
-    assert record["reason"].split(" (")[0].endswith("faster"), record["reason"]  # a gain is said as one
+    # A gain is said as one: a ratio above 1, faster or (where the judge was not certain on a
+    # busy machine: 1.29x in one full-suite run) not slower, never a slowdown.
+    said_gain = re.match(r"([\d.]+)x (faster|\(not slower\))", record["reason"])
+    assert said_gain and float(said_gain.group(1)) > 1, record["reason"]
     said = f"apply mode made it (change {record['id']}): {record['change']}, kept from step {first}"
     assert said in agent.report("markdown")
     assert said in " ".join(agent.report("text").split())  # wrapped to the terminal's width there

@@ -1680,3 +1680,5 @@ def test_per_step_wait_spans_the_window_of_steps():
     # At 300: the mark at 150 is dropped only once a later one is at or before 200; none is: 150 stays.
     assert marks.add(300, 5.0) == pytest.approx(1.5 / 150)
     assert marks.add(420, 5.0) == pytest.approx(0.0)  # from the mark at 300: no wait since
+    short = PerStep(steps=10)  # a window under MIN_STEPS steps still gives its figure
+    assert short.add(0, 0.0) is None and short.add(10, 0.5) == pytest.approx(0.05)

@@ -106,7 +106,7 @@ class AllReduceWait:
                                "last_iteration": max(w[-1]["iteration"] for w in windows),
                                # past the start-up (iteration 100 and on, STEADY_SAMPLES of them)
                                "steady": all(w[0]["iteration"] > EARLY_ITERATIONS for w in windows)}
-        # The wait a rank has at (nearly) every iteration: its lower quartile (see WAIT_QUANTILE).
+        # The wait a rank has at (nearly) every iteration: its lower quartile (see the module's notes).
         out["allreduce_wait_seconds"] = sum(lower_quartile([s["wait"] for s in w]) for w in windows)
         for key, name in (("comm", "allreduce_seconds"), ("backward_compute", "backward_compute_seconds"),
                           ("forward", "forward_seconds")):

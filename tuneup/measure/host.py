@@ -131,7 +131,7 @@ class PerStep:
     """A running total per step over about the latest `steps` steps: the total's marks beside
     the closed-step count, back to `steps` steps ago (the rolling window's span)."""
 
-    MARKS = 4096  # a bound on the marks held while no step closes (a long eval, a stuck job)
+    MARKS = 4096  # a bound on the marks held (a window of many steps closing slowly)
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
@@ -147,7 +147,7 @@ class PerStep:
         while len(marks) > 1 and marks[1][0] <= closed - self.steps:
             marks.popleft()
         first_steps, first_total = marks[0]
-        if closed - first_steps < MIN_STEPS:
+        if closed - first_steps < min(MIN_STEPS, self.steps):
             return None
         return max(0.0, total - first_total) / (closed - first_steps)
 
@@ -170,6 +170,7 @@ class HostProbe:
         self._own_queue, self._workers_queue = RunQueue(), RunQueue()
         self._own_queue.waited([self.process.pid])
         self._job_waited = 0.0  # the job's threads' run-queue wait since this probe began (not tuneup's)
+        self._closed_seen: int | None = None  # the closed-step count at the last sample
         self._per_step = PerStep(window_steps)
         self._last = time.monotonic()
 
@@ -203,14 +204,19 @@ class HostProbe:
         busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
-        # tuneup's own threads (all named tuneup-*), told apart for the job's wait per step.
+        # tuneup's own threads (named tuneup-*), told apart for the job's wait per step (its
+        # HTTP server's short-lived request threads keep socketserver's names: counted as the job's).
         ours = frozenset(t.native_id for t in threading.enumerate() if t.name.startswith("tuneup") and t.native_id)
         own_wait = self._own_queue.waited([self.process.pid], skip=ours)
         job_wait = own_wait - self._own_queue.skipped if own_wait is not None else None
         workers_wait = self._workers_queue.waited(alive)
         step_wait = None
         if job_wait is not None and closed_steps is not None:
-            self._job_waited += job_wait
+            # Wait while no step closed (an evaluation, a checkpoint, after the last step: the
+            # detach sample) is no step's: left out.
+            if closed_steps != self._closed_seen:
+                self._job_waited += job_wait
+            self._closed_seen = closed_steps
             step_wait = self._per_step.add(closed_steps, self._job_waited)
         return {
             "cpu_ratio": cpu / 100,  # 1.0 = one core busy

@@ -137,7 +137,7 @@ def graph_breaks(facts: Facts) -> Evidence | None:
     reads, on_gpu = _reads_at(facts, sites[:3])
     read_text = "; ".join(f"{read['kind']} at {read['location']} ({read_rate(read)})" for read in reads)
     if reads:
-        named += (f"; at the break{'s' if len(reads) > 1 else ''} the job reads the device: {read_text} "
+        named += (f"; at the break the job reads the device: {read_text} "
                   + ("(CUDA synchronizations, counted by torch's sync debug mode: host-syncs has their cost)"
                      if on_gpu else "(measured on sampled steps; each a host-device sync on a GPU)"))
     return Evidence(
