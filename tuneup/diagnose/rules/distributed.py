@@ -86,19 +86,23 @@ def cpu_wait(snapshot: dict) -> float | None:
     return host.get("step_cpu_wait_seconds")
 
 
+def _step(summary: dict) -> float | None:
+    """A rank's median step time in its window (None: not known)."""
+    return ((summary.get("window") or {}).get("step_seconds") or {}).get("median")
+
+
 def own_time(snapshot: dict, by_wait: bool = False) -> float | None:
     """A rank's step time outside the all-reduce wait, where fast ranks wait for the slowest
     (so whole step times come out equal across ranks). `by_wait`: less the wait DDP measured,
     which also keeps a straggler whose own backward is slow (its gradients come last); else
     less the whole backward, which holds the wait."""
-    window = snapshot.get("window") or {}
-    step = (window.get("step_seconds") or {}).get("median")
+    step = _step(snapshot)
     if step is None:
         return None
     if by_wait:
         wait = allreduce_wait(snapshot)
         return max(0.0, step - wait) if wait is not None else None
-    backward = (window.get("backward_seconds") or {}).get("median")
+    backward = ((snapshot.get("window") or {}).get("backward_seconds") or {}).get("median")
     return step - backward if backward is not None else step
 
 
@@ -169,16 +173,16 @@ def rank_straggler(facts: Facts) -> Evidence | None:
     times, summaries, by_wait = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
-    starved = _cpu_waits(summaries)
+    cpu_waits = _cpu_waits(summaries)
     if _too_slow(times[slowest], middle):
-        return _slow_rank(slowest, times, middle, summaries, by_wait, starved)
-    if starved is not None and by_wait:
-        return _starved_rank(starved, times, middle, summaries)
+        return _slow_rank(slowest, times, middle, summaries, by_wait, cpu_waits)
+    if cpu_waits is not None and by_wait:
+        return _starved_rank(cpu_waits, times, middle, summaries)
     return None
 
 
 def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: dict[int, dict], by_wait: bool,
-               starved: dict[str, Any] | None) -> Evidence:
+               cpu_waits: dict[int, float] | None) -> Evidence:
     """A rank over the straggler criterion in its own time; its host named as the cause where
     its threads' extra wait for a CPU is CPU_STARVED_SHARE of its excess or more."""
     excess = times[slowest] - middle
@@ -191,7 +195,7 @@ def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: 
                  f"{seconds(others_wait)} (median): they wait for it" if waits else "")
     fix = (f"# look at rank {slowest}'s own report: its data wait, its host (CPU load, GPU clocks),\n"
            "# and uneven work (variable-length batches: bucket by length or pad)")
-    cpu = _cpu_numbers(slowest, starved, excess)
+    cpu = _cpu_numbers(slowest, cpu_waits, excess)
     if cpu["cpu_wait_share"] is not None and cpu["cpu_wait_share"] >= CPU_STARVED_SHARE:
         wait_text += "; " + _starved_text(cpu)
         fix = _starved_fix(slowest)
@@ -213,16 +217,17 @@ def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: 
     )
 
 
-def _starved_rank(starved: dict[str, Any], times: dict[int, float], middle: float,
+def _starved_rank(cpu_waits: dict[int, float], times: dict[int, float], middle: float,
                   summaries: dict[int, dict]) -> Evidence | None:
     """No rank slow in its own time, but one whose threads wait for a CPU longer than the other
     ranks' by the straggler margins (STRAGGLER_FACTOR of its step, STRAGGLER_MIN_SECONDS): a
     starved rank whose slowness is in its communication threads (gloo's on a CPU it shares), so
     that it shows in every rank's all-reduce alike and no rank's own time stands out; the other
     ranks' median all-reduce wait must pass the same margins (they wait for it)."""
-    rank = starved["rank"]
+    rank = max(cpu_waits, key=cpu_waits.get)
     step = _step(summaries[rank])
-    extra = starved["waits"][rank] - starved["others"]
+    cpu = _cpu_numbers(rank, cpu_waits, None)
+    extra = cpu["cpu_wait_seconds"] - cpu["others_cpu_wait_seconds"]
     if not step or step <= 0 or extra < STRAGGLER_MIN_SECONDS or extra < (STRAGGLER_FACTOR - 1) * step:
         return None
     # The all-reduce must bear it out: the other ranks wait there for the starved rank's threads
@@ -232,7 +237,7 @@ def _starved_rank(starved: dict[str, Any], times: dict[int, float], middle: floa
     others = median(allreduce_wait(summary) or 0.0 for r, summary in summaries.items() if r != rank)
     if others < max(STRAGGLER_MIN_SECONDS, (STRAGGLER_FACTOR - 1) * step):
         return None
-    cpu = _cpu_numbers(rank, starved, extra)
+    cpu["cpu_wait_share"] = 1.0  # its excess is that extra wait
     slow = summaries[rank]
     return Evidence(
         observed=f"rank {rank}{_where(slow)} is starved of CPU: {_starved_text(cpu)}; its whole step takes "
@@ -246,30 +251,25 @@ def _starved_rank(starved: dict[str, Any], times: dict[int, float], middle: floa
     )
 
 
-def _step(summary: dict) -> float | None:
-    return ((summary.get("window") or {}).get("step_seconds") or {}).get("median")
-
-
-def _cpu_waits(summaries: dict[int, dict]) -> dict[str, Any] | None:
-    """Every rank's threads' wait for a CPU per step (cpu_wait), the rank that waits longest,
-    and the other ranks' median: {"waits", "rank", "others"}; None where a rank's is not known
+def _cpu_waits(summaries: dict[int, dict]) -> dict[int, float] | None:
+    """Every rank's threads' wait for a CPU per step (cpu_wait); None where a rank's is not known
     (no schedstat: another OS) or under two ranks."""
     waits = {rank: cpu_wait(summary) for rank, summary in summaries.items()}
     if len(waits) < 2 or any(wait is None for wait in waits.values()):
         return None
-    most = max(waits, key=waits.get)
-    return {"waits": waits, "rank": most, "others": median(w for r, w in waits.items() if r != most)}
+    return waits
 
 
-def _cpu_numbers(rank: int, starved: dict[str, Any] | None, excess: float) -> dict[str, Any]:
+def _cpu_numbers(rank: int, cpu_waits: dict[int, float] | None, excess: float | None) -> dict[str, Any]:
     """The evidence's CPU-wait figures for `rank`: its wait, the other ranks' (median), and its
-    extra wait as a share of `excess` (its time beyond the median rank's); None where unknown."""
-    if starved is None:
+    extra wait as a share of `excess` (its time beyond the median rank's; None: not asked);
+    None where unknown."""
+    if cpu_waits is None:
         return {"cpu_wait_seconds": None, "others_cpu_wait_seconds": None, "cpu_wait_share": None}
-    others = median(w for r, w in starved["waits"].items() if r != rank)
-    extra = starved["waits"][rank] - others
-    return {"cpu_wait_seconds": starved["waits"][rank], "others_cpu_wait_seconds": others,
-            "cpu_wait_share": max(0.0, extra / excess) if excess > 0 else 0.0}
+    others = median(w for r, w in cpu_waits.items() if r != rank)
+    extra = cpu_waits[rank] - others
+    share = None if excess is None else max(0.0, extra / excess) if excess > 0 else 0.0
+    return {"cpu_wait_seconds": cpu_waits[rank], "others_cpu_wait_seconds": others, "cpu_wait_share": share}
 
 
 def _starved_text(cpu: dict[str, Any]) -> str:
@@ -338,7 +338,7 @@ def node_straggler(facts: Facts) -> Evidence | None:
     ranks = sorted(nodes[node])
     host = (summaries[ranks[0]].get("run") or {}).get("host")
     node_median = median(times[r] for r in ranks)
-    step = max(((summaries[r].get("window") or {}).get("step_seconds") or {}).get("median") or 0 for r in ranks)
+    step = max(_step(summaries[r]) or 0 for r in ranks)
     return Evidence(
         observed=f"every rank of node {node}{f' ({host})' if host and host != node else ''} is slow: its {len(ranks)} ranks spend "
                  f"{seconds(node_median)} per step outside the all-reduce (the fastest {seconds(middle + excess)}), "
