@@ -129,11 +129,12 @@ def test_a_rank_slow_in_its_backward_is_named_by_the_others_allreduce_wait(store
         close_all(exchanges)
 
 
-def test_a_rank_starved_of_cpu_is_named_by_its_wait_for_a_core_where_no_own_time_stands_out(store):
+def test_a_longer_wait_for_a_cpu_alone_names_no_straggler_and_shows_in_the_rank_table(store):
     # Ground truth: 4 ranks on one node, the same work, the same 10 ms steps and 3 ms all-reduce
-    # waits (own time 7 ms each: rank 2's slowness is in its communication threads, which every
-    # rank's all-reduce waits for alike). Rank 2's threads wait 4 ms a step for a CPU, the
-    # others 0.5 ms: 3.5 ms more, over 15% of its step (1.5 ms) and over 1 ms.
+    # waits (own time 7 ms each). Rank 2's threads wait 4 ms a step for a CPU, the others 0.5 ms.
+    # No rank's own time stands out: no rank holds the others back, and a CPU wait alone names
+    # none (CI's busy host gave ranks at the same pace 4.6 against 2.8 ms, with 2.0 and 2.5 ms
+    # all-reduce waits). The wait travels through the node summary's rows into the rank table.
     exchanges = fleet(store, nodes=1, per_node=4)
     try:
         one_round(exchanges, lambda r: (0.010, 0.004, 0.003, 0.004 if r == 2 else 0.0005))
@@ -141,22 +142,9 @@ def test_a_rank_starved_of_cpu_is_named_by_its_wait_for_a_core_where_no_own_time
         assert {p["run"]["rank"]: p["host"]["step_cpu_wait_seconds"] for p in peers} == \
             {0: 0.0005, 1: 0.0005, 2: 0.004, 3: 0.0005}  # through the node summary's rows
         own = snapshot(0, 0, 0.010, 0.004, wait=0.003, cpu_wait=0.0005)
-        straggler = {f.rule: f for f in evaluate(own, ranks=peers).findings}["rank-straggler"]
-        assert straggler.evidence["rank"] == 2 and straggler.evidence["basis"] == "cpu_wait"
-        assert straggler.evidence["cpu_wait_seconds"] == 0.004 and straggler.evidence["others_cpu_wait_seconds"] == 0.0005
-        assert "rank 2 (node 0, host-0) is starved of CPU: its threads wait 4.0 ms per step for a CPU" in straggler.observed
-        assert "cores of its own" in straggler.fix and straggler.gain is None and "up to 35%" in straggler.gain_text
-        table = rank_summary(peers, 4, [straggler.to_dict()]).splitlines()
+        assert "rank-straggler" not in {f.rule for f in evaluate(own, ranks=peers).findings}
+        table = rank_summary(peers, 4, []).splitlines()
         assert "cpu wait" in table[1] and table[2 + 2].split()[9:11] == ["4.0", "ms"]
-        # The same CPU waits where the all-reduce shows none of it (20 µs waits, own times 9.98
-        # ms alike): rank 2's longer wait is its own, no rank waits for it: no straggler.
-        one_round(exchanges, lambda r: (0.010, 0.004, 0.00002, 0.004 if r == 2 else 0.0005))
-        alone = evaluate(snapshot(0, 0, 0.010, 0.004, wait=0.00002, cpu_wait=0.0005), ranks=exchanges[0].peer_snapshots())
-        assert "rank-straggler" not in {f.rule for f in alone.findings}
-        # 1.3 ms more: over 1 ms, under 15% of the step: no straggler.
-        one_round(exchanges, lambda r: (0.010, 0.004, 0.003, 0.0018 if r == 2 else 0.0005))
-        quiet = evaluate(snapshot(0, 0, 0.010, 0.004, wait=0.003, cpu_wait=0.0005), ranks=exchanges[0].peer_snapshots())
-        assert "rank-straggler" not in {f.rule for f in quiet.findings}
     finally:
         close_all(exchanges)
 

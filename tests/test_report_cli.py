@@ -95,8 +95,11 @@ def test_tuneup_run_gives_the_same_report_as_the_one_line_attach(finished_run, t
     assert result.returncode == 0, result.stderr
     explicit, zero_code = findings(finished_run), findings(run_dir)
     assert [f["rule"] for f in zero_code] == [f["rule"] for f in explicit] == ["data-stall", "host-syncs"]
+    # The same evidence, but for what the host's load decides: on a busy machine (the suite at
+    # -n 2 beside torchrun's ranks) one run's threads wanted nearly all the cores, and data-stall
+    # weighed its gain against them (job_cores, and sleep_overlap or cpu_bound) where the other's did not.
     for a, b in zip(explicit, zero_code):
-        assert a["evidence"].keys() == b["evidence"].keys()
+        assert set(a["evidence"]) ^ set(b["evidence"]) <= {"job_cores", "sleep_overlap", "cpu_bound"}
         assert a["fix"].splitlines()[0].split("(")[0] == b["fix"].splitlines()[0].split("(")[0]
     assert explicit[1]["evidence"]["syncs_per_step"] == zero_code[1]["evidence"]["syncs_per_step"] == 2.0
 

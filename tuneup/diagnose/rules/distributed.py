@@ -155,34 +155,26 @@ def _node(summary: dict) -> Any:
     severity="high",
     inputs="per-rank step time less the all-reduce wait (DDP's own timers; where a rank has none, less the "
            "backward, which holds the wait), from every rank: the node summaries live, the run logs after; "
-           "each rank's threads' wait for a CPU per step (Linux run-queue wait) to tell a starved rank",
+           "each rank's threads' wait for a CPU per step (Linux run-queue wait) to tell a starved rank's cause",
     threshold=f"a rank's time > {STRAGGLER_FACTOR:g}x the median across ranks, and >= "
-              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more; or its threads' wait for a CPU longer than the other "
-              f"ranks' (median) by >= {percent(STRAGGLER_FACTOR - 1)} of its step and >= "
-              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms, the other ranks waiting for it in the all-reduce as long",
+              f"{STRAGGLER_MIN_SECONDS * 1e3:g} ms more",
     why="Every all-reduce waits for the slowest rank, so the whole job runs at its pace; 15% is "
         "well above the few percent ranks differ by on identical hardware, and a millisecond above "
         "the scheduling jitter of steps that short. Where the slow rank's threads wait for a CPU "
         f"for {percent(CPU_STARVED_SHARE)} or more of its excess beyond the other ranks' wait, its host is "
-        "the cause (a crowded machine), not its work, and the fix says so. A rank starved in its "
-        "communication threads (gloo's, on a CPU it shares) slows every rank's all-reduce alike, so no "
-        "rank's own time stands out: only its wait for a CPU names it.",
+        "the cause (a crowded machine), not its work, and the fix says so. A longer wait for a CPU "
+        "alone names no rank: on a busy host, ranks at the same pace differ by milliseconds of it.",
     doc="https://docs.pytorch.org/docs/stable/notes/ddp.html",
 )
 def rank_straggler(facts: Facts) -> Evidence | None:
     times, summaries, by_wait = _rank_times(facts)
     middle = median(times.values())
     slowest = max(times, key=times.get)
-    cpu_waits = _cpu_waits(summaries)
-    if _too_slow(times[slowest], middle):
-        return _slow_rank(slowest, times, middle, summaries, by_wait, cpu_waits)
-    if cpu_waits is not None and by_wait:
-        return _starved_rank(cpu_waits, times, middle, summaries)
-    return None
+    return _slow_rank(slowest, times, middle, summaries, by_wait) if _too_slow(times[slowest], middle) else None
 
 
-def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: dict[int, dict], by_wait: bool,
-               cpu_waits: dict[int, float] | None) -> Evidence:
+def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: dict[int, dict],
+               by_wait: bool) -> Evidence:
     """A rank over the straggler criterion in its own time; its host named as the cause where
     its threads' extra wait for a CPU is CPU_STARVED_SHARE of its excess or more."""
     excess = times[slowest] - middle
@@ -195,7 +187,7 @@ def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: 
                  f"{seconds(others_wait)} (median): they wait for it" if waits else "")
     fix = (f"# look at rank {slowest}'s own report: its data wait, its host (CPU load, GPU clocks),\n"
            "# and uneven work (variable-length batches: bucket by length or pad)")
-    cpu = _cpu_numbers(slowest, cpu_waits, excess)
+    cpu = _cpu_numbers(slowest, _cpu_waits(summaries), excess)
     if cpu["cpu_wait_share"] is not None and cpu["cpu_wait_share"] >= CPU_STARVED_SHARE:
         wait_text += "; " + _starved_text(cpu)
         fix = _starved_fix(slowest)
@@ -217,40 +209,6 @@ def _slow_rank(slowest: int, times: dict[int, float], middle: float, summaries: 
     )
 
 
-def _starved_rank(cpu_waits: dict[int, float], times: dict[int, float], middle: float,
-                  summaries: dict[int, dict]) -> Evidence | None:
-    """No rank slow in its own time, but one whose threads wait for a CPU longer than the other
-    ranks' by the straggler margins (STRAGGLER_FACTOR of its step, STRAGGLER_MIN_SECONDS): a
-    starved rank whose slowness is in its communication threads (gloo's on a CPU it shares), so
-    that it shows in every rank's all-reduce alike and no rank's own time stands out; the other
-    ranks' median all-reduce wait must pass the same margins (they wait for it)."""
-    rank = max(cpu_waits, key=cpu_waits.get)
-    step = _step(summaries[rank])
-    cpu = _cpu_numbers(rank, cpu_waits, None)
-    extra = cpu["cpu_wait_seconds"] - cpu["others_cpu_wait_seconds"]
-    if not step or step <= 0 or extra < STRAGGLER_MIN_SECONDS or extra < (STRAGGLER_FACTOR - 1) * step:
-        return None
-    # The all-reduce must bear it out: the other ranks wait there for the starved rank's threads
-    # by the straggler margins too. Without it, one rank's longer CPU wait delays no one (a busy
-    # host's threads beside ranks at the same pace: 5.1 ms against 1.9, all-reduce waits of 17
-    # and 134 µs); with it, a starved rank (7.1 ms against 1.8) the other waits 1.9 ms for.
-    others = median(allreduce_wait(summary) or 0.0 for r, summary in summaries.items() if r != rank)
-    if others < max(STRAGGLER_MIN_SECONDS, (STRAGGLER_FACTOR - 1) * step):
-        return None
-    cpu["cpu_wait_share"] = 1.0  # its excess is that extra wait
-    slow = summaries[rank]
-    return Evidence(
-        observed=f"rank {rank}{_where(slow)} is starved of CPU: {_starved_text(cpu)}; its whole step takes "
-                 f"{seconds(step)}, and every rank's all-reduce waits for its threads",
-        numbers={"rank": rank, "node": (slow.get("run") or {}).get("node"), "rank_seconds": times.get(rank),
-                 "median_seconds": middle, "basis": "cpu_wait", **cpu, "slow_ranks": [rank],
-                 "ranks_compared": len(times)},
-        fix=_starved_fix(rank),
-        gain_text=f"up to {percent(min(1.0, extra / step))} of every rank's step: the CPU time its threads wait for "
-                  "beyond the other ranks' (less where its threads wait at the same time)",
-    )
-
-
 def _cpu_waits(summaries: dict[int, dict]) -> dict[int, float] | None:
     """Every rank's threads' wait for a CPU per step (cpu_wait); None where a rank's is not known
     (no schedstat: another OS) or under two ranks."""
@@ -260,15 +218,13 @@ def _cpu_waits(summaries: dict[int, dict]) -> dict[int, float] | None:
     return waits
 
 
-def _cpu_numbers(rank: int, cpu_waits: dict[int, float] | None, excess: float | None) -> dict[str, Any]:
+def _cpu_numbers(rank: int, cpu_waits: dict[int, float] | None, excess: float) -> dict[str, Any]:
     """The evidence's CPU-wait figures for `rank`: its wait, the other ranks' (median), and its
-    extra wait as a share of `excess` (its time beyond the median rank's; None: not asked);
-    None where unknown."""
+    extra wait as a share of `excess` (its time beyond the median rank's, > 0); None where unknown."""
     if cpu_waits is None:
         return {"cpu_wait_seconds": None, "others_cpu_wait_seconds": None, "cpu_wait_share": None}
     others = median(w for r, w in cpu_waits.items() if r != rank)
-    extra = cpu_waits[rank] - others
-    share = None if excess is None else max(0.0, extra / excess) if excess > 0 else 0.0
+    share = max(0.0, (cpu_waits[rank] - others) / excess)
     return {"cpu_wait_seconds": cpu_waits[rank], "others_cpu_wait_seconds": others, "cpu_wait_share": share}
 
 
