@@ -83,7 +83,8 @@ loop(*job, warmup)
 import gc
 gc.collect()
 gc.freeze()  # no full collection of torch's objects inside the count (it swung runs by 30,000 a step)
-timeline = agent.recorder.timeline if mode in ("tuneup", "apply") else None
+# (a checkout from before the recorder held the timeline: none to pace; --against)
+timeline = getattr(getattr(agent, "recorder", None), "timeline", None) if mode in ("tuneup", "apply") else None
 if hasattr(timeline, "pace"):  # the detail rate the sampler's first drain sets, from the step's native time
     timeline.pace(native_step)  # (under valgrind's fifty-fold slowdown every step looks long)
 os.getpgrp()  # callgrind dumps what came before: start-up, warm-up

@@ -355,8 +355,9 @@ def test_the_live_line_names_the_step_the_stall_the_work_and_what_explains_the_g
 
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    waited, began = 0.0, time.perf_counter()
+    began = time.perf_counter()
     ends = [began]  # the loop's own clock at each update's end: its steps' times
+    fetches = []  # the loop's own clock at each next(), and its wait there (StopIteration's too)
     with tuneup.attach(run_dir=tmp_path / "run", port=0, interval=0.2) as agent:
         for _ in range(2):
             batches = iter(DataLoader(Slow(), batch_size=16))
@@ -365,13 +366,13 @@ def test_the_live_line_names_the_step_the_stall_the_work_and_what_explains_the_g
                 try:
                     x, y = next(batches)
                 except StopIteration:
+                    fetches.append((asked, time.perf_counter() - asked))
                     break
-                waited += time.perf_counter() - asked
+                fetches.append((asked, time.perf_counter() - asked))
                 optimizer.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
                 optimizer.step()
                 ends.append(time.perf_counter())
-        elapsed = time.perf_counter() - began
         line = live_line(agent.snapshot(), agent.findings())
     assert live_line({}) == ""  # before the first window: nothing to say
     step = float(re.search(r"step ([\d.]+) ms", line).group(1)) / 1e3
@@ -379,11 +380,19 @@ def test_the_live_line_names_the_step_the_stall_the_work_and_what_explains_the_g
     # the mean 2.6x the median: 37 ms against 14).
     loop_median = statistics.median(b - a for a, b in zip(ends, ends[1:]))
     assert step == pytest.approx(loop_median, rel=0.25), (line, loop_median)
+    # tuneup's window holds the 127 steps it closed: up to the last batch's fetch (the second
+    # last next(): the last ended the epoch), where the open step began. The waits after it (that
+    # fetch's, the StopIteration's) are no closed step's. (Against the whole run's share, one
+    # busy full-suite run read 38% where tuneup's steps held 24%: compared over the same steps,
+    # a pause outside them no longer counts for one side alone.)
+    last = fetches[-2][0]
+    elapsed = last - began
+    waited = sum(wait for asked, wait in fetches if asked < last)
     stall = int(re.search(r"stall (\d+)%", line).group(1)) / 100
     assert stall == pytest.approx(waited / elapsed, abs=0.1), (line, waited / elapsed)
     flops = 6 * 16 * (64 * 256 + 256 * 256 + 256)  # forward 2x, backward 4x the multiply-adds
     achieved = re.search(r"([\d.]+) (k|M|G)FLOP/s \(MFU: unknown peak\)", line)
     assert achieved, line
     rate = float(achieved.group(1)) * {"k": 1e3, "M": 1e6, "G": 1e9}[achieved.group(2)]
-    assert rate == pytest.approx(flops * 128 / elapsed, rel=0.5), (line, flops * 128 / elapsed)
+    assert rate == pytest.approx(flops * 127 / elapsed, rel=0.5), (line, flops * 127 / elapsed)
     assert line.endswith("top finding: data-stall"), line
