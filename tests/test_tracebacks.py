@@ -131,3 +131,29 @@ def test_a_measured_wrapper_leaves_no_frame_in_a_traceback():
     frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
     assert frames == ["test_a_measured_wrapper_leaves_no_frame_in_a_traceback", "inner"]
     assert seen == ["after"]  # `after` still ran, and nothing failed
+
+
+def test_wrappers_of_one_template_each_pose_as_their_own_function():
+    """posing_as compiles a template once and moves its code to each original's file and def
+    line: two wrappers of one template share no file, line, name or globals."""
+    import torch
+    from tuneup import _patching
+
+    def first():
+        return 1
+
+    def second():
+        return 2
+
+    built = [measured(function, lambda args, kwargs: None, lambda *a: None, lambda error: None)
+             for function in (first, second, torch.optim.Optimizer.zero_grad)]
+    compiled = len(_patching._factories)
+    built.append(measured(first, lambda args, kwargs: None, lambda *a: None, lambda error: None))
+    assert len(_patching._factories) == compiled  # the same template and names: not compiled again
+    for wrapper, original in zip(built, (first, second, torch.optim.Optimizer.zero_grad, first)):
+        code, own = wrapper.__code__, original.__code__
+        assert (code.co_filename, code.co_firstlineno, code.co_name, getattr(code, "co_qualname", None)) == (
+            own.co_filename, own.co_firstlineno, own.co_name, getattr(own, "co_qualname", None))
+        assert {line for _, _, line in code.co_lines() if line is not None} == {own.co_firstlineno}
+        assert wrapper.__globals__ is original.__globals__ and wrapper.__wrapped__ is original
+    assert [wrapper() for wrapper in built[:2]] == [1, 2]
