@@ -485,6 +485,36 @@ def test_a_fix_that_would_save_under_one_percent_is_no_finding(cpu_snapshot):
     assert found.gain is None and "scale now 0.5" in found.observed
 
 
+def test_scaler_skips_offers_bf16_only_where_the_hardware_runs_it(cpu_snapshot):
+    """fp16 overflowing: bf16 autocast (no scaler) is the fix on an A100 or a CPU with bf16
+    units; on a V100 or a CPU without them bf16 is emulated, slower than fp32: the fix is
+    finding the overflow, and bf16 is not offered."""
+    skipping = copy.deepcopy(cpu_snapshot)
+    skipping["scaler"] = {"present": True, "enabled": True, "scale": 8.0, "longest_skip_run": 2, "backoff_events": 15}
+    skipping["window"]["skipped_steps"] = round(0.05 * skipping["window"]["steps"])
+
+    def fix(snapshot):
+        found = fired(snapshot)["scaler-skips"]
+        return found.fix, found.evidence["bf16_native"]
+
+    text, native = fix(skipping)  # the fixture's CPU: pinned as one without bf16 units
+    assert native is False and "autocast" not in text and text.startswith("# find the overflow")
+    assert "emulated on this CPU (no AVX512-BF16/AMX): slower than fp32" in text
+    with_units = copy.deepcopy(skipping)
+    with_units["config"]["hardware"]["cpu_bf16"] = True
+    text, native = fix(with_units)
+    assert native is True and text.startswith('with torch.autocast(device_type="cpu", dtype=torch.bfloat16):')
+    assert "where the hardware" not in text and "# staying on fp16? find the overflow" in text
+    unread = copy.deepcopy(skipping)
+    unread["config"]["hardware"]["cpu_bf16"] = None
+    text, native = fix(unread)
+    assert native is None and "autocast" in text and "where the hardware runs bf16" in text
+    text, native = fix(on_cuda(skipping, device=V100))
+    assert native is False and "autocast" not in text and "this GPU (compute capability below 8.0)" in text
+    text, native = fix(on_cuda(skipping))
+    assert native is True and text.startswith('with torch.autocast(device_type="cuda", dtype=torch.bfloat16):')
+
+
 @pytest.mark.gpu
 def test_live_cuda_rules_fire_on_a_real_cuda_job(tmp_path):
     """On a GPU: a conv net with pageable batches, cudnn.benchmark off and fp32."""

@@ -253,7 +253,8 @@ MIN_SCALER_STEPS = 50
     id="scaler-skips",
     title="GradScaler skips optimizer steps",
     severity="high",
-    inputs="GradScaler skipped steps, back-offs and scale, read without a sync per step",
+    inputs="GradScaler skipped steps, back-offs and scale, read without a sync per step; whether the hardware "
+           "runs bf16 natively (which fix)",
     threshold=f"skip rate >= {percent(SKIP_RATE)} over >= {MIN_SCALER_STEPS} steps past warm-up, or scale < 1",
     why="By design GradScaler skips about 1 step in 2000 (a back-off after each growth); 2% is "
         "40x that: real overflows in fp16, each a wasted step. A scale below 1 means gradients "
@@ -274,20 +275,48 @@ def scaler_skips(facts: Facts) -> Evidence | None:
     collapsed = scale is not None and scale < 1
     if rate < SKIP_RATE and not collapsed:
         return None
+    native = _native_bf16(facts)
     return Evidence(
         observed=f"{skipped} of the last {steps} optimizer steps were skipped ({percent(rate)}), "
                  f"longest run {scaler.get('longest_skip_run')}, {scaler.get('backoff_events')} back-offs, "
                  f"scale now {scale:g}" if scale is not None else f"{skipped} of {steps} steps skipped",
         numbers={"skip_rate": rate, "skipped_steps": skipped, "steps": steps, "scale": scale,
-                 "longest_skip_run": scaler.get("longest_skip_run"), "backoff_events": scaler.get("backoff_events")},
-        fix=f'with torch.autocast(device_type="{"cuda" if facts.on_cuda else "cpu"}", dtype=torch.bfloat16):'
-            "   # fp32 range: no overflow, no scaler\n"
-            "    loss = loss_fn(model(x), y)\n"
-            "# staying on fp16? find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
-            "#   scores = scores.float().softmax(-1)   and use torch.finfo(x.dtype).min instead of -inf constants",
+                 "longest_skip_run": scaler.get("longest_skip_run"), "backoff_events": scaler.get("backoff_events"),
+                 "bf16_native": native},
+        fix=_overflow_fix(facts, native),
         gain=rate or None,  # a collapsed scale with no skips yet: a finding for correctness, not speed
         gain_text=f"{percent(rate)} of steps stop being wasted" if rate >= 0.005 else None,
     )
+
+
+_FIND_OVERFLOW = ("# find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
+                  "#   scores = scores.float().softmax(-1)   and use torch.finfo(x.dtype).min instead of -inf constants")
+
+
+def _native_bf16(facts: Facts) -> bool | None:
+    """Whether the job's hardware runs bf16 natively (every GPU it uses at compute capability
+    8.0+, config.cuda_bf16; a CPU with AVX512-BF16/AMX); None where that was not read."""
+    hardware = facts.config.get("hardware") or {}
+    if facts.on_cuda:
+        devices = hardware.get("cuda_devices") or []
+        return all(device.get("bf16") for device in devices) if devices else None
+    value = hardware.get("cpu_bf16")
+    return None if value is None else bool(value)
+
+
+def _overflow_fix(facts: Facts, native: bool | None) -> str:
+    """bf16 autocast (fp32's range: no overflow, no scaler) where the hardware runs it natively;
+    where it only emulates bf16 (V100, T4, a CPU without bf16 units: slower than fp32, 14x on
+    an AVX2 CPU's MLP) finding the overflow is the fix, and bf16 is not offered."""
+    device = "cuda" if facts.on_cuda else "cpu"
+    if native is False:
+        where = "this GPU (compute capability below 8.0)" if facts.on_cuda else "this CPU (no AVX512-BF16/AMX)"
+        return f"{_FIND_OVERFLOW}\n# (bf16, which needs no scaler, is emulated on {where}: slower than fp32)"
+    return (f'with torch.autocast(device_type="{device}", dtype=torch.bfloat16):   # fp32 range: no overflow, '
+            "no scaler" + ("" if native else " (where the hardware runs bf16: compute capability 8.0+, "
+                                               "AVX512-BF16/AMX)") + "\n"
+            "    loss = loss_fn(model(x), y)\n"
+            "# staying on fp16? " + _FIND_OVERFLOW[2:])
 
 
 MIN_ALIGNED_SIZE = 64
