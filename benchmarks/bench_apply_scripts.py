@@ -87,8 +87,10 @@ def decisions(run_dir: Path) -> str:
             event = json.loads(line)
             if event.get("event") == "action":
                 last[event["id"]] = event
-    return "; ".join(f"{event['change']} {event['decision']}@{event.get('effective_step') or event.get('applied_step')}"
-                     for _, event in sorted(last.items())) or "no change"
+    # (`change` is optional: a record that tried nothing, "not applicable", names its action)
+    return "; ".join(f"{event.get('change') or event.get('action')} {event['decision']}"
+                     f"@{event.get('effective_step') or event.get('applied_step')}"
+                     for _, event in sorted(last.items(), key=lambda item: str(item[0]))) or "no change"
 
 
 def main() -> None:
