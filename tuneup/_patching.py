@@ -232,8 +232,8 @@ _factories: dict[tuple[str, tuple[str, ...]], Callable[..., types.FunctionType]]
 
 
 def _factory(template: str, names: tuple[str, ...]) -> Callable[..., types.FunctionType]:
-    """A function of `names` returning the function `template` defines, each of its lines
-    wrapped to unwind what raises through it (posing_as), compiled once per template and
+    """A function of `names` returning the function `template` defines, its body inside a
+    try that unwinds what raises through it (posing_as), compiled once per template and
     names: every instruction on line 1, so `_relocated` moves them all to one line. (Parsing
     and compiling each wrapper anew took half of attach(): 8-25 ms of 16-56 ms for its 15
     wrappers, timed around posing_as.)"""
@@ -288,8 +288,8 @@ def call_site(frame: types.FrameType) -> Callable[..., Any]:
     site = _sites.get(key)
     if site is None:
         template = _SITE_TEMPLATE
-        site_code = template.__code__.replace(co_filename=code.co_filename, co_name=code.co_name,
-                                              co_firstlineno=max(1, frame.f_lineno or 1))
+        site_code = _relocated(template.__code__, code.co_filename, max(1, frame.f_lineno or 1)).replace(
+            co_name=code.co_name)
         # Its frame is the job's file: inside a compiled function's eager part (a `.item()`
         # after its graph break) dynamo's frame callback would get it as the job's own frame
         # and count it (counters["frames"]["total"], convert_frame.py ConvertFrame.__call__).

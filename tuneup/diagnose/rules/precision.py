@@ -92,6 +92,17 @@ def _accelerated(facts: Facts) -> str | None:
     return "cpu" if hardware["cpu_bf16"] else None
 
 
+def _native_bf16(facts: Facts) -> bool | None:
+    """Whether the job's hardware runs bf16 natively (every GPU it uses at compute capability
+    8.0+, config.cuda_bf16; a CPU with AVX512-BF16/AMX); None where that was not read."""
+    hardware = facts.config.get("hardware") or {}
+    if facts.on_cuda:
+        devices = hardware.get("cuda_devices") or []
+        return all(device.get("bf16") for device in devices) if devices else None
+    value = hardware.get("cpu_bf16")
+    return None if value is None else bool(value)
+
+
 @rule(
     id="amp-off",
     title="Mixed precision (AMP) is off on hardware that accelerates it",
@@ -140,7 +151,7 @@ def amp_off(facts: Facts) -> Evidence | None:
     elif device == "cpu":
         raise Missing("the model timed in fp32 and bf16" + (f" ({trial['skipped']})" if trial else ""))
     else:
-        bf16 = all(d.get("bf16") for d in facts.config["hardware"]["cuda_devices"])
+        bf16 = _native_bf16(facts)  # (_accelerated found the devices)
         what = ("forward + backward take " + percent(share) + " of a step") if share is not None else None
         gain = AMP_SPEEDUP_SHARE * share if share is not None else None
         gain_text = (f"up to {gain:.0%} shorter steps (an estimate, not measured on this job: Tensor Cores run "
@@ -289,19 +300,8 @@ def scaler_skips(facts: Facts) -> Evidence | None:
     )
 
 
-_FIND_OVERFLOW = ("# find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
+_FIND_OVERFLOW = ("find the overflow: softmax/sum/exp in fp16, eps like 1e-8, float('inf') masks:\n"
                   "#   scores = scores.float().softmax(-1)   and use torch.finfo(x.dtype).min instead of -inf constants")
-
-
-def _native_bf16(facts: Facts) -> bool | None:
-    """Whether the job's hardware runs bf16 natively (every GPU it uses at compute capability
-    8.0+, config.cuda_bf16; a CPU with AVX512-BF16/AMX); None where that was not read."""
-    hardware = facts.config.get("hardware") or {}
-    if facts.on_cuda:
-        devices = hardware.get("cuda_devices") or []
-        return all(device.get("bf16") for device in devices) if devices else None
-    value = hardware.get("cpu_bf16")
-    return None if value is None else bool(value)
 
 
 def _overflow_fix(facts: Facts, native: bool | None) -> str:
@@ -311,12 +311,12 @@ def _overflow_fix(facts: Facts, native: bool | None) -> str:
     device = "cuda" if facts.on_cuda else "cpu"
     if native is False:
         where = "this GPU (compute capability below 8.0)" if facts.on_cuda else "this CPU (no AVX512-BF16/AMX)"
-        return f"{_FIND_OVERFLOW}\n# (bf16, which needs no scaler, is emulated on {where}: slower than fp32)"
+        return f"# {_FIND_OVERFLOW}\n# (bf16, which needs no scaler, is emulated on {where}: slower than fp32)"
     return (f'with torch.autocast(device_type="{device}", dtype=torch.bfloat16):   # fp32 range: no overflow, '
             "no scaler" + ("" if native else " (where the hardware runs bf16: compute capability 8.0+, "
                                                "AVX512-BF16/AMX)") + "\n"
             "    loss = loss_fn(model(x), y)\n"
-            "# staying on fp16? " + _FIND_OVERFLOW[2:])
+            "# staying on fp16? " + _FIND_OVERFLOW)
 
 
 MIN_ALIGNED_SIZE = 64
