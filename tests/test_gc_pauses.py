@@ -151,3 +151,51 @@ def test_a_failing_collector_turns_itself_off_with_one_warning(run_dir):
             assert agent.recorder.timeline.ring.count >= 18
     assert len([w for w in caught if "gc probe" in str(w.message)]) == 1
     assert collector._callback not in gc.callbacks and not collector.on
+
+
+def test_apply_mode_freezes_the_heap_keeps_it_for_shorter_pauses_and_leaves_no_trace(run_dir, capsys, monkeypatch):
+    """The same script, in this process, plain and then under apply mode (the gc-freeze action
+    alone). Ground truth from the first test: full collections every few hundred steps, each
+    walking the whole heap. Apply mode waits for two of them (their spacing sizes the trial),
+    freezes the heap (gc.collect(), gc.freeze()) for two spacings, and keeps it where the full
+    collections in the trial took at most half the time a step they took before: the script's
+    own timer then sees shorter ones. Nothing numeric changes (the last loss is the plain run's,
+    bit for bit); detach unfreezes (gc.get_freeze_count() back to 0)."""
+    import gc
+    import runpy
+
+    import tuneup
+
+    def script(steps: int) -> dict:
+        monkeypatch.setattr(sys, "argv", [str(PROGRAM), "--steps", str(steps)])
+        runpy.run_path(str(PROGRAM), run_name="__main__")
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert gc.get_freeze_count() == 0
+    callbacks = list(gc.callbacks)
+    try:
+        plain = script(2400)
+        with tuneup.attach(mode="apply", actions=["gc-freeze"], run_dir=run_dir, interval=0.2) as agent:
+            applied = script(2400)
+            collector = agent.recorder.collector
+            pauses = list(zip(collector.full_steps, collector.full))
+        frozen_after = gc.get_freeze_count()
+    finally:
+        gc.callbacks[:] = callbacks  # the script's own timers
+        gc.unfreeze()
+    records = [r for r in agent.actions() if r["action"] == "gc-freeze"]
+    assert plain["full_collections"] >= MIN_FULL_COLLECTIONS, plain
+    assert records and records[0]["decision"] == "kept", [(r["decision"], r.get("reason")) for r in agent.actions()]
+    record = records[0]
+    measured = record["measured"]["gc"]
+    assert measured["after_seconds_per_step"] <= measured["before_seconds_per_step"] / 2, measured
+    assert "a step saved" in record["reason"] and "each before (one every" in record["reason"], record["reason"]
+    # The freeze in effect at the loop's end; every full collection after it far shorter than before it
+    assert applied["frozen"] > 100_000 and frozen_after == 0, (applied, frozen_after)
+    start = record["effective_step"]
+    before = [spent for step, spent in pauses if step < start]
+    after = [spent for step, spent in pauses if step > start]
+    assert before and after and max(after) < min(before) / 5, (before, after)
+    # By the script's own clock: its full collections took less than plain's
+    assert applied["full_seconds"] < plain["full_seconds"], (applied, plain)
+    assert applied["last_loss"] == plain["last_loss"] and applied["steps"] == plain["steps"] == 2400

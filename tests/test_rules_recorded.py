@@ -885,3 +885,32 @@ def test_graph_breaks_name_the_host_reads_counted_at_their_lines(cpu_snapshot):
     s["syncs"]["measured"] = False  # no sampled step: the break alone, as before
     found = fired(s)["graph-breaks"]
     assert found.evidence["reads_at_breaks"] == [] and "reads the device" not in found.observed
+
+
+def test_gc_pauses_reads_the_collections_since_apply_modes_freeze(cpu_snapshot):
+    """Recorded collector figures: the job's own full collections fire gc-pauses with a fix apply
+    mode can make; after a freeze of the job's own it cannot (the gc-freeze action leaves it
+    alone); while apply mode's freeze is in effect the rule reads the collections since it, over
+    the time since, not the run's total (which still holds the pauses from before it)."""
+    trained = cpu_snapshot["totals"]["seconds"]
+
+    def collected(full, spent, frozen=0, ours=None):
+        s = copy.deepcopy(cpu_snapshot)
+        s["habits"]["gc"] = {"collections": [900, 80, full], "seconds": [0.02, 0.01, spent],
+                             "full_median_seconds": spent / full, "full_max_seconds": spent / full,
+                             "full_steps": [], "frozen": frozen, "tuneup_freeze": ours,
+                             "enabled": True, "thresholds": [700, 10, 10]}
+        return {f.rule: f for f in evaluate(s).findings}.get("gc-pauses")
+
+    own = collected(6, 0.3 * trained)
+    assert own is not None and own.can_apply and "gc.freeze()" in own.fix and "apply mode" not in own.fix
+    frozen = collected(6, 0.3 * trained, frozen=150_000)
+    assert frozen is not None and not frozen.can_apply and "Call it later" in frozen.fix
+    since = {"from_step": 900, "full_collections": 4, "full_seconds": 0.004, "wall_seconds": 3.0, "objects": 150_000}
+    assert collected(12, 0.3 * trained + 0.004, frozen=150_000, ours=since) is None  # 0.1%: the freeze worked
+    slow = dict(since, full_seconds=0.6)
+    still = collected(12, 0.3 * trained + 0.6, frozen=150_000, ours=slow)
+    assert still is not None and not still.can_apply, still
+    assert "since apply mode's gc.freeze() at step 900" in still.observed and "4 full garbage collections took 0.60 s of 3.0 s" \
+        in still.observed, still.observed
+    assert "apply mode froze 150,000 objects from step 900 on" in still.fix, still.fix

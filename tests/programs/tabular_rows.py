@@ -9,7 +9,8 @@ come every few hundred steps, each walking every object the process holds (torch
 leaves some 170,000). With --freeze the script calls gc.collect() and gc.freeze() before its
 loop (the fix tuneup names). It times the collections itself, with gc.callbacks of its own
 from its first step to its last, and prints one JSON line: steps, training seconds, full
-collections and their seconds (its own clock, not tuneup's)."""
+collections and their seconds (its own clock, not tuneup's), the objects gc.freeze() holds
+at the loop's end and the last loss (its repr: bit for bit)."""
 
 import argparse
 import gc
@@ -57,7 +58,7 @@ def timed(phase, info):
         full["began"] = None
 
 
-gc.callbacks.append(timed)
+gc.callbacks.append(timed)  # (left in place: a second run in one process appends its own)
 if args.freeze:
     gc.collect()
     gc.freeze()
@@ -78,4 +79,4 @@ while step < args.steps:
             break
 full["on"] = False
 print(json.dumps({"steps": step, "seconds": time.perf_counter() - began, "full_collections": full["count"],
-                  "full_seconds": full["seconds"]}))
+                  "full_seconds": full["seconds"], "frozen": gc.get_freeze_count(), "last_loss": repr(loss.item())}))

@@ -42,6 +42,7 @@ class LiveJob:
     models: ModelProbe
     scalers: ScalerProbe
     compiles: Any = None  # the recorder's CompileProbe (measure/compiled.py): compilations so far
+    collector: Any = None  # the recorder's GcPauses (measure/gc_pauses.py): full collections, timed
     # fn(gpu labels or None) -> joules NVML's energy counters read now, or None (measure/gpu.py)
     energy: Callable[[Any], float | None] | None = None
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -145,6 +146,12 @@ class Change:
     def check(self, step: int) -> str | None:
         """At step closes while in effect: a reason to roll back at once, or None."""
         return self.rollback_reason
+
+    def judged(self, verdict: dict[str, Any]) -> dict[str, Any]:
+        """The judge's verdict on the trial's step times (judge.py), as this change reads it: a
+        change whose gain the step times cannot resolve (gc.freeze: pauses in one step of hundreds)
+        adds what shows it and may overrule the keep. As judged, by default."""
+        return verdict
 
 
 class Action:

@@ -244,7 +244,7 @@ class Experimenter:
         from .actions import ACTIONS, DEFAULT_ACTIONS
 
         job = LiveJob(recorder.timeline, recorder.loader, recorder.optimizer, recorder.model, recorder.scaler,
-                      compiles=recorder.compile, energy=recorder.gpus.energy_joules if recorder.gpus.available else None)
+                      compiles=recorder.compile, collector=recorder.collector, energy=recorder.gpus.energy_joules if recorder.gpus.available else None)
         ids = allowed if allowed is not None else DEFAULT_ACTIONS
         experimenter = cls(job, [ACTIONS[name]() for name in ACTIONS if name in ids], warn)
         experimenter.unchosen = [action for name, action in ACTIONS.items() if name not in ids]
@@ -566,8 +566,8 @@ class Experimenter:
         assert trial is not None
         self.trial = None
         columns = self.job.timeline.ring.columns(trial.first, min(trial.last, step - 1))
-        verdict = judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics,
-                        trial.change.cut_epoch_starts, alpha=trial.alpha)
+        verdict = trial.change.judged(judge(trial.baseline, columns, trial.change.keep, trial.change.affects_numerics,
+                                            trial.change.cut_epoch_starts, alpha=trial.alpha))
         if verdict["undecided"] and trial.longer is not None and step > trial.last \
                 and (not trial.longer_if_faster or verdict["speedup"] >= MIN_SPEEDUP):
             self._look_again(trial, verdict, step)
@@ -576,6 +576,8 @@ class Experimenter:
         if trial.first > record["effective_step"]:  # the settle steps (new workers start): a trial's cost too
             settle = self.job.timeline.ring.columns(record["effective_step"], trial.first - 1)["step_seconds"]
             record["settle"] = {"steps": len(settle), "seconds": sum(settle)}
+        if verdict.get("measured"):  # what a change's own reading of the trial measured (Change.judged)
+            record["measured"] = verdict["measured"]
         record.update(decision="kept" if verdict["keep"] else "reverted", reason=verdict["reason"],
                       slower=verdict["slower"],
                       baseline=verdict["baseline"], trial=verdict["trial"], speedup=verdict["speedup"],

@@ -51,6 +51,15 @@ class GcPauses:
         self.full: deque[float] = deque(maxlen=RECENT_FULL)  # the latest full collections' pauses
         self.full_steps: deque[int] = deque(maxlen=RECENT_FULL)  # ... and the steps they fell in
         self._began: float | None = None
+        # Apply mode's gc.freeze() (act/actions/gc_freeze.py), while in effect: (the first step
+        # after it, its perf_counter time, the full collections and their seconds until then).
+        # The job's figures from there on are what the freeze leaves.
+        self.tuneup_freeze: tuple[int, float, int, float] | None = None
+        self._settled: dict[str, Any] | None = None  # its figures as detach found them (settle)
+
+    def frozen_by_tuneup(self, step: int | None) -> None:
+        """Apply mode froze the heap, effective from `step` (None: unfrozen again)."""
+        self.tuneup_freeze = None if step is None else (step, perf_counter(), self.collections[2], self.seconds[2])
 
     def install(self) -> None:
         if self._callback not in gc.callbacks:
@@ -91,6 +100,33 @@ class GcPauses:
             except Exception:  # nothing may leave a gc callback (it would print on the job's stderr)
                 pass
 
+    def settle(self) -> None:
+        """At detach, before apply mode undoes what it kept: the freeze's figures, for the final report."""
+        self._settled = self._since_freeze()
+
+    def _since_freeze(self) -> dict[str, Any] | None:
+        """The full collections since apply mode's freeze, the wall time since it, the objects it froze."""
+        if self.tuneup_freeze is None:
+            return self._settled
+        step, began, full, spent = self.tuneup_freeze
+        return {"from_step": step, "full_collections": self.collections[2] - full,
+                "full_seconds": self.seconds[2] - spent, "wall_seconds": perf_counter() - began,
+                "objects": gc.get_freeze_count()}
+
+    def full_since(self, first: int, last: int) -> list[float]:
+        """The pauses of the full collections kept (the latest RECENT_FULL) that fell in steps first..last."""
+        # Copies first: a collection set off while this list is built appends to the deques.
+        steps, pauses = list(self.full_steps), list(self.full)
+        n = min(len(steps), len(pauses))  # (aligned from the newest: a callback between the copies)
+        return [spent for step, spent in zip(steps[len(steps) - n:], pauses[len(pauses) - n:]) if first <= step <= last]
+
+    def spacing(self) -> tuple[float, float] | None:
+        """The median pause of the kept full collections and the median steps between them (None: fewer than two)."""
+        steps, pauses = list(self.full_steps), list(self.full)
+        if len(steps) < 2 or not pauses:
+            return None
+        return median(pauses), median(b - a for a, b in zip(steps, steps[1:]))
+
     def summary(self) -> dict[str, Any]:
         full = list(self.full)
         return {
@@ -100,6 +136,7 @@ class GcPauses:
             "full_max_seconds": max(full) if full else None,
             "full_steps": list(self.full_steps)[-8:],
             "frozen": gc.get_freeze_count(),
+            "tuneup_freeze": self._since_freeze(),
             "enabled": gc.isenabled(),
             "thresholds": list(gc.get_threshold()),
         }

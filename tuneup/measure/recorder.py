@@ -569,6 +569,7 @@ class Recorder:
         waits two workers left)."""
         self.refresh_config()
         self._config_settled = True
+        self.collector.settle()  # apply mode's gc.freeze(), if kept: what the run's last steps met
 
     def note_framework(self, info: dict[str, Any]) -> None:
         """The training framework's own settings (Lightning, Transformers)."""

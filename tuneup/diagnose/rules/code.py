@@ -336,11 +336,15 @@ MIN_FULL_COLLECTIONS = 2  # one alone may be the first after set-up: the job's o
         "little of each step meets one every few hundred steps. gc.freeze() once set-up is done takes what "
         "exists out of every later collection; what the job makes afterwards is still collected.",
     doc="https://docs.python.org/3/library/gc.html#gc.freeze",
+    can_apply=True,
 )
 def gc_pauses(facts: Facts) -> Evidence | None:
     collector = facts.need(facts.habits.get("gc"), "garbage collections timed")
     trained = facts.totals.get("seconds") or 0.0
     full, spent = collector["collections"][2], collector["seconds"][2]
+    ours = collector.get("tuneup_freeze")
+    if ours:  # apply mode's gc.freeze() in effect: the job's collections since it, over the time since
+        full, spent, trained = ours["full_collections"], ours["full_seconds"], ours["wall_seconds"]
     if full < MIN_FULL_COLLECTIONS or not trained:
         return None
     share = min(1.0, spent / trained)  # (the pauses fall inside the steps they stop)
@@ -349,7 +353,12 @@ def gc_pauses(facts: Facts) -> Evidence | None:
     frozen = collector.get("frozen") or 0
     each = collector.get("full_median_seconds") or spent / full
     longest = collector.get("full_max_seconds") or each
-    if frozen:
+    if ours:
+        each = longest = spent / full  # (the pauses the collector keeps reach back before the freeze)
+        fix = (f"# apply mode froze {ours.get('objects') or frozen:,} objects from step {ours['from_step']} on, and the full collections since\n"
+               "# still take this long: what they traverse is the job's own since then. Keep per-step objects\n"
+               "# out of long-lived lists (log Python floats, not dicts of tensors)")
+    elif frozen:
         fix = (f"# gc.freeze() has run ({frozen:,} objects frozen), and the full collections still take this long:\n"
                "# what they traverse was made after it. Call it later, once everything set-up builds exists\n"
                "# (datasets loaded, caches filled), and keep per-step objects out of long-lived lists\n"
@@ -363,11 +372,13 @@ def gc_pauses(facts: Facts) -> Evidence | None:
         observed=f"{full} full garbage collections took {spent:.2f} s of {trained:.1f} s of training "
                  f"({percent(share)}): {each * 1e3:.0f} ms each (median), the longest {longest * 1e3:.0f} ms; "
                  f"the loop stops for each"
-                 + (f" ({frozen:,} objects already frozen by gc.freeze())" if frozen else ""),
+                 + (f" since apply mode's gc.freeze() at step {ours['from_step']}" if ours
+                    else f" ({frozen:,} objects already frozen by gc.freeze())" if frozen else ""),
         numbers={"full_collections": full, "full_seconds": spent, "training_seconds": trained, "share": share,
                  "full_median_seconds": each, "full_max_seconds": longest, "frozen": frozen,
                  "collections": collector["collections"], "seconds": collector["seconds"]},
         fix=fix,
         gain=min(0.9, share),
         severity="high" if share >= GC_SHARE_HIGH else None,
+        can_apply=not (frozen or ours),  # the gc-freeze action leaves a freeze of the job's alone, and is done after its own
     )
