@@ -113,17 +113,22 @@ class GcPauses:
                 "full_seconds": self.seconds[2] - spent, "wall_seconds": perf_counter() - began,
                 "objects": gc.get_freeze_count()}
 
+    def _kept(self) -> tuple[list[int], list[float]]:
+        """The kept full collections' steps and pauses, copied (a collection set off while a list
+        is built appends to the deques) and aligned from the newest (a callback between the copies)."""
+        steps, pauses = list(self.full_steps), list(self.full)
+        n = min(len(steps), len(pauses))
+        return steps[len(steps) - n:], pauses[len(pauses) - n:]
+
     def full_since(self, first: int, last: int) -> list[float]:
         """The pauses of the full collections kept (the latest RECENT_FULL) that fell in steps first..last."""
-        # Copies first: a collection set off while this list is built appends to the deques.
-        steps, pauses = list(self.full_steps), list(self.full)
-        n = min(len(steps), len(pauses))  # (aligned from the newest: a callback between the copies)
-        return [spent for step, spent in zip(steps[len(steps) - n:], pauses[len(pauses) - n:]) if first <= step <= last]
+        steps, pauses = self._kept()
+        return [spent for step, spent in zip(steps, pauses) if first <= step <= last]
 
     def spacing(self) -> tuple[float, float] | None:
         """The median pause of the kept full collections and the median steps between them (None: fewer than two)."""
-        steps, pauses = list(self.full_steps), list(self.full)
-        if len(steps) < 2 or not pauses:
+        steps, pauses = self._kept()
+        if len(steps) < 2:
             return None
         return median(pauses), median(b - a for a, b in zip(steps, steps[1:]))
 

@@ -55,20 +55,18 @@ class FreezeChange(Change):
     def __init__(self, job: LiveJob, pause: float, spacing: float) -> None:
         super().__init__()
         self.job = job
-        self.pause, self.spacing = pause, spacing  # before: the median full collection, steps apart
+        self.pause, self.spacing = pause, spacing  # before: the median full collection, steps apart (>= 1)
         window = min(MAX_WINDOW, max(MIN_WINDOW, math.ceil(SPACINGS * spacing)))
         self.window_steps = BLOCKS * math.ceil(window / BLOCKS)
         self.before = {"gc frozen objects": 0}
         self.after = {"gc frozen objects": None}  # counted at apply()
-        self.first_step: int | None = None
 
     def apply(self) -> None:
         gc.collect()
         gc.freeze()
         self.after["gc frozen objects"] = gc.get_freeze_count()
-        self.first_step = self.job.timeline.ring.count + 1
         if self.job.collector is not None:
-            self.job.collector.frozen_by_tuneup(self.first_step)
+            self.job.collector.frozen_by_tuneup(self.job.timeline.ring.count + 1)
 
     def revert(self) -> None:
         gc.unfreeze()
@@ -83,7 +81,7 @@ class FreezeChange(Change):
         if collector is None or first is None or last is None or not steps:
             return verdict
         pauses = collector.full_since(first, last)
-        before = self.pause / max(1.0, self.spacing)  # seconds of full collection a step
+        before = self.pause / self.spacing  # seconds of full collection a step (spacing >= 1: propose)
         after = sum(pauses) / steps
         step = trial.get("mean_step_seconds") or 0.0
         count = f"{len(pauses)} in {steps} steps"
