@@ -222,6 +222,21 @@ def test_bad_targets_fail_before_exec_in_one_line(tmp_path, monkeypatch, target,
     assert "\n" not in message and all(word in message for word in words)
 
 
+def test_the_launcher_checks_run_options_without_importing_torch():
+    # The launcher imports no torch of its own: the job's interpreter, exec'd next, imports it
+    # anyway. Checking --actions once imported apply mode's actions (and so torch) here as well.
+    code = ("import sys; sys.modules['torch'] = None; from tuneup.launch.command import run_environment\n"
+            "print(run_environment(True, 'dataloader,gc-freeze')['TUNEUP_ACTIONS'])\n"
+            "try:\n    run_environment(True, 'all,nope')\nexcept ValueError as exc:\n    print(exc)")
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    chosen, refused = result.stdout.splitlines()
+    assert chosen == "dataloader,gc-freeze"
+    assert refused.startswith("--actions: unknown action 'nope' (the actions are: dataloader, amp,"), refused
+    from tuneup.act.actions import ACTIONS, DEFAULT_ACTIONS  # the ids checked are the actions'
+    assert ", ".join(DEFAULT_ACTIONS) in refused and all(name in refused for name in ACTIONS)
+
+
 def test_disable_leaves_the_script_unmeasured(tmp_path):
     script = write(tmp_path / "job.py", """
         import tuneup

@@ -17,12 +17,15 @@ unsampled steps pay nothing. Two backends, chosen per sampled step:
   (WATCHED_KINDS: sampled steps that were also watched).
 
 The host-read wrappers (Tensor methods: TorchScript and dynamo resolve those by name, never
-through the Python attribute) are installed once, at attach, and only check a flag outside
-sampled steps. Installing them per sampled step would be simpler, but setting attributes
-on torch.Tensor (dunder slots above all) invalidates the interpreter's attribute caches for
-every tensor: measured at 30-240 µs per sampled step, against nothing measurable for a
-permanent wrapper (benchmarks/bench_overhead.py). Each wrapper, after its flag, asks whether
-torch compiles (_patching.COMPILING), so dynamo folds it away and never guards on our state.
+through the Python attribute) are built once, at attach, and put in place only while a
+sampled step counts (SyncCounter.install: _patching.PatchSet.switch). In place on every step
+they cost every read of every step (AdamW reads each parameter's step count with .item());
+swapped in and out, a sampled step pays for setting and deleting 8 attributes of
+torch.Tensor, and torch's code after it for the interpreter's attribute caches of every tensor
+that this invalidates. That cost falls on sampled steps only, which are detail steps (see
+sample_after), so the detail steps' measured cost (windows.detail_cost) holds it and their
+pacing budgets for it. Each wrapper, after its flag, asks whether torch compiles
+(_patching.COMPILING), so dynamo folds it away and never guards on our state.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The catalog of actions apply mode can take, by id (TUNEUP_ACTIONS picks among them)."""
 
+from ...options import ACTION_IDS, DEFAULT_ACTIONS, OPT_IN_ACTIONS
 from .amp import Amp
 from .compile import Compile
 from .cudnn_benchmark import CudnnBenchmark
@@ -8,7 +9,8 @@ from .gc_freeze import GcFreeze
 from .zero_grad import ZeroGradSetToNone
 
 ACTIONS = {action.id: action for action in (DataLoaderTuning, Amp, CudnnBenchmark, ZeroGradSetToNone, GcFreeze, Compile)}
-# What apply mode may take unless told otherwise ("all"): every action but the opt-in ones.
-DEFAULT_ACTIONS = tuple(name for name, action in ACTIONS.items() if not action.opt_in)
+# The option's ids, checked without torch (options.py), are these; what apply mode may take
+# unless told otherwise ("all", DEFAULT_ACTIONS) is every action but the opt-in ones.
+assert tuple(ACTIONS) == ACTION_IDS and tuple(n for n, a in ACTIONS.items() if a.opt_in) == OPT_IN_ACTIONS
 
 __all__ = ["ACTIONS", "DEFAULT_ACTIONS"]
