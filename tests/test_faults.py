@@ -161,6 +161,36 @@ def test_an_internal_probe_error_turns_only_that_probe_off(run_dir, monkeypatch)
     assert snapshot["totals"]["steps"] == truth.steps == 20
 
 
+def test_warnings_made_errors_by_the_job_never_raise_tuneups_into_it(run_dir, monkeypatch):
+    """A job that runs with warnings.simplefilter("error") (or -W error): a probe's failure
+    inside its loop and a busy port at attach() are shown, and the job trains on, as it does
+    without tuneup. Before, the probe's warning raised out of the job's next(iterator), and the
+    port's out of attach()."""
+    import socket
+
+    from tuneup.measure.loader import LoaderProbe
+
+    def broken(*args):
+        raise RuntimeError("simulated probe bug")
+
+    monkeypatch.setattr(LoaderProbe, "batch_size", broken)
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, *rest, **kw: shown.append((category, message)))
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with socket.socket() as busy, warnings.catch_warnings():
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        warnings.simplefilter("error")
+        with tuneup.attach(run_dir=run_dir, port=busy.getsockname()[1]) as agent:
+            truth = train(loader_for(SlowDataset(size=512), collate_fn=_as_lists), model, optimizer, steps=20)
+    ours = [str(message) for category, message in shown if category is tuneup.TuneupWarning]
+    assert any("in use" in message for message in ours), ours
+    assert any("dataloader probe turned off" in message and "simulated probe bug" in message for message in ours), ours
+    assert all("probe turned off" not in message.split("error: ", 1)[-1] for message in ours), ours  # no cascade
+    assert agent.snapshot()["totals"]["steps"] == truth.steps == 20
+
+
 def test_a_probe_failing_on_tuneups_own_thread_warns_in_one_line(run_dir, monkeypatch):
     """The host sampler fails on the agent's thread, where no line of the job's led to it: the
     warning is attributed to tuneup itself, so Python prints it as one line with no source line

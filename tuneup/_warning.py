@@ -37,7 +37,19 @@ def warn(message: str) -> None:
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(passed_over):
         frame, level = frame.f_back, level + 1
-    if frame is None or os.path.abspath(frame.f_code.co_filename) == _THREADING:
-        warnings.warn_explicit(message, TuneupWarning, "tuneup", 0, module="tuneup", registry=_OWN_REGISTRY)
-        return
-    warnings.warn(message, TuneupWarning, stacklevel=level + 1)
+    own = frame is None or os.path.abspath(frame.f_code.co_filename) == _THREADING
+    try:
+        if own:
+            warnings.warn_explicit(message, TuneupWarning, "tuneup", 0, module="tuneup", registry=_OWN_REGISTRY)
+        else:
+            warnings.warn(message, TuneupWarning, stacklevel=level + 1)
+    except Exception:
+        # The job's filters make warnings errors (warnings.simplefilter("error"), -W error): raised
+        # here, tuneup's would end the job from inside a probe, an optimizer step or attach(). It is
+        # shown instead, as the default filter shows it (and a custom showwarning that raises
+        # is passed over: nothing of tuneup's may stop the job).
+        try:
+            filename, line = ("tuneup", 0) if own else (frame.f_code.co_filename, frame.f_lineno)
+            warnings.showwarning(message, TuneupWarning, filename, line)
+        except Exception:
+            pass
