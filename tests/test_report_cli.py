@@ -119,6 +119,22 @@ def test_report_formats(finished_run, tmp_path):
     assert [f["rule"] for f in findings(finished_run, "--silence", "data-stall")] == ["host-syncs"]
 
 
+def test_the_text_report_keeps_code_and_links_whole_in_a_narrow_pipe(finished_run):
+    # Piped (CI logs, `> file`) rich wraps to 80 columns, or COLUMNS: a fix's comment wrapped
+    # into a line of code, a docs link into two halves. Each fix line and link is one line.
+    document = json.loads(tuneup("report", str(finished_run), "-f", "json").stdout)
+    shown = [f for f in document["findings"] if any(len(line) > 50 for line in f["fix"].splitlines())]
+    assert shown, [f["fix"] for f in document["findings"]]
+    text = subprocess.run([sys.executable, "-m", "tuneup", "report", str(finished_run)], capture_output=True, text=True,
+                          env=child_env(COLUMNS="50"), timeout=300).stdout
+    lines = text.splitlines()
+    for finding in document["findings"]:
+        for line in finding["fix"].rstrip().splitlines():
+            assert (" " * 5 + line).rstrip() in lines, (line, text)
+        assert f"   docs: {finding['doc']}" in lines, text
+    assert max(map(len, lines)) > 50 and not [line for line in lines if line != line.rstrip()]
+
+
 def without_torch(*args: str) -> subprocess.CompletedProcess:
     """`tuneup ARGS` in a process where `import torch` raises ImportError (sys.modules["torch"] = None)."""
     code = "import sys; sys.modules['torch'] = None; from tuneup.cli import main; main(sys.argv[1:])"

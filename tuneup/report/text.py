@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.padding import Padding
+from rich.segment import Segment
 from rich.syntax import Syntax
 from rich.text import Text
 
@@ -70,22 +71,49 @@ def findings_group(document: dict[str, Any]) -> Group:
             Text(f"threshold: {finding['threshold']}", style="dim"),
             Text(f"gain: {finding['gain_text']}"),
             Text("fix:"),
-            Padding(Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default", word_wrap=True), (0, 0, 0, 2)),
         ]
+        code = Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default").highlight(finding["fix"])
+        code.rstrip()
+        tail = []
         applied = summary.apply_line(finding)
         if applied:  # green where it is or can be made; what was not kept, in the default colour
             made = applied == summary.CAN_APPLY or (finding.get("applied") or {}).get("decision") in ("kept", "set at start")
-            lines.append(Text(applied, style="green" if made else ""))
-        lines.append(Text(f"docs: {finding['doc']}", style="dim"))
-        parts += [head, Padding(Group(*lines), (0, 0, 1, 3))]
+            tail.append(Text(applied, style="green" if made else ""))
+        parts += [head, Padding(Group(*lines), (0, 0, 0, 3)), Verbatim(code, 5)]
+        if tail:
+            parts.append(Padding(Group(*tail), (0, 0, 0, 3)))
+        parts += [Verbatim(Text(f"docs: {finding['doc']}", style="dim"), 3), Text("")]
     return Group(*parts)
 
 
+class Verbatim:
+    """Lines as they are, indented, never wrapped or cropped (printed with crop=False): code to
+    copy and links to follow. Wrapped to the console's width (80 columns in a pipe or a CI
+    log), a comment's tail became a line of code and a URL two halves."""
+
+    def __init__(self, text: Text, indent: int) -> None:
+        self.text, self.indent = text, indent
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        for line in self.text.split("\n"):
+            yield Segment(" " * self.indent)
+            yield from line.render(console)
+            yield Segment.line()
+
+
 def render_text(document: dict[str, Any], console: Console) -> None:
+    """The report on `console`, its lines without the spaces rich pads them with to the width."""
+    with console.capture() as captured:
+        _render_text(document, console)
+    console.file.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+    console.file.flush()
+
+
+def _render_text(document: dict[str, Any], console: Console) -> None:
     console.print(Text(f"tuneup report: {document['source']}", style="bold"))
     for note in document.get("notes", ()):
         console.print(Text(f"note: {note}", style="yellow"))
-    console.print(findings_group(document))
+    console.print(findings_group(document), crop=False)  # (Verbatim: code and links uncut)
     for run in document["runs"]:
         if len(document["runs"]) > 1:
             console.rule(f"rank {run['rank']}")
