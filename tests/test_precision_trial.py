@@ -81,6 +81,58 @@ def test_the_model_is_timed_once_and_the_job_is_untouched(run_dir):
     assert agent.recorder.timeline.ring.count == STEPS  # and no step of its own was counted
 
 
+class Queued(nn.Module):
+    """A forward that keeps Python state in its attributes, as MoCo-style memory banks and
+    running statistics do: a call counter, a mean kept as a plain tensor (reassigned) and one
+    updated in place, and a queue of recent features that the output reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(64, 256), nn.ReLU()), nn.Linear(256, 1)
+        self.mean, self.total, self.queue, self.calls = torch.zeros(256), torch.zeros(256), [], 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.body(x)
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * h.detach().mean(0)
+            self.total += h.detach().sum(0)
+            self.queue.append(h.detach().mean(0))
+            self.queue = self.queue[-4:]
+        return self.head(h - torch.stack(self.queue).mean(0) - self.mean)
+
+
+def test_a_forward_that_keeps_state_in_its_attributes_finds_it_as_it_left_it(run_dir):
+    def run(agent_options):
+        torch.manual_seed(0)
+        net = Queued()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        loader = DataLoader(TensorDataset(torch.randn(1024, 64), torch.randn(1024, 1)), batch_size=64, shuffle=True)
+        agent = tuneup.attach(**agent_options) if agent_options is not None else None
+        losses = []
+        while len(losses) < STEPS:
+            for x, y in loader:
+                loss = nn.functional.mse_loss(net(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+                if len(losses) == STEPS:
+                    break
+        if agent is not None:
+            agent.detach()
+        return losses, net, agent
+
+    plain, plain_net, _ = run(None)
+    losses, net, agent = run(options(run_dir))
+    trial = trial_of(agent)
+    assert trial is not None and "skipped" not in trial and trial["pairs"] >= 1, trial  # its forwards ran
+    assert net.calls == plain_net.calls == STEPS
+    assert losses == plain  # bit-identical, the trial's forwards after the job's state included
+    assert torch.equal(net.mean, plain_net.mean) and torch.equal(net.total, plain_net.total)
+    assert len(net.queue) == 4 and all(torch.equal(a, b) for a, b in zip(net.queue, plain_net.queue))
+
+
 @pytest.mark.parametrize("case", ["autocast", "no bf16 units", "compiled"])
 def test_never_timed_where_amp_off_cannot_fire(run_dir, case):
     """A job already under autocast, a CPU without bf16 units, a compiled model (a hook on it

@@ -117,8 +117,10 @@ class ModelCapture:
 
 @contextmanager
 def unseen(model: nn.Module, model_probe: Any) -> Iterator[None]:
-    """The block runs `model` with its modules' hooks set aside and the model probe off."""
+    """The block runs `model` with its modules' hooks set aside and the model probe off, and
+    leaves each module's own attributes as it found them (_ModuleState)."""
     hooks = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOK_DICTS if hasattr(m, name)]
+    state = _ModuleState(model)
     probe_on, model_probe.on = model_probe.on, False
     try:
         for m, name, _ in hooks:
@@ -128,3 +130,62 @@ def unseen(model: nn.Module, model_probe: Any) -> Iterator[None]:
         for m, name, original in hooks:
             setattr(m, name, original)
         model_probe.on = probe_on
+        state.restore()
+
+
+# torch's own bookkeeping in a module's __dict__: put back by functional_call and by unseen itself
+_TORCH_KEYS = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *_HOOK_DICTS))
+_CONTAINERS = (list, dict, set)
+CLONE_LIMIT = 64 << 20  # bytes of plain tensor attributes copied, at most (a larger one is only watched)
+
+
+class _ModuleState:
+    """The Python state a forward may keep in its modules' attributes, as it is now, to put
+    back after tuneup ran the forward itself (the precision trial, the FLOP count): a counter
+    (`self.n += 1`), a statistic kept as a plain tensor, not a buffer (`self.mean = 0.99 *
+    self.mean + ...`, or `+=` in place), a queue (MoCo's memory bank: `self.queue.append(...)`).
+    Left as the trial's forwards left them, the job's next forward read them, and advise mode
+    changed its losses (a running mean over 50 extra forwards). Every attribute is put back;
+    lists, dicts and sets get their contents back; a plain tensor changed in place gets its
+    values back where it was copied (all of them up to CLONE_LIMIT bytes: a larger one changed
+    in place stays changed). State outside the modules (a global, a print) is not the model's
+    and is not undone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        import torch
+
+        self.saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        budget = CLONE_LIMIT
+        for module in model.modules():
+            attributes = {k: v for k, v in vars(module).items() if k not in _TORCH_KEYS}
+            contents: dict[str, Any] = {}
+            for key, value in attributes.items():
+                if type(value) in _CONTAINERS:
+                    contents[key] = value.copy()
+                elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    size = value.nelement() * value.element_size()
+                    copy = value.detach().clone() if size <= budget and value.device.type != "meta" else None
+                    budget -= size if copy is not None else 0
+                    contents[key] = (value._version, copy)
+            self.saved.append((module, attributes, contents))
+
+    def restore(self) -> None:
+        import torch
+
+        for module, attributes, contents in self.saved:
+            own = vars(module)
+            for key in [k for k in own if k not in _TORCH_KEYS and k not in attributes]:
+                del own[key]  # set by the forward
+            own.update(attributes)
+            for key, kept in contents.items():
+                value = attributes[key]
+                if isinstance(value, torch.Tensor):
+                    version, copy = kept
+                    if value._version != version and copy is not None:
+                        with torch.no_grad():
+                            value.copy_(copy)
+                elif isinstance(value, list):
+                    value[:] = kept
+                else:
+                    value.clear()
+                    value.update(kept)

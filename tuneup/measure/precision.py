@@ -24,7 +24,9 @@ The job sees none of it:
   off (offstep.unseen); a job with global module hooks is not timed (they would see the forwards).
 Not timed: a compiled model (its graphs run the step, not its forward), a job under autocast, an FSDP model
 (sharded parameters), a model whose output holds no tensor a backward can start from. What the
-forward does to Python state of its own (a call counter, a cache) is not undone.
+forward keeps in its modules' own attributes (a call counter, a running mean kept as a plain
+tensor, a memory bank's queue) is put back as it was (offstep._ModuleState); what it does
+outside them (a global, a print) is not undone.
 """
 
 from __future__ import annotations
