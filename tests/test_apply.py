@@ -150,6 +150,34 @@ def test_apply_mode_tunes_an_io_bound_loader_without_changing_the_batches(run_di
     assert loader.num_workers == 0, "detach puts the job's own settings back"
 
 
+class Curriculum(SlowIndexed):
+    """A curriculum the loop moves on every step (`dataset.noise = ...`): in workers, each with
+    the copy it forked, the batches would stop following it."""
+
+    noise = 0.0
+
+    def __getitems__(self, indices: list[int]):
+        return [(x * (1 + self.noise), y, index) for x, y, index in super().__getitems__(indices)]
+
+
+def test_a_dataset_the_loop_changes_while_it_trains_keeps_its_work_in_the_main_process(run_dir):
+    def run(agent_options):
+        dataset = Curriculum(size=1600)
+
+        def harder(step, agent):
+            dataset.noise = min(0.5, step / 200)
+
+        return io_bound_run(150, dataset=dataset, agent_options=agent_options, after_step=harder,
+                            observe=lambda x, y, index: x.sum().item())
+
+    plain_batches, plain_losses, _, _, _ = run(None)
+    batches, losses, _, agent, loader = run(apply_options(run_dir, actions=("dataloader",)))
+    assert not records(agent, "dataloader", "trying") and not records(agent, "dataloader", "kept"), decisions(agent)
+    said = records(agent, "dataloader", "not applicable")
+    assert said and "the dataset's noise changed while the job trained" in said[0]["reason"], decisions(agent)
+    assert batches == plain_batches and losses == plain_losses  # the curriculum followed, in the main process
+
+
 def test_the_configuration_reports_the_loader_settings_the_steps_run_with(run_dir):
     """A kept num_workers change: the configuration while attached, and the final report's after
     detach put the job's own back (a later trial cut short at detach undone first: the report

@@ -285,6 +285,7 @@ class DataLoaderTuning(Action):
         self.failed = False
         self.epoch_starts = _EpochStarts()
         self.in_effect: list[LoaderChange] = []
+        self.dataset_seen: tuple[Any, int, tuple] | None = None  # (dataset, step, _fingerprint), first looked at
 
     def now_in_effect(self, change: LoaderChange, loader: DataLoader) -> None:
         """The epoch-start hooks live while any change is in effect."""
@@ -322,6 +323,13 @@ class DataLoaderTuning(Action):
                     loader, job.loaders.iterators):
                 best, served = loader, iterator._num_yielded
         return best
+
+    def wanted(self, job: LiveJob) -> bool:
+        if self.dataset_seen is None:  # (_why_no_workers: whether the dataset changes as the job trains)
+            loader = self._reading(job)
+            if loader is not None:
+                self.dataset_seen = loader.dataset, job.timeline.ring.count, _fingerprint(loader.dataset)
+        return super().wanted(job)
 
     def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None and not self.busy:
@@ -445,13 +453,27 @@ class DataLoaderTuning(Action):
             return None
         return max(floor, min(workers - 1, (workers + floor) // 2))  # halfway to the count rejected below
 
-    @staticmethod
-    def _why_no_workers(job: LiveJob, loader: DataLoader) -> Any:
+    def _why_no_workers(self, job: LiveJob, loader: DataLoader) -> Any:
         """Why the loader's work must stay in the main process (None: it may move), or _LATER."""
         method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
         if method != "fork":
             return (f"worker processes would start with {method!r}, which imports the training script again in "
                     "each worker; add workers yourself, with the script's code under `if __name__ == \"__main__\":`")
+        # A dataset whose attributes change while the job trains (the loop sets a curriculum's
+        # `dataset.noise`, __getitem__ counts or caches): each worker holds the copy it forked,
+        # so the batches would stop following the changes. Its attributes as first seen (wanted)
+        # against now; first seen now, it is looked at again at the next proposal.
+        step, now = job.timeline.ring.count, _fingerprint(loader.dataset)
+        if self.dataset_seen is None or self.dataset_seen[0] is not loader.dataset or self.dataset_seen[1] == step:
+            self.dataset_seen = loader.dataset, step, now
+            return _LATER
+        _, seen_step, seen = self.dataset_seen
+        if seen != now:
+            before, after = {item[0]: item for item in seen}, {item[0]: item for item in now}
+            changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+            return (f"the dataset's {', '.join(changed[:3])} changed while the job trained (steps {seen_step} to "
+                    f"{step}): workers would each hold the copy they started with, and their batches would not "
+                    "follow the changes; add workers yourself where the dataset reads what changes from shared state")
         draws = job.loaders.main_process_rng_draws
         if draws is None:
             return _LATER  # not checked on a fetch yet
