@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -282,6 +283,34 @@ def test_a_failing_replacement_turns_its_probe_off_and_never_reaches_the_job(run
     assert losses == plain  # the job went on exactly as without tuneup
     assert ours == [f"tuneup: {probe} probe turned off after an internal error: RuntimeError: simulated probe bug"]
     assert agent.snapshot()["probes"][probe] == "off"
+
+
+def test_a_ctrl_c_in_the_fetchs_bookkeeping_leaves_no_frame_of_tuneups_in_the_traceback(run_dir, monkeypatch):
+    """SIGINT's handler raises KeyboardInterrupt wherever the training thread is: here in the
+    bookkeeping after a fetch (the loader probe's clock read that ends the data wait, on the
+    fifth fetch: hotpath.py loader_next). The traceback the job sees goes from its loop to the handler, as without tuneup."""
+    import traceback
+
+    from tuneup.measure.loader import LoaderProbe
+
+    ends = []
+
+    def interrupted_clock():
+        caller = sys._getframe(1)
+        if "tl.data_wait += clock()" in linecache.getline(caller.f_code.co_filename, caller.f_lineno):
+            ends.append(caller.f_lineno)
+            if len(ends) == 5:  # the read that ends the fifth fetch's data wait
+                raise KeyboardInterrupt
+        return time.perf_counter()
+
+    monkeypatch.setattr(LoaderProbe, "clock", staticmethod(interrupted_clock))
+    model = mlp(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tuneup.attach(run_dir=run_dir), pytest.raises(KeyboardInterrupt) as raised:
+        train(loader_for(SlowDataset(size=512)), model, optimizer, steps=20)
+    files = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert len(ends) == 5 and files[-1] == __file__, files
+    assert not [f for f in files if f"{os.sep}tuneup{os.sep}" in f], files
 
 
 def test_a_run_directory_that_is_a_file_is_said_so_once_and_training_goes_on(tmp_path):

@@ -146,6 +146,9 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             tl.data_wait += clock() - began - own
         except Exception as exc:
             probe.fail(exc)
+        except BaseException as exc:  # a Ctrl-C landing in the bookkeeping: the job's traceback, no frame of ours
+            unwind(exc)
+            raise
         return batch
 
     return __next__
