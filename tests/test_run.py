@@ -6,6 +6,7 @@ Every test starts real interpreters: the launcher execs one, whose start-up impo
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -123,6 +124,25 @@ def test_training_job_is_measured(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == "trained\n"
     assert end_event(tmp_path / "run")["totals"]["steps"] == 30
+
+
+def test_a_clean_end_says_the_findings_and_the_report_command_in_one_line(tmp_path):
+    script = write(tmp_path / "train.py", TRAIN + "\ntrain()\n")
+    result = launch(script, env=environment(tmp_path))
+    assert result.returncode == 0 and result.stdout == "", result.stderr
+    line, = result.stderr.splitlines()  # nothing else: no warning from the summary's own reads after detach
+    said = re.fullmatch(r"tuneup: (\d+) findings? in 30 steps \((.*)\); the advice: tuneup report (.*)", line)
+    assert said and said[3] == str(tmp_path / "run"), line
+    # The command it gives prints those findings' advice, the same ones in the same order.
+    report = subprocess.run([sys.executable, "-m", "tuneup", "report", said[3], "-f", "json"], env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    rules = [finding["rule"] for finding in json.loads(report.stdout)["findings"]]
+    assert int(said[1]) == len(rules) >= 1 and said[2].split(", ")[:4] == rules[:4], (line, rules)
+    # After a traceback the job's error stays the last line; a run without steps says nothing.
+    failing = write(tmp_path / "fails.py", TRAIN + "\ntrain()\nraise ValueError('after training')\n")
+    failed = launch(failing, env=environment(tmp_path))
+    assert failed.returncode == 1 and failed.stderr.splitlines()[-1] == "ValueError: after training", failed.stderr
 
 
 def test_children_do_not_inherit_the_bootstrap(tmp_path):

@@ -115,7 +115,7 @@ class Outputs:
         """One event into the history and the run log."""
         self.state.history.add(event)
         log = self.run_log
-        if log is not None and not log.write(event):
+        if log is not None and not log.write(event) and log.error is not None:  # (closed at detach: the history has it)
             self.run_log = None
             self._run_log_failed(log)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-__all__ = ["exec_script", "LaunchError"]
+__all__ = ["exec_script", "ExitLine", "LaunchError"]
 
 _BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 
@@ -64,6 +64,49 @@ def exec_script(
         if stream is not None:
             stream.flush()  # exec discards anything still buffered in this process
     os.execve(sys.executable, command, env)
+
+
+class ExitLine:
+    """What `tuneup run` says on stderr as the job ends: its findings and the command that
+    prints their advice, e.g.
+
+        tuneup: 3 findings in 400 steps (data-stall, host-syncs, cpu-oversubscribed); the advice: tuneup report tuneup-runs/20261203-…
+
+    Registered with atexit before attach() (so it runs after the agent's own detach), said
+    only where the job ended cleanly (no traceback of its own is then followed by ours: an
+    unhandled exception leaves sys.last_value), trained at least one step, has a run log, and
+    is rank 0 or not distributed (thousands of ranks would print thousands of lines)."""
+
+    def __init__(self) -> None:
+        self.agent: Any = None
+
+    def say(self) -> None:
+        try:
+            line = self.line()
+            if line is not None and sys.stderr is not None:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+        except Exception:  # nothing of tuneup's may change how the job exits
+            pass
+
+    def line(self) -> str | None:
+        agent = self.agent
+        if agent is None or not agent.enabled or agent.run_dir is None or hasattr(sys, "last_value"):
+            return None
+        if agent.run_info.get("rank") not in (None, 0):
+            return None
+        steps = agent.snapshot()["totals"]["steps"]
+        if not steps:
+            return None
+        findings = [finding["rule"] for finding in agent.findings()]
+        said = (f"{len(findings)} finding{'s' if len(findings) != 1 else ''} in {steps:,} steps "
+                f"({', '.join(findings[:4])}{', …' if len(findings) > 4 else ''})" if findings
+                else f"no findings in {steps:,} steps")
+        kept = [record["change"] for record in agent.actions()
+                if record.get("decision") in ("kept", "set at start") and record.get("change")]
+        if kept:
+            said += f"; apply mode kept {', '.join(kept[:3])}{', …' if len(kept) > 3 else ''}"
+        return f"tuneup: {said}; the {'advice' if findings else 'report'}: tuneup report {agent.run_dir}"
 
 
 def _check_script(target: str) -> None:

@@ -35,9 +35,14 @@ if _launcher_pid == str(os.getpid()):
 
         if importlib.util.find_spec("tuneup") is None:  # launched from a source checkout
             sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))
-        import tuneup
+        import atexit
 
-        tuneup.attach()
+        import tuneup
+        from tuneup.launch import ExitLine
+
+        _exit_line = ExitLine()
+        atexit.register(_exit_line.say)  # before attach(): atexit runs it after the agent's detach
+        _exit_line.agent = tuneup.attach()
     except Exception as exc:
         print(f"tuneup: could not attach: {type(exc).__name__}: {' '.join(str(exc).split())} "
               "(the script runs unmeasured)", file=sys.stderr)
