@@ -25,10 +25,10 @@ def mlp(width: int = 1024) -> nn.Module:
 
 
 def train(steps: int, options: dict | None = None, *, autocast: bool = False, compiled: bool = False, hook=None,
-          width: int = 1024):
-    """(losses, the model, the agent or None)."""
+          width: int = 1024, model=None):
+    """(losses, the model, the agent or None); `model`: a class to train instead of mlp(width)."""
     torch.manual_seed(0)
-    net = mlp(width)
+    net = model() if model is not None else mlp(width)
     if hook is not None:
         net.register_forward_hook(lambda module, args, output: hook(output.shape))
     trained = torch.compile(net, backend="eager") if compiled else net
@@ -103,28 +103,8 @@ class Queued(nn.Module):
 
 
 def test_a_forward_that_keeps_state_in_its_attributes_finds_it_as_it_left_it(run_dir):
-    def run(agent_options):
-        torch.manual_seed(0)
-        net = Queued()
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-        loader = DataLoader(TensorDataset(torch.randn(1024, 64), torch.randn(1024, 1)), batch_size=64, shuffle=True)
-        agent = tuneup.attach(**agent_options) if agent_options is not None else None
-        losses = []
-        while len(losses) < STEPS:
-            for x, y in loader:
-                loss = nn.functional.mse_loss(net(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-                if len(losses) == STEPS:
-                    break
-        if agent is not None:
-            agent.detach()
-        return losses, net, agent
-
-    plain, plain_net, _ = run(None)
-    losses, net, agent = run(options(run_dir))
+    plain, plain_net, _ = train(STEPS, model=Queued)
+    losses, net, agent = train(STEPS, options(run_dir), model=Queued)
     trial = trial_of(agent)
     assert trial is not None and "skipped" not in trial and trial["pairs"] >= 1, trial  # its forwards ran
     assert net.calls == plain_net.calls == STEPS

@@ -74,14 +74,11 @@ def findings_group(document: dict[str, Any]) -> Group:
         ]
         code = Syntax(finding["fix"], "python", theme="ansi_dark", background_color="default").highlight(finding["fix"])
         code.rstrip()
-        tail = []
+        parts += [head, Padding(Group(*lines), (0, 0, 0, 3)), Verbatim(code, 5)]
         applied = summary.apply_line(finding)
         if applied:  # green where it is or can be made; what was not kept, in the default colour
             made = applied == summary.CAN_APPLY or (finding.get("applied") or {}).get("decision") in ("kept", "set at start")
-            tail.append(Text(applied, style="green" if made else ""))
-        parts += [head, Padding(Group(*lines), (0, 0, 0, 3)), Verbatim(code, 5)]
-        if tail:
-            parts.append(Padding(Group(*tail), (0, 0, 0, 3)))
+            parts.append(Padding(Text(applied, style="green" if made else ""), (0, 0, 0, 3)))
         parts += [Verbatim(Text(f"docs: {finding['doc']}", style="dim"), 3), Text("")]
     return Group(*parts)
 

@@ -328,8 +328,11 @@ class DataLoaderTuning(Action):
         if self.dataset_seen is None:  # (_why_no_workers: whether the dataset changes as the job trains)
             loader = self._reading(job)
             if loader is not None:
-                self.dataset_seen = loader.dataset, job.timeline.ring.count, _fingerprint(loader.dataset)
+                self._see_dataset(job, loader)
         return super().wanted(job)
+
+    def _see_dataset(self, job: LiveJob, loader: DataLoader) -> None:
+        self.dataset_seen = loader.dataset, job.timeline.ring.count, _fingerprint(loader.dataset)
 
     def propose(self, job: LiveJob, recent: dict[str, Any] | None) -> Change | None:
         if job.finding(*self.fixes) is None and not self.busy:
@@ -463,11 +466,12 @@ class DataLoaderTuning(Action):
         # `dataset.noise`, __getitem__ counts or caches): each worker holds the copy it forked,
         # so the batches would stop following the changes. Its attributes as first seen (wanted)
         # against now; first seen now, it is looked at again at the next proposal.
-        step, now = job.timeline.ring.count, _fingerprint(loader.dataset)
+        step = job.timeline.ring.count
         if self.dataset_seen is None or self.dataset_seen[0] is not loader.dataset or self.dataset_seen[1] == step:
-            self.dataset_seen = loader.dataset, step, now
+            self._see_dataset(job, loader)
             return _LATER
         _, seen_step, seen = self.dataset_seen
+        now = _fingerprint(loader.dataset)
         if seen != now:
             before, after = {item[0]: item for item in seen}, {item[0]: item for item in now}
             changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
