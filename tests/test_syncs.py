@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -230,7 +231,10 @@ def test_a_warning_inside_a_counted_read_names_the_jobs_line(tmp_path):
     if "UserWarning" not in plain.stderr:
         pytest.skip("this torch does not warn on float() of a tensor that requires grad")
     assert plain.stderr.startswith(f"{program}:{line}: UserWarning")
-    assert (tuned.stdout, tuned.stderr) == (plain.stdout, plain.stderr)
+    # The job's stderr line for line, then the one line `tuneup run` ends a clean run with.
+    assert tuned.stdout == plain.stdout and tuned.stderr.startswith(plain.stderr), tuned.stderr
+    assert re.fullmatch(rf"tuneup: .* in 12 steps.*; the (advice|report): tuneup report {re.escape(str(tmp_path / 'run'))}\n",
+                        tuned.stderr[len(plain.stderr):]), tuned.stderr
     histories, _ = load(str(tmp_path / "run"))
     sources = histories[0].snapshot()["syncs"]["top_sources"]
     assert [source["location"] for source in sources] == [f"{program}:{line}"]  # it was counted
