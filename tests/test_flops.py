@@ -210,6 +210,43 @@ def test_a_new_input_shape_is_counted_again_and_the_figure_says_it_varies(run_di
     assert agent.snapshot()["flops"]["estimate"] is True
 
 
+def test_a_capture_started_again_before_its_step_closed_waits_for_a_new_training_forward(run_dir):
+    """The count took a training forward, and is started again before that step closed (the
+    run's own schedule never does; a test that started it by hand did, in CI): it waits for
+    the next training forward, not for any call of the forward. jit.trace checks its trace by
+    calling the model's Python forward under no_grad (torch/jit/_trace.py, _check_trace is
+    decorated @torch.no_grad()): with the old input still held, that call was taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = fixed((16, 32))(0)
+
+    def forward_backward():
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    with tuneup.attach(run_dir=run_dir, port=0, interval=60, detail_every=1) as agent:
+        for _ in range(8):
+            forward_backward()
+            optimizer.step()
+        flops = agent.recorder.flops
+        flops.capture([model])
+        forward_backward()  # a training forward on a detail step: taken, its step still open
+        assert flops.state == "captured"
+        flops.capture([model])
+        assert flops.state == "capturing"
+        with torch.no_grad():
+            model(x)
+        torch.jit.trace(model, x)
+        assert flops.state == "capturing"
+        optimizer.step()
+        forward_backward()  # the next training forward
+        assert flops.state == "captured"
+        optimizer.step()
+        forward_backward()
+    assert counted(agent)["flops"] == pytest.approx(2 * linear(16, 32, 64) + 3 * linear(16, 64, 10), rel=0.02)
+
+
 def test_a_forward_that_needs_its_data_is_not_counted_and_says_why(run_dir):
     class Masked(nn.Module):
         def __init__(self):

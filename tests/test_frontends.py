@@ -309,7 +309,8 @@ def phases(request, tmp_path_factory):
         replaced = {(audit_key(owner), name) for owner, name, _ in agent._patches.replaced}
         originals = [original for _, _, original in agent._patches.replaced]
         restore(job, state)
-        # The FLOP count waiting for the model's next training forward, as it does every
+        # The FLOP count waiting for the model's next training forward (started again where the
+        # loop's last step, not closed until the next fetch, gave it one: offstep.py capture), as it does every
         # RECHECK_STEPS steps (a module pre-hook of tuneup's on the model at that moment made
         # jit.script fail on its code and deepcopy on what it was bound to, in CI at step 592).
         flops = agent.recorder.flops
@@ -326,6 +327,7 @@ def phases(request, tmp_path_factory):
         waiting.append("item" in vars(torch.Tensor))
         results["attached"] = {name: outcome(name, job) for name in FRONT_ENDS}
         waiting.append(flops.state == "capturing")
+        left = (flops.state, flops._missed, flops.skipped)
         flops.counts.clear()  # counted again from the next training forward it is given
         more = 0
         while more < 3000 and flops.state in ("capturing", "captured"):  # (captured: its step not closed yet)
@@ -341,7 +343,8 @@ def phases(request, tmp_path_factory):
         patch.undo()
     results["detached"] = {name: outcome(name, job) for name in FRONT_ENDS}
     return {"results": results, "replaced": replaced, "originals": originals, "agent": agent,
-            "mode": mode, "trying": trying, "why": why, "model_class": Block, "waiting": waiting, "recount": recount}
+            "mode": mode, "trying": trying, "why": why, "model_class": Block, "waiting": waiting, "left": left,
+            "recount": recount}
 
 
 def test_a_capture_waiting_for_the_next_forward_leaves_no_trace_and_is_given_it(phases):
@@ -349,7 +352,7 @@ def test_a_capture_waiting_for_the_next_forward_leaves_no_trace_and_is_given_it(
     the model: see the test below), from inside a watched and sync-sampled step, and none of their calls was
     taken for the training forward; the job's next
     training forward on a detail step was, and counted."""
-    assert phases["waiting"] == [True, True, True, True]
+    assert phases["waiting"] == [True, True, True, True], phases["left"]
     assert phases["recount"] == ("counted", 1)
 
 

@@ -89,6 +89,11 @@ class ModelCapture:
             self.skip("global module hooks the job registered would see its forwards")
         else:
             self.state, self._model, self._root, self._missed = "capturing", target, weakref.ref(root), 0
+            # A new capture waits for a new forward: an input a capture before it kept (its
+            # step not closed yet) would be taken at the next call of the model's forward of any
+            # kind (jit.trace checks its trace by calling the Python forward under no_grad).
+            self._input = self._skip = self._failure = None
+            self.release()
             self.models.captures.append(self)
 
     def take(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
