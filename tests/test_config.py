@@ -107,6 +107,38 @@ def test_worker_processes_are_measured(run_dir):
     assert host["torch_threads"] == torch.get_num_threads()
 
 
+def test_workers_that_start_and_end_between_two_samples_are_measured(tmp_path):
+    """tests/programs/augment_workers.py: 8 steps an epoch, two new workers each epoch doing
+    all the augmentation, epochs far shorter than the 1 s sampling interval. Ground truth: the
+    script's own RUSAGE_CHILDREN over its loop (every child of it is one of those workers),
+    over the loop's wall time. tuneup's reading, averaged over its window, is that (a sample
+    asking psutil for the CPU use of workers it had never seen read 0.0 cores and 0 B)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import child_env
+
+    program = Path(__file__).parent / "programs" / "augment_workers.py"
+    run_dir = tmp_path / "run"
+    env = child_env(PYTHONPATH=None, TUNEUP_RUN_DIR=str(run_dir), TUNEUP_PORT="0")
+    result = subprocess.run([sys.executable, "-m", "tuneup", "run", str(program), "--epochs", "30"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    truth = json.loads(result.stdout.strip().splitlines()[-1])
+    cores = truth["workers_cpu_seconds"] / truth["seconds"]
+    report = subprocess.run([sys.executable, "-m", "tuneup", "report", str(run_dir), "--format", "json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    host = json.loads(report.stdout)["runs"][0]["snapshot"]["system"]["host"]
+    assert truth["steps"] == 240 and cores > 0.05, truth
+    assert host["workers"] == 2, host
+    # The window's samples against the whole loop's mean: the same rate, read over a part of it.
+    assert 0.65 * cores <= host["workers_cpu_ratio"] <= 1.35 * cores + 0.05, (host, truth)
+    assert host["workers_rss_bytes"] > 10 * 2**20, host
+
+
 def test_cgroup_quota_caps_usable_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert cgroup_cpu_limit(tmp_path) == 1.5

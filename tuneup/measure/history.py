@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from statistics import median
 from typing import Any, Iterable, Sequence
 
 from .utilization import energy, utilization
@@ -339,7 +340,15 @@ class RunHistory:
                 values = [host[field] for host in hosts if host.get(field) is not None]
                 if values:
                     latest["host"][field] = sum(values) / len(values)
-            latest["host"]["workers"] = max(host.get("workers") or 0 for host in hosts)
+            # The workers as they ran: the count and memory of the samples that found some (a
+            # sample between two epochs of workers that do not persist finds none; one in a
+            # switch of apply mode's, the old iterator's beside the new one's: their median).
+            running = [host for host in hosts if host.get("workers")]
+            if running:
+                latest["host"]["workers"] = round(median(host["workers"] for host in running))
+                latest["host"]["workers_rss_bytes"] = median(host.get("workers_rss_bytes") or 0 for host in running)
+            else:
+                latest["host"]["workers"] = 0
         return latest
 
     def series(self, max_points: int = 400) -> dict[str, list]:

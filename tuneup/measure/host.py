@@ -152,6 +152,83 @@ class PerStep:
         return max(0.0, total - first_total) / (closed - first_steps)
 
 
+def _children_seconds(times: Any) -> float:
+    """The CPU seconds of a process's children it has waited for (Linux and macOS; 0 elsewhere)."""
+    return getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0)
+
+
+class WorkerTime:
+    """The CPU time of a job's DataLoader workers between two samples, from each one's CPU time
+    (psutil cpu_times): what a live one used since the last sample, all of it for one born
+    since. A worker that exited since is no longer there to ask: the kernel adds an exited
+    child's whole CPU time to its parent's once the parent waits for it (the `cutime`/`cstime`
+    fields of /proc/PID/stat, psutil's children_user/children_system), as the loader does in
+    `_shutdown_workers` (`w.join`). That growth, less what was already counted of the workers
+    seen before they went, is the time of the ones never seen: workers that are not persistent
+    start again every epoch, and on epochs shorter than the sampling interval psutil's
+    per-process readings (cpu_percent: 0.0 on a process's first call) saw none of their work:
+    tests/programs/augment_workers.py (8-step epochs) read "2 loader workers using 0.0 cores
+    and 0 B" where its own RUSAGE_CHILDREN said 0.54 cores. Counted only where worker
+    iterators started (`worker_starts`) or workers were seen, as the job's other children are
+    not loader workers (one waited for in such an interval is counted with them)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[psutil.Process, float]] = {}  # pid: (process, CPU seconds counted)
+        self._children: float | None = None  # the parent's waited-for children's seconds at the last sample
+        self._starts = 0
+        self._last_wall = time.time()
+
+    def sample(self, pids: Iterable[int], children: float, starts: int) -> tuple[list[dict[str, Any]], float]:
+        """([{pid, cpu_ratio: CPU seconds since the last sample, rss_bytes}] for the live
+        workers, the workers' CPU seconds since the last sample, all of them)."""
+        now = time.time()
+        since, self._last_wall = self._last_wall, now
+        known, seen = self._known, {}
+        workers, total = [], 0.0
+        for pid in pids:
+            entry = known.pop(pid, None)
+            try:
+                process = entry[0] if entry is not None else psutil.Process(pid)
+                with process.oneshot():
+                    if process.status() == psutil.STATUS_ZOMBIE:
+                        raise psutil.ZombieProcess(pid)
+                    times = process.cpu_times()
+                    rss = process.memory_info().rss
+                    created = process.create_time() if entry is None else None
+            except (psutil.NoSuchProcess, psutil.AccessDenied):  # (ZombieProcess is a NoSuchProcess)
+                if entry is not None:
+                    known[pid] = entry  # gone: below
+                continue
+            spent = times.user + times.system
+            if entry is not None:
+                grown = spent - entry[1]
+            elif created is not None and created >= since:
+                grown = spent  # born since the last sample
+            else:  # older than that and not seen before (the first sample): its share of the interval
+                grown = spent * max(0.0, now - since) / max(now - created, now - since, 1e-9)
+            grown = max(0.0, grown)
+            seen[pid] = (process, max(spent, entry[1]) if entry is not None else spent)
+            workers.append({"pid": pid, "cpu_ratio": grown, "rss_bytes": rss})
+            total += grown
+        # The ones seen before and not listed now: still there (exiting, a zombie not yet
+        # waited for), or waited for, their last counted seconds inside the parent's growth.
+        waited_for = 0.0
+        for pid, (process, counted) in known.items():
+            try:
+                spent = sum(process.cpu_times()[:2])
+                total += max(0.0, spent - counted)
+                seen[pid] = (process, max(spent, counted))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                waited_for += counted
+        grew = 0.0 if self._children is None else children - self._children
+        self._children = children
+        if starts != self._starts or known or workers:
+            total += max(0.0, grew - waited_for)
+        self._starts = starts
+        self._known = seen
+        return workers, total
+
+
 class HostProbe:
     """`window_steps`: the span of the per-step run-queue wait (the rolling window's)."""
 
@@ -160,7 +237,7 @@ class HostProbe:
     def __init__(self, window_steps: int = 1000) -> None:
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # the first call only starts the interval
-        self._workers: dict[int, psutil.Process] = {}
+        self._workers = WorkerTime()
         self.cores = usable_cores()
         try:
             self._cpus = sorted(os.sched_getaffinity(0))
@@ -174,28 +251,17 @@ class HostProbe:
         self._per_step = PerStep(window_steps)
         self._last = time.monotonic()
 
-    def sample(self, worker_pids: Iterable[int], closed_steps: int | None = None) -> dict[str, Any]:
-        """`closed_steps`: the steps closed so far, for the wait per step (None: not given)."""
+    def sample(self, worker_pids: Iterable[int], closed_steps: int | None = None,
+               worker_starts: int = 0) -> dict[str, Any]:
+        """`closed_steps`: the steps closed so far, for the wait per step (None: not given);
+        `worker_starts`: the iterators with workers started so far (the loader probe's count)."""
         with self.process.oneshot():
             cpu = self.process.cpu_percent(None)
             rss = self.process.memory_info().rss
             threads = self.process.num_threads()
-        workers = []
-        alive: dict[int, psutil.Process] = {}
-        for pid in worker_pids:
-            worker = self._workers.get(pid)
-            try:
-                if worker is None:
-                    worker = psutil.Process(pid)
-                    worker.cpu_percent(None)
-                with worker.oneshot():
-                    workers.append(
-                        {"pid": pid, "cpu_ratio": worker.cpu_percent(None) / 100, "rss_bytes": worker.memory_info().rss}
-                    )
-                alive[pid] = worker
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        self._workers = alive
+            children = _children_seconds(self.process.cpu_times())
+        workers, workers_cpu = self._workers.sample(worker_pids, children, worker_starts)
+        alive = {worker["pid"] for worker in workers}
         try:
             load_1m = os.getloadavg()[0]
         except OSError:
@@ -204,6 +270,8 @@ class HostProbe:
         busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
+        for worker in workers:
+            worker["cpu_ratio"] = worker["cpu_ratio"] / elapsed if elapsed > 0 else 0.0
         # tuneup's own threads (named tuneup-*), told apart for the job's wait per step (its
         # HTTP server's short-lived request threads keep socketserver's names: counted as the job's).
         ours = frozenset(t.native_id for t in threading.enumerate() if t.name.startswith("tuneup") and t.native_id)
@@ -224,7 +292,9 @@ class HostProbe:
             "rss_bytes": rss,
             "threads": threads,
             "workers": len(workers),
-            "workers_cpu_ratio": sum(w["cpu_ratio"] for w in workers),
+            # All the workers' CPU time since the last sample, the ones that started and ended
+            # between two samples included (WorkerTime), over the time between them.
+            "workers_cpu_ratio": workers_cpu / elapsed if elapsed > 0 else 0.0,
             # Cores' worth of CPU time wanted and not given (run-queue wait; None: not known).
             "wait_cores": own_wait / elapsed if own_wait is not None and elapsed > 0 else None,
             "workers_wait_cores": workers_wait / elapsed if workers_wait is not None and elapsed > 0 else None,

@@ -86,6 +86,7 @@ class LoaderProbe:
         self.tracked = tracked  # None: every loader
         self.loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # seen, for the config probe
         self.iterators: weakref.WeakSet[_BaseDataLoaderIter] = weakref.WeakSet()  # for worker pids
+        self.worker_starts = 0  # iterators with workers started (for their CPU time: host.py WorkerTime)
         # Whether the dataset (or collate_fn) draws from torch's global RNG when it runs in the
         # main process: checked on a few fetches of single-process iterators (apply mode must
         # know before it moves that work into worker processes).
@@ -188,6 +189,8 @@ class LoaderProbe:
                         probe.fail(exc)
                 try:
                     probe.iterators.add(iterator)
+                    if getattr(iterator, "_num_workers", 0):
+                        probe.worker_starts += 1
                     remember_loader(iterator, loader)
                     if probe.tracked is not None:
                         setattr(iterator, TAG, True)

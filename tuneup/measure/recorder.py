@@ -490,7 +490,8 @@ class Recorder:
         if on["host"] and self.host is not None:
             try:
                 with self.cost.part("host"):
-                    system["host"] = self.host.sample(self.loader.worker_pids(), self.timeline.ring.count)
+                    system["host"] = self.host.sample(self.loader.worker_pids(), self.timeline.ring.count,
+                                                      self.loader.worker_starts)
             except Exception as exc:
                 self.slow_probe_failed("host", exc)
         if on["gpu"]:

@@ -492,7 +492,7 @@ def input_not_normalized(facts: Facts) -> Evidence | None:
     )
 
 
-BUSY_SHARE = 0.8  # psutil's per-interval CPU readings of short-lived workers run low
+BUSY_SHARE = 0.8  # (not all of them: a reading over a sampling interval averages its busy and idle moments)
 OTHERS_MIN_CORES = 0.5  # other processes' load below this is the machine's background
 IDLE_CORES = 0.05  # CPU readings this small are a process's idling
 
