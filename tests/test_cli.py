@@ -146,7 +146,8 @@ def test_demo_apply_fixes_the_stall_and_shows_before_and_after(tmp_path):
                          out)
         assert kept and int(kept.group(1)) >= 1 and float(kept.group(3)) < float(kept.group(2)), out
         assert float(kept.group(4)) == pytest.approx(decided["speedup"], abs=0.01)
-        net = re.search(r"Kept \d+ of \d+ changes tried: mean step time [\d.]+ ms -> [\d.]+ ms \(([\d.]+)x the "
+        net = re.search(r"Kept \d+ of \d+ changes tried(?: \([^)]*\))?: mean step time [\d.]+ ms -> [\d.]+ ms "
+                        r"\(([\d.]+)x the "
                         r"throughput\), [\d,]+ -> [\d,]+ samples/s", out)
         assert net and float(net.group(1)) > 1, out
     else:

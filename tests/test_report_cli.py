@@ -412,3 +412,23 @@ def test_the_live_line_names_the_step_the_stall_the_work_and_what_explains_the_g
     rate = float(achieved.group(1)) * {"k": 1e3, "M": 1e6, "G": 1e9}[achieved.group(2)]
     assert rate == pytest.approx(flops * 127 / elapsed, rel=0.5), (line, flops * 127 / elapsed)
     assert line.endswith("top finding: data-stall"), line
+
+
+def test_the_net_change_counts_the_trials_judged_and_says_the_one_detach_cut_short():
+    """Three changes tried: one kept, one not kept (both measured to the end of their trials),
+    one still on trial at detach (nothing of it measured): two judged, and the third said."""
+    from tuneup.report.summary import net_change
+
+    def measured(step_ms):
+        return {"mean_step_seconds": step_ms / 1000, "steps_per_second": 1000 / step_ms}
+
+    actions = [
+        {"id": 1, "decision": "reverted", "change": "num_workers 8 -> 0", "reason": "1.02x: within the noise",
+         "baseline": measured(139.0), "trial": measured(136.0)},
+        {"id": 2, "decision": "kept", "change": "num_workers 8 -> 9", "reason": "2.93x faster",
+         "baseline": measured(133.3), "trial": measured(45.5)},
+        {"id": 3, "decision": "reverted", "change": "num_workers 9 -> 10", "reason": "detach before the trial ended"},
+    ]
+    assert net_change(actions) == ("Kept 1 of 2 changes tried (1 more cut short before its trial ended): mean step "
+                                   "time 139.0 ms -> 45.5 ms (3.05x the throughput), 7 -> 22 steps/s")
+    assert net_change(actions[:2]).startswith("Kept 1 of 2 changes tried: mean step time 139.0 ms")

@@ -132,7 +132,11 @@ def net_change(actions: list[dict[str, Any]]) -> str | None:
     if not kept:
         return None
     before, after = decided[0]["baseline"], kept[-1]["trial"]
-    line = (f"Kept {len(kept)} of {len(decided)} changes tried: mean step time "
+    # Trials detach ended before they had measured anything are not among those judged.
+    cut = sum(1 for record in actions if record.get("decision") == "reverted" and not record.get("trial")
+              and str(record.get("reason", "")).endswith("before the trial ended"))
+    more = f" ({cut} more cut short before {'its' if cut == 1 else 'their'} trial ended)" if cut else ""
+    line = (f"Kept {len(kept)} of {len(decided)} changes tried{more}: mean step time "
             f"{seconds(before['mean_step_seconds'])} -> {seconds(after['mean_step_seconds'])} "
             f"({before['mean_step_seconds'] / after['mean_step_seconds']:.2f}x the throughput)")
     rate = "samples_per_second" if before.get("samples_per_second") else "steps_per_second"
