@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -111,14 +112,15 @@ def test_keyword_beats_environment(monkeypatch, tmp_path):
         assert agent.options.sync_sample_every == 3
 
 
-@pytest.mark.parametrize("variable, value, option, default", [
-    ("TUNEUP_INTERVAL", "soon", "interval", 1.0),
-    ("TUNEUP_CPU_BF16", "maybe", "cpu_bf16", None),  # None: read the CPU
+@pytest.mark.parametrize("variable, value, option, default, said", [
+    ("TUNEUP_INTERVAL", "soon", "interval", 1.0, "1.0"),
+    ("TUNEUP_CPU_BF16", "maybe", "cpu_bf16", None, "as the CPU reports"),  # None: read the CPU
+    ("TUNEUP_DETAIL_EVERY", "0", "detail_every", None, "chosen from the step time"),
 ])
 def test_bad_environment_variable_warns_once_and_keeps_the_default(monkeypatch, tmp_path, variable, value, option,
-                                                                    default):
+                                                                    default, said):
     monkeypatch.setenv(variable, value)
-    with pytest.warns(tuneup.TuneupWarning, match=rf"{variable}='{value}'.*using the default") as caught:
+    with pytest.warns(tuneup.TuneupWarning, match=rf"{variable}='{value}'.*; using the default, {re.escape(said)}$") as caught:
         agent = tuneup.attach(run_dir=tmp_path)
     agent.detach()
     assert getattr(agent.options, option) == default

@@ -432,3 +432,15 @@ def test_the_net_change_counts_the_trials_judged_and_says_the_one_detach_cut_sho
     assert net_change(actions) == ("Kept 1 of 2 changes tried (1 more cut short before its trial ended): mean step "
                                    "time 139.0 ms -> 45.5 ms (3.05x the throughput), 7 -> 22 steps/s")
     assert net_change(actions[:2]).startswith("Kept 1 of 2 changes tried: mean step time 139.0 ms")
+
+
+def test_counts_of_one_are_said_in_the_singular():
+    from tuneup.report.summary import evaluation_line, sync_lines
+
+    line = evaluation_line({"phases": 1, "seconds": 2.0, "share": 0.1, "mean_seconds": 2.0})
+    assert line.startswith("Evaluation: 1 phase, 2.00 s in all"), line
+    assert evaluation_line({"phases": 3, "seconds": 6.0, "share": 0.1, "mean_seconds": 2.0}).startswith(
+        "Evaluation: 3 phases,")
+    [line] = sync_lines({"measured": True, "per_step": 2.0, "meaning": "host reads", "sampled_steps": 1,
+                         "top_sources": []})
+    assert line == "Host-device syncs: 2.0 per step (host reads, 1 sampled step)"

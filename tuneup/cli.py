@@ -212,7 +212,7 @@ def _check_rules(ids: list[str]) -> tuple[str, ...]:
 
 @app.command()
 def report(
-    targets: Optional[list[str]] = typer.Argument(None, metavar="[TARGET]...",
+    targets: Optional[list[str]] = typer.Argument(None, metavar="TARGET",
                                                   help="A run directory, a run log file, or the URL of a live agent or "
                                                        "node daemon; several: one job's run directories from its "
                                                        "nodes, merged. None: TUNEUP_RUN_DIR's run where it is "
@@ -303,7 +303,7 @@ def doctor() -> None:
                                "allow_interspersed_args": False})
 def run(
     ctx: typer.Context,
-    target: str = typer.Argument(..., help="The training script (or, with -m, a module)."),
+    target: str = typer.Argument(..., metavar="TARGET", help="The training script (or, with -m, a module)."),
     module: bool = typer.Option(False, "-m", help="TARGET is a module, run as `python -m TARGET`."),
     apply: bool = typer.Option(False, "--apply", help="Apply safe changes as measured experiments."),
     actions: Optional[str] = typer.Option(None, "--actions", help="With --apply: the actions allowed, "

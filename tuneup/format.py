@@ -17,6 +17,11 @@ def seconds(value: float | None) -> str:
     return f"{value * 1e6:.0f} µs"
 
 
+def plural(number: int, noun: str, plurals: str | None = None) -> str:
+    """"1 finding", "3 findings", "1,200 steps"."""
+    return f"{number:,} {noun if number == 1 else plurals or noun + 's'}"
+
+
 def size(value: float | None) -> str:
     if value is None:
         return "–"

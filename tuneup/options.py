@@ -265,6 +265,25 @@ ENVIRONMENT_VARIABLES = {name: env for name, (env, _) in _SPEC.items()}
 # What a bad environment value falls back to where the default is not the safe choice: the
 # default `actions` is every action, so a typo in TUNEUP_ACTIONS allows none.
 _SAFE_FALLBACK: dict[str, tuple[Any, str]] = {"actions": ((), "apply mode takes no action")}
+# What a default of None means, for the warning that falls back to it.
+_UNSET_MEANS = {"run_dir": "./tuneup-runs/<run>", "sync_sample_every": "chosen from the step time",
+                "detail_every": "chosen from the step time", "port": f"{DEFAULT_PORT} + the local rank",
+                "push_gateway": "no push", "training_job": "the ranks' rendezvous, else the run id",
+                "cpu_bf16": "as the CPU reports"}
+
+
+def _default_said(name: str) -> str:
+    """'using the default, 1.0' for a variable that could not be read."""
+    value = getattr(Options(), name)
+    if value is None:
+        said = _UNSET_MEANS.get(name, "unset")
+    elif isinstance(value, bool):
+        said = "on" if value else "off"
+    elif isinstance(value, tuple):
+        said = ",".join(value) or "none"
+    else:
+        said = str(value)
+    return f"using the default, {said}"
 
 
 def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) -> Options:
@@ -287,7 +306,7 @@ def resolve(overrides: dict[str, Any], environ: dict[str, str] | None = None) ->
             try:
                 values[name] = parse(environ[env])
             except ValueError as exc:
-                fallback, meaning = _SAFE_FALLBACK.get(name, (None, "using the default"))
+                fallback, meaning = _SAFE_FALLBACK.get(name, (None, _default_said(name)))
                 if name in _SAFE_FALLBACK:
                     values[name] = fallback
                 warn(f"tuneup: ignoring {env}={environ[env]!r} ({exc}); {meaning}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from ..format import percent, read_rate, seconds
+from ..format import percent, plural, read_rate, seconds
 from . import summary
 from .text import checked_summary, ranks_label
 
@@ -353,7 +353,7 @@ def _findings(document: dict[str, Any]) -> str:
     findings = document["findings"]
     if not findings:
         return f'<h2>Advice</h2><p class="ok">No findings: {escape(checked_summary(document))}.</p>'
-    head = (f"<h2>Advice, ranked by estimated gain</h2><p class=\"dim\">{len(findings)} findings; "
+    head = (f"<h2>Advice, ranked by estimated gain</h2><p class=\"dim\">{plural(len(findings), 'finding')}; "
             f"{escape(checked_summary(document))}</p>")
     return head + "".join(_finding(number, finding) for number, finding in enumerate(findings, 1))
 

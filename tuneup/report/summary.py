@@ -9,7 +9,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ..format import flops as flop_text, percent, read_rate, seconds, set_by_apply_mode, size
+from ..format import flops as flop_text, percent, plural, read_rate, seconds, set_by_apply_mode, size
 from ..measure.history import nvml_utilization
 
 
@@ -175,7 +175,7 @@ def sync_lines(syncs: dict[str, Any]) -> list[str]:
         reason = syncs.get("off_reason") or "no step was sampled"
         return [f"Host-device syncs: not measured ({reason})"]
     lines = [f"Host-device syncs: {syncs['per_step']:.1f} per step ({syncs['meaning']}, "
-             f"{syncs['sampled_steps']} sampled steps)"]
+             f"{plural(syncs['sampled_steps'], 'sampled step')})"]
     for source in syncs["top_sources"][:6]:
         lines.append(f"    {read_rate(source):>8}  {source['kind']:<8} {source['location']}  in {source['function']}()")
     evaluation = syncs.get("evaluation")
@@ -194,7 +194,7 @@ def evaluation_line(evaluation: dict[str, Any] | None) -> str | None:
         return None
     numbers = {key: value if isinstance(value := evaluation.get(key), (int, float)) else None
                for key in ("seconds", "share", "mean_seconds")}
-    return (f"Evaluation: {evaluation['phases']} phases, {seconds(numbers['seconds'])} in all "
+    return (f"Evaluation: {plural(evaluation['phases'], 'phase')}, {seconds(numbers['seconds'])} in all "
             f"({percent(numbers['share'])} of training and evaluation time), "
             f"{seconds(numbers['mean_seconds'])} each; left out of the step times above")
 

@@ -11,7 +11,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 
 from ..diagnose.rule import MIN_GAIN
-from ..format import percent
+from ..format import percent, plural
 from . import summary
 
 _STYLE = {"high": "bold red", "medium": "bold yellow", "low": "cyan"}
@@ -59,8 +59,8 @@ def findings_group(document: dict[str, Any]) -> Group:
     if not findings:
         parts.append(Text("No findings: " + checked_summary(document) + ".", style="bold green"))
         return Group(*parts)
-    parts.append(Text(f"Advice, ranked by estimated gain ({len(findings)} findings; {checked_summary(document)})",
-                      style="bold"))
+    parts.append(Text(f"Advice, ranked by estimated gain ({plural(len(findings), 'finding')}; "
+                      f"{checked_summary(document)})", style="bold"))
     for number, finding in enumerate(findings, 1):
         head = Text(f"{number}. ")
         head.append(f"{finding['severity'].upper()} ", style=_STYLE[finding["severity"]])
