@@ -113,6 +113,31 @@ def test_a_forward_that_keeps_state_in_its_attributes_finds_it_as_it_left_it(run
     assert len(net.queue) == 4 and all(torch.equal(a, b) for a, b in zip(net.queue, plain_net.queue))
 
 
+class Chatty(nn.Module):
+    """A model that prints what it is given, as a script being debugged does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp(256)
+
+    def forward(self, x):
+        print("forward", tuple(x.shape))
+        return self.net(x)
+
+
+def test_what_a_forward_prints_is_printed_as_often_as_the_job_runs_it(run_dir, capsys):
+    """Ground truth: one line a step, STEPS steps. The precision trial runs the forward some 50
+    times more, the FLOP count once: none of those prints reaches the job's stdout."""
+    train(STEPS, model=Chatty)
+    plain = capsys.readouterr().out
+    _, _, agent = train(STEPS, options(run_dir), model=Chatty)
+    tuned = capsys.readouterr().out
+    trial = trial_of(agent)
+    assert trial is not None and "skipped" not in trial and trial["pairs"] >= 1, trial  # its forwards ran
+    assert agent.snapshot()["habits"]["flops"]["flops"] > 0  # and the count's
+    assert plain == tuned and plain.count("forward (64, 64)") == STEPS
+
+
 @pytest.mark.parametrize("case", ["autocast", "no bf16 units", "compiled"])
 def test_never_timed_where_amp_off_cannot_fire(run_dir, case):
     """A job already under autocast, a CPU without bf16 units, a compiled model (a hook on it

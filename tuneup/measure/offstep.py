@@ -15,6 +15,8 @@ global module hooks is left alone: they would see the forwards.
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -120,18 +122,45 @@ class ModelCapture:
             self.models.captures.remove(self)
 
 
+class _Muted:
+    """sys.stdout while tuneup runs the job's forward itself: what this thread writes (a
+    forward's own `print(x.shape)`, 50 times over in a precision trial) is dropped; every other
+    thread's goes through. stderr is left alone: a warning shown there is recorded as shown
+    (the warnings registry), and dropped it would be lost to the job."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._thread = stream, threading.get_ident()
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self._thread:
+            return len(text)
+        return self._stream.write(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 @contextmanager
 def unseen(model: nn.Module, model_probe: Any) -> Iterator[None]:
-    """The block runs `model` with its modules' hooks set aside and the model probe off, and
-    leaves each module's own attributes as it found them (_ModuleState)."""
+    """The block runs `model` with its modules' hooks set aside, the model probe off and what
+    the forward prints dropped (_Muted), and leaves each module's own attributes as it found
+    them (_ModuleState)."""
     hooks = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOK_DICTS if hasattr(m, name)]
     state = _ModuleState(model)
     probe_on, model_probe.on = model_probe.on, False
+    stdout = sys.stdout
+    muted = sys.stdout = _Muted(stdout) if stdout is not None else None
     try:
         for m, name, _ in hooks:
             setattr(m, name, type(getattr(m, name))())
         yield
     finally:
+        if muted is not None and sys.stdout is muted:  # (one the forward put there itself stays)
+            sys.stdout = stdout
         for m, name, original in hooks:
             setattr(m, name, original)
         model_probe.on = probe_on
