@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -178,6 +179,13 @@ def test_report_without_a_target_reads_the_newest_run_or_tuneup_run_dirs_and_say
     assert first.startswith("tuneup report: tuneup-runs/older") and first.endswith("(the newest run)"), first
     assert result.stdout.count("tuneup report:") == 1  # the run named once, in the report's own first line
     assert "tuneup measured 12 steps" in result.stdout
+    # The folder of runs itself, given: its newest run. As JSON: the document alone on stdout
+    # (it had begun with the line naming the run), that line on stderr.
+    result = subprocess.run([sys.executable, "-m", "tuneup", "report", "tuneup-runs", "--format", "json"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=child_env())
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["source"] == os.path.join("tuneup-runs", "older")
+    assert result.stderr.strip() == f"tuneup report: the newest run under tuneup-runs, {os.path.join('tuneup-runs', 'older')}"
     empty = tmp_path / "elsewhere"
     empty.mkdir()
     result = subprocess.run([sys.executable, "-m", "tuneup", "report"], cwd=empty, capture_output=True, text=True,

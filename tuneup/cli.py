@@ -193,12 +193,30 @@ def _default_run() -> tuple[Path, str]:
                             "RUN_DIR, a run log file or an agent's URL), or unset TUNEUP_RUN_DIR to read the newest "
                             f"run under ./{RUNS}")
         return folder, "the run in TUNEUP_RUN_DIR"
-    runs = [folder for folder in (RUNS.iterdir() if RUNS.is_dir() else ())
-            if folder.is_dir() and any(folder.glob("events*.jsonl"))]
-    if not runs:
+    newest = _newest_run(RUNS)
+    if newest is None:
         raise UserError(f"no run given and no run log under ./{RUNS}: pass one (tuneup report RUN_DIR, a run log file "
                         "or an agent's URL)")
-    return max(runs, key=lambda folder: max(log.stat().st_mtime for log in folder.glob("events*.jsonl"))), "the newest run"
+    return newest, "the newest run"
+
+
+def _is_runs_folder(folder: Path) -> bool:
+    """A folder of run directories (./tuneup-runs), holding no run log of its own."""
+    try:
+        return folder.is_dir() and not any(folder.glob("events*.jsonl")) and _newest_run(folder) is not None
+    except OSError:
+        return False
+
+
+def _newest_run(parent: Path) -> Path | None:
+    """The run directory under `parent` whose run log was written last (None: none holds one)."""
+    try:
+        runs = [folder for folder in (parent.iterdir() if parent.is_dir() else ())
+                if folder.is_dir() and any(folder.glob("events*.jsonl"))]
+        return max(runs, key=lambda folder: max(log.stat().st_mtime for log in folder.glob("events*.jsonl")),
+                   default=None)
+    except OSError:  # unreadable: the reader says why
+        return None
 
 
 def _check_rules(ids: list[str]) -> tuple[str, ...]:
@@ -215,8 +233,9 @@ def report(
     targets: Optional[list[str]] = typer.Argument(None, metavar="TARGET",
                                                   help="A run directory, a run log file, or the URL of a live agent or "
                                                        "node daemon; several: one job's run directories from its "
-                                                       "nodes, merged. None: TUNEUP_RUN_DIR's run where it is "
-                                                       "set, else the newest run under ./tuneup-runs."),
+                                                       "nodes, merged. A folder of runs: its newest. None: "
+                                                       "TUNEUP_RUN_DIR's run where it is set, else the newest run "
+                                                       "under ./tuneup-runs."),
     format: str = typer.Option("text", "--format", "-f", help="text, markdown, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     silence: list[str] = typer.Option([], "--silence", help="A rule id to leave out (repeatable)."),
@@ -235,8 +254,13 @@ def report(
     if not targets:
         folder, chosen = _default_run()
         targets = [str(folder)]
+    elif len(targets) == 1 and _is_runs_folder(Path(targets[0])):  # ./tuneup-runs itself: its newest run
+        folder = _newest_run(Path(targets[0]))
+        chosen, targets = f"the newest run under {targets[0]}", [str(folder)]
+    if chosen:
         if output is not None or format != "text":  # (the text report's own first line names it)
-            console.print(f"tuneup report: {chosen}, {targets[0]}", style="dim", soft_wrap=True)
+            # On stderr: stdout is the document (`tuneup report --format json | jq`).
+            errors.print(f"tuneup report: {chosen}, {targets[0]}", style="dim", soft_wrap=True)
     try:
         jobs = load_merged(targets)
     except ReportSourceError as exc:
