@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
+import os
 import signal
 import time
 
@@ -15,6 +15,7 @@ import tuneup
 from benchmarks.scenarios import SlowDataset, loader_for, mlp, train
 from tests.conftest import run_program
 from tuneup.export.runlog import RunLog, RunLogError, log_files, read_log
+from tuneup.report.sources import load
 
 
 def small_job():
@@ -88,6 +89,23 @@ def test_log_is_readable_after_the_process_is_killed(tmp_path):
     assert record.events[0]["event"] == "run"
     assert sum(e["steps"] for e in record.of("steps")) > 0
     assert record.last("end") is None  # it never got to say goodbye; everything else is there
+    # And the report says so, rather than show the run as if it had ended.
+    [history], _ = load(str(tmp_path / "run"))
+    assert history.notes[-1].startswith("the run log ends without the agent's detach: the job stopped without it "
+                                        "(killed"), history.notes
+
+
+def test_the_report_of_a_job_still_running_says_it_is_its_log_so_far(run_dir):
+    model, optimizer = small_job()
+    with tuneup.attach(run_dir=run_dir, port=0) as agent:
+        train(loader_for(SlowDataset(size=256)), model, optimizer, steps=5)
+        agent.snapshot()
+        [history], _ = load(str(run_dir))
+        assert history.notes[-1].startswith(f"the job is still running (pid {os.getpid()}): this is its log so far; "
+                                            f"tuneup report again, or its URL, {agent.server.url}, reads on"), \
+            history.notes
+    [history], _ = load(str(run_dir))
+    assert history.notes == []  # ended: its detach wrote the end record
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,12 @@ the fix."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+import psutil
 
 from .. import records
 from ..export.runlog import RunLogError, log_files, read_log, restore_nonfinite
@@ -129,11 +132,38 @@ def load(target: str) -> tuple[list[RunHistory], str]:
         histories = []
         for path in files:
             record = read_log(path)  # what it skips is said in the report's notes
-            histories.append(RunHistory.of(record.events, source=str(path), notes=record.notes()))
+            history = RunHistory.of(record.events, source=str(path), notes=record.notes())
+            unfinished = _unfinished(history)
+            if unfinished:
+                history.notes.append(unfinished)
+            histories.append(history)
     except RunLogError as exc:
         raise ReportSourceError(str(exc)) from None
     histories.sort(key=_rank_order)
     return histories, target
+
+
+def _unfinished(history: RunHistory) -> str | None:
+    """Why a run log has no end record (the agent writes one at detach): its job runs on, or
+    stopped without detaching (killed, out of memory, the interpreter crashed); None: it ended."""
+    run = history.run
+    if history.end is not None or run is None:
+        return None
+    rank = f"rank {run['rank']}: " if run.get("rank") is not None else ""
+    pid, started = run.get("pid"), run.get("started_at")
+    if run.get("host") == socket.gethostname() and isinstance(pid, int) and isinstance(started, (int, float)):
+        try:
+            alive = psutil.Process(pid).create_time() <= started + 1  # (a later process given the pid: not it)
+        except (psutil.Error, OSError, ValueError):
+            alive = False
+        if alive:
+            live = f", or its URL, {run['url']}," if run.get("url") else ""
+            return (f"{rank}the job is still running (pid {pid}): this is its log so far; tuneup report again"
+                    f"{live} reads on")
+        return (f"{rank}the run log ends without the agent's detach: the job stopped without it (killed, out of "
+                "memory, or a crash of the interpreter); the figures end at its last interval")
+    return (f"{rank}the run log ends without the agent's detach: the job still runs on {run.get('host')}, or "
+            "stopped without detaching (killed, out of memory, a crash); the figures end at its last interval")
 
 
 def fetch_run(url: str) -> dict[str, Any]:
