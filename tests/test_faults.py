@@ -198,7 +198,7 @@ def test_a_probe_failing_on_tuneups_own_thread_warns_in_one_line(run_dir, monkey
     under it; training goes on."""
     from tuneup.measure.host import HostProbe
 
-    def broken(self, worker_pids, closed_steps=None):
+    def broken(self, *args, **kwargs):
         raise RuntimeError("simulated sampler bug")
 
     monkeypatch.setattr(HostProbe, "sample", broken)

@@ -296,7 +296,9 @@ class HostProbe:
             # between two samples included (WorkerTime), over the time between them.
             "workers_cpu_ratio": workers_cpu / elapsed if elapsed > 0 else 0.0,
             # Cores' worth of CPU time wanted and not given (run-queue wait; None: not known).
-            "wait_cores": own_wait / elapsed if own_wait is not None and elapsed > 0 else None,
+            # The job's threads' (tuneup's own left out, as from the wait per step below: its
+            # sampler waking on a busy machine is not the job wanting cores).
+            "wait_cores": job_wait / elapsed if job_wait is not None and elapsed > 0 else None,
             "workers_wait_cores": workers_wait / elapsed if workers_wait is not None and elapsed > 0 else None,
             # The job's threads' run-queue wait per step (summed over the process's threads but
             # tuneup's own) over the rolling window's steps: a rank on a crowded host waits longer
