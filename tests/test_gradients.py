@@ -209,3 +209,13 @@ def test_a_spike_is_over_ten_times_the_median_of_the_norms_before_it():
     # A non-finite norm is counted as such, and left out of the medians.
     series = series_of([1, 1, float("inf"), 1, 1, float("nan"), 20])
     assert (series.nonfinite, series.spikes, series.largest[3]) == (2, 1, 7)
+    # A step's, not a climb's: the next norm falls back under a third of it, or the spike is
+    # withdrawn (the norms rose and stay up); a spike followed by a non-finite norm stands.
+    assert series_of([1, 1, 1, 1, 12, 1]).spikes == 1
+    assert series_of([1, 1, 1, 1, 12, 3.9]).spikes == 1
+    assert series_of([1, 1, 1, 1, 12, 4.1]).spikes == 0
+    assert series_of([1, 1, 1, 1, 12, 8, 7, 9]).spikes == 0
+    assert series_of([1, 1, 1, 1, 12, float("nan")]).spikes == 1
+    # The largest spike counted is the evidence: a withdrawn larger leap is not.
+    climbed = series_of([1, 1, 1, 1, 1, 1, 1, 1, 30, 20] + [20] * 8 + [400, 10])
+    assert climbed.spikes == 1 and climbed.largest_spike[1] == 400, (climbed.spikes, climbed.largest_spike)

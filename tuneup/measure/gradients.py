@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .device_values import DeviceValues
-from .terms import MIN_BEFORE, SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
+from .terms import MIN_BEFORE, SPIKE_FACTOR, SPIKE_FALLBACK, SPIKE_FLOOR, SPIKE_HISTORY
 
 BUDGET = 0.005  # of the training time, at most, spent on norms
 MIN_EVERY = 4  # steps between two norms of one series, at least
@@ -57,12 +57,22 @@ class Series:
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.samples = self.spikes = self.nonfinite = 0
         self.largest: tuple[float, float, float, int] | None = None  # (ratio, norm, median before, step)
+        self.largest_spike: tuple[float, float, float, int] | None = None  # the same, of the spikes counted
+        # The latest spike, until the next norm says whether it fell back (SPIKE_FALLBACK), and
+        # the largest spike before it.
+        self._pending: tuple[float, tuple[float, float, float, int] | None] | None = None
 
     def add(self, value: float, step: int) -> None:
         self.samples += 1
+        pending, self._pending = self._pending, None
         if not math.isfinite(value):
-            self.nonfinite += 1
+            self.nonfinite += 1  # (after a spike: the explosion went on; the spike stands)
             return
+        if pending is not None and value > pending[0] / SPIKE_FALLBACK:
+            # Still up: the norm climbed and stays there (a net's gradients wander over a
+            # twentyfold range in a few hundred steps), not a step that exploded.
+            self.spikes -= 1
+            self.largest_spike = pending[1]
         before = list(islice(reversed(self.recent), SPIKE_HISTORY))  # the last SPIKE_HISTORY finite norms
         if len(before) >= MIN_BEFORE:
             middle = median(before)
@@ -70,6 +80,9 @@ class Series:
                 ratio = value / middle
                 if ratio > SPIKE_FACTOR:
                     self.spikes += 1
+                    self._pending = (value, self.largest_spike)
+                    if self.largest_spike is None or ratio > self.largest_spike[0]:
+                        self.largest_spike = (ratio, value, middle, step)
                 if self.largest is None or ratio > self.largest[0]:
                     self.largest = (ratio, value, middle, step)
         self.highest = max(self.highest, value)
@@ -153,7 +166,9 @@ class GradientNorms:
         every = [s for key, s in self.series.items() if key != "by hand"] or list(self.series.values())
         main = max(every, key=lambda s: s.samples)
         recent = sorted(main.recent)
-        largest = max((s.largest for s in every if s.largest is not None), default=None)
+        # The largest spike where there are some (the evidence), else the largest leap.
+        spiked = [s.largest_spike for s in every if s.spikes and s.largest_spike is not None]
+        largest = max(spiked or [s.largest for s in every if s.largest is not None], default=None)
         out: dict[str, Any] = {
             "samples": sum(s.samples for s in every), "spikes": sum(s.spikes for s in every),
             "nonfinite": sum(s.nonfinite for s in every), "series": len(every),

@@ -218,6 +218,8 @@ class WorkerTime:
                 spent = sum(process.cpu_times()[:2])
                 total += max(0.0, spent - counted)
                 seen[pid] = (process, max(spent, counted))
+            except psutil.ZombieProcess:  # exited, not waited for yet: its time is not the parent's yet
+                seen[pid] = (process, counted)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 waited_for += counted
         grew = 0.0 if self._children is None else children - self._children

@@ -45,6 +45,12 @@ MIN_BEFORE = 4
 # has norms near zero, where a tenfold leap is noise (2e-4 after 1.5e-5 on a classifier whose
 # first norms were ~1: tests/programs/trainer_callbacks.py), not an exploding gradient.
 SPIKE_FLOOR = 0.1
+# And a step's, not a climb's: the next norm read falls back under 1/SPIKE_FALLBACK of it (the
+# last one read stands until then). A conv net with BatchNorm at a stable learning rate
+# (benchmarks/advice_scenarios.py "conv bias before BN") has norms that wander from 0.5 to 20
+# over its 240 steps (every 8th of the loop's own: ... 0.8, 4.9, 5.9, 3.4, 8.3, 14.7, 8.4, 7.2 ...):
+# 8 sampled in a low stretch had a median of 1.2, the next read 14, a "spike" in 1 run of 12.
+SPIKE_FALLBACK = 3.0
 
 
 # -- Autocast: the measured trial (measure/precision.py) and the AMP action's tests --------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ...format import percent
-from ...measure.terms import SPIKE_FACTOR, SPIKE_FLOOR, SPIKE_HISTORY
+from ...measure.terms import SPIKE_FACTOR, SPIKE_FALLBACK, SPIKE_FLOOR, SPIKE_HISTORY
 from ..rule import Evidence, Facts, Missing, rule
 
 GUIDE = "https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
@@ -220,7 +220,8 @@ def _round_up(value: float) -> float:
            "optimizer.step() (after the backward where parameters are updated by hand); gradient-clipping calls "
            "on watched steps; GradScaler",
     threshold=f"no clip_grad_norm_/clip_grad_value_ call and a gradient norm > {SPIKE_FACTOR:g}x the median "
-              f"of the {SPIKE_HISTORY} read before it (and >= {percent(SPIKE_FLOOR)} of the largest before it), "
+              f"of the {SPIKE_HISTORY} read before it (and >= {percent(SPIKE_FLOOR)} of the largest before it) "
+              f"that the next norm read falls back from (under 1/{SPIKE_FALLBACK:g} of it), "
               "or a non-finite norm without a GradScaler; "
               f"at least {MIN_NORMS} norms read",
     why="An exploding gradient (a bad batch, an unstable layer) shows in the gradient's norm, and "
