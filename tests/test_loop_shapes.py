@@ -413,44 +413,6 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
     assert "Evaluation: 4 phases" in report and "3.0 per phase" in report
 
 
-def test_the_evaluations_batches_are_not_the_training_steps_samples(run_dir):
-    """The tutorials' shape: an epoch of training on batches of 32 (32 steps), then a validation
-    pass over its own DataLoader on batches of 128 (80 of them, eval(), no_grad, an accuracy
-    read per batch). Ground truth from the loop: 4 epochs, 128 steps, 4,096 training samples;
-    the 40,960 validated are the evaluation's. Nor is a validation pass of more than 32
-    batches with no optimizer step a sign that updates go unseen (unseen_fetch)."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    torch.manual_seed(0)
-    train_loader = DataLoader(TensorDataset(torch.randn(1024, 16), torch.randint(0, 4, (1024,))), batch_size=32,
-                              shuffle=True)
-    val_loader = DataLoader(TensorDataset(torch.randn(10240, 16), torch.randint(0, 4, (10240,))), batch_size=128)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = correct = 0
-    with tuneup.attach(run_dir=run_dir, port=0, interval=0.2) as agent:
-        for epoch in range(4):
-            model.train()
-            for x, y in train_loader:
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                steps += 1
-            model.eval()
-            with torch.no_grad():
-                for x, y in val_loader:
-                    correct += (model(x).argmax(1) == y).sum().item()
-        snapshot = agent.snapshot()
-        watching = agent.recorder.timeline.watching
-    totals = snapshot["totals"]
-    assert steps == totals["steps"] == 128
-    assert totals["samples"] == 128 * 32, totals
-    assert snapshot["window"]["samples_per_second"] == pytest.approx(32 * snapshot["window"]["steps_per_second"])
-    assert totals["evaluation"]["phases"] == 3  # (the fourth, after the last step, ends with no step after it)
-    assert not watching
-    assert "(batch 32)" in agent.report()
-
-
 def test_a_no_grad_forward_in_train_mode_inside_a_step_is_not_evaluation(run_dir):
     """An action chosen by the policy being trained (a DQN's select_action: a no_grad forward
     in train() mode each step) is part of the step, not an evaluation phase."""

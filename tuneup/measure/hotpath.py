@@ -467,10 +467,6 @@ class StepTimeline:
         self.evaluation_start = self.evaluation_last = 0.0
         self.evaluation_wait = self.evaluation_last_wait = 0.0  # data_wait at both ends
         self.evaluation_last_count = 0  # ring.count at the phase's last forward's end
-        # (samples, fetches) the evaluation's forwards set the totals back to, as the close at
-        # ring.count `evaluation_mark` recorded them (evaluation_forward)
-        self.evaluation_mark = -1
-        self.evaluation_totals: tuple[float, float] = (0, 0)
         self.next_detail = 2  # the next step to be a detail step (after the open one)
         self.detail_until = 0  # every step up to this one is a detail step (apply mode's guarded steps)
         # Whether the latest close came at an optimizer step: the next step's forward and
@@ -626,19 +622,6 @@ class StepTimeline:
             self.hooked = True
             self.evaluation_start = self.evaluation_last = now
             self.evaluation_wait = self.evaluation_last_wait = self.data_wait
-            self.evaluation_mark = -1
-        # The batches fetched since the latest close (or since the phase's previous forward) are
-        # the evaluation's, not a training step's: its loader's first one, fetched before this
-        # forward, and each after it. They come off the samples and fetches the step records
-        # (an evaluation every epoch on batches of 128, training on 32: "61.3 samples per batch",
-        # and over 2.7x the samples a second; a long one had the fetches read as 32 with no
-        # update seen, unseen_fetch). A batch fetched after the phase's last forward is the next
-        # training step's.
-        ring = self.ring
-        if self.evaluation_mark != ring.count:  # a close since the mark: the totals as it recorded them
-            self.evaluation_mark = ring.count
-            self.evaluation_totals = (ring.closed_total("samples"), ring.closed_total("fetches"))
-        self.samples, self.fetches = self.evaluation_totals
 
     def evaluation_forward_ended(self, now: float) -> None:
         self.evaluation_last = now
