@@ -200,12 +200,13 @@ def _default_run() -> tuple[Path, str]:
     return newest, "the newest run"
 
 
-def _is_runs_folder(folder: Path) -> bool:
-    """A folder of run directories (./tuneup-runs), holding no run log of its own."""
+def _newest_in_runs_folder(folder: Path) -> Path | None:
+    """Where `folder` is a folder of run directories (./tuneup-runs) holding no run log of its
+    own: its newest run; else None."""
     try:
-        return folder.is_dir() and not any(folder.glob("events*.jsonl")) and _newest_run(folder) is not None
+        return None if any(folder.glob("events*.jsonl")) else _newest_run(folder)
     except OSError:
-        return False
+        return None
 
 
 def _newest_run(parent: Path) -> Path | None:
@@ -254,9 +255,8 @@ def report(
     if not targets:
         folder, chosen = _default_run()
         targets = [str(folder)]
-    elif len(targets) == 1 and _is_runs_folder(Path(targets[0])):  # ./tuneup-runs itself: its newest run
-        folder = _newest_run(Path(targets[0]))
-        chosen, targets = f"the newest run under {targets[0]}", [str(folder)]
+    elif len(targets) == 1 and (folder := _newest_in_runs_folder(Path(targets[0]))) is not None:
+        chosen, targets = f"the newest run under {targets[0]}", [str(folder)]  # ./tuneup-runs itself
     if chosen:
         if output is not None or format != "text":  # (the text report's own first line names it)
             # On stderr: stdout is the document (`tuneup report --format json | jq`).

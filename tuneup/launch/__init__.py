@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..format import plural
+
 __all__ = ["exec_script", "ExitLine", "LaunchError"]
 
 _BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
@@ -99,7 +101,7 @@ class ExitLine:
         if not steps:
             return None
         findings = [finding["rule"] for finding in agent.findings()]
-        said = (f"{len(findings)} finding{'s' if len(findings) != 1 else ''} in {steps:,} steps "
+        said = (f"{plural(len(findings), 'finding')} in {steps:,} steps "
                 f"({', '.join(findings[:4])}{', …' if len(findings) > 4 else ''})" if findings
                 else f"no findings in {steps:,} steps")
         kept = [record["change"] for record in agent.actions()

@@ -178,9 +178,9 @@ class WorkerTime:
         self._starts = 0
         self._last_wall = time.time()
 
-    def sample(self, pids: Iterable[int], children: float, starts: int) -> tuple[list[dict[str, Any]], float]:
-        """([{pid, cpu_ratio: CPU seconds since the last sample, rss_bytes}] for the live
-        workers, the workers' CPU seconds since the last sample, all of them)."""
+    def sample(self, pids: Iterable[int], children: float, starts: int) -> tuple[list[tuple[int, float, int]], float]:
+        """([(pid, CPU seconds since the last sample, RSS bytes)] of the live workers, the
+        workers' CPU seconds since the last sample, all of them)."""
         now = time.time()
         since, self._last_wall = self._last_wall, now
         known, seen = self._known, {}
@@ -208,7 +208,7 @@ class WorkerTime:
                 grown = spent * max(0.0, now - since) / max(now - created, now - since, 1e-9)
             grown = max(0.0, grown)
             seen[pid] = (process, max(spent, entry[1]) if entry is not None else spent)
-            workers.append({"pid": pid, "cpu_ratio": grown, "rss_bytes": rss})
+            workers.append((pid, grown, rss))
             total += grown
         # The ones seen before and not listed now: still there (exiting, a zombie not yet
         # waited for), or waited for, their last counted seconds inside the parent's growth.
@@ -262,8 +262,8 @@ class HostProbe:
             rss = self.process.memory_info().rss
             threads = self.process.num_threads()
             children = _children_seconds(self.process.cpu_times())
-        workers, workers_cpu = self._workers.sample(worker_pids, children, worker_starts)
-        alive = {worker["pid"] for worker in workers}
+        live, workers_cpu = self._workers.sample(worker_pids, children, worker_starts)
+        alive = {pid for pid, _, _ in live}
         try:
             load_1m = os.getloadavg()[0]
         except OSError:
@@ -272,8 +272,8 @@ class HostProbe:
         busy = sum(per_cpu[index] for index in self._cpus if index < len(per_cpu)) / 100
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
-        for worker in workers:
-            worker["cpu_ratio"] = worker["cpu_ratio"] / elapsed if elapsed > 0 else 0.0
+        workers = [{"pid": pid, "cpu_ratio": spent / elapsed if elapsed > 0 else 0.0, "rss_bytes": resident}
+                   for pid, spent, resident in live]
         # tuneup's own threads (named tuneup-*), told apart for the job's wait per step (its
         # HTTP server's short-lived request threads keep socketserver's names: counted as the job's).
         ours = frozenset(t.native_id for t in threading.enumerate() if t.name.startswith("tuneup") and t.native_id)
