@@ -9,7 +9,8 @@ the job's store (no collective) and at the end prints a summary across ranks nam
 straggler: --slow-rank R makes rank R do --delay seconds of extra host work per step, before
 its forward, or with --slow-in backward inside its backward (a slower GPU, say): there whole
 step times and backward times come out equal across ranks, and only the other ranks' wait in
-DDP's all-reduce (measured by DDP's own timers) tells which rank is slow.
+DDP's all-reduce (measured by DDP's own timers) tells which rank is slow. --step-wait S makes
+every rank wait S seconds per step, as a host waits for its GPU's share of the step.
 """
 
 import argparse
@@ -26,6 +27,7 @@ parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--slow-rank", type=int, default=-1)
 parser.add_argument("--delay", type=float, default=0.01)
 parser.add_argument("--slow-in", choices=("host", "backward"), default="host")
+parser.add_argument("--step-wait", type=float, default=0.0)
 args = parser.parse_args()
 
 
@@ -56,6 +58,8 @@ while step < args.steps:
     sampler.set_epoch(epoch)
     for x, y in loader:
         slow = rank == args.slow_rank
+        if args.step_wait:
+            time.sleep(args.step_wait)  # every rank alike: the device's share of the step
         if slow and args.slow_in == "host":
             time.sleep(args.delay)  # a slower host, outside the backward's all-reduce
         out = model(x)

@@ -106,8 +106,14 @@ def test_a_rank_slow_in_its_backward_is_named_by_the_wait_ddp_measures(tmp_path)
 
 
 def test_ranks_at_the_same_pace_have_no_straggler(tmp_path):
+    # Ground truth: both ranks run the same work, and each waits 10 ms per step (--step-wait) as
+    # a host waits for its GPU: the steps people scale out are mostly the device's. (Steps of
+    # CPU work alone are not at one pace on a shared machine: with another job on the 2 cores
+    # here, rank 0 spent 4.2 ms per step outside the all-reduce and rank 1 1.8 ms, waiting
+    # 2.7 ms in it for rank 0 by DDP's timers, rank 0's threads 0.9 ms longer for a CPU: a true
+    # straggler. With the wait, that much uneven CPU moves a rank's own time by under a tenth.)
     # 500 steps: past DDP's start-up, its timers' steady samples (iterations 100-500) give the wait.
-    job = torchrun(tmp_path, "--steps", "500")
+    job = torchrun(tmp_path, "--steps", "500", "--step-wait", "0.01")
     out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-2000:]
     assert "tuneup: summary across 2 ranks" in err and "no straggler" in err, err[-2000:]
