@@ -413,6 +413,174 @@ def test_evaluation_phases_are_timed_apart_with_their_reads(run_dir):
     assert "Evaluation: 4 phases" in report and "3.0 per phase" in report
 
 
+def _classification_loaders():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    train = DataLoader(TensorDataset(torch.randn(1024, 16), torch.randint(0, 4, (1024,))), batch_size=32, shuffle=True)
+    val = DataLoader(TensorDataset(torch.randn(10240, 16), torch.randint(0, 4, (10240,))), batch_size=128)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return train, val, model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _validate(model, val_loader):
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in val_loader:
+            correct += (model(x).argmax(1) == y).sum().item()
+    model.train()
+    return correct
+
+
+def _train_on(model, optimizer, x, y):
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def test_the_evaluations_batches_are_not_the_training_steps_samples(run_dir):
+    """The tutorials' shape: an epoch of training on batches of 32 (32 steps), then a validation
+    pass over its own DataLoader on batches of 128 (80 of them, eval(), no_grad, an accuracy
+    read per batch). Ground truth from the loop: 4 epochs, 128 steps, 4,096 training samples;
+    the 40,960 validated are the evaluation's. Nor is a validation pass of more than 32
+    batches with no optimizer step a sign that updates go unseen (unseen_fetch)."""
+    train_loader, val_loader, model, optimizer = _classification_loaders()
+    steps = 0
+    with tuneup.attach(run_dir=run_dir, port=0, interval=0.2) as agent:
+        for epoch in range(4):
+            for x, y in train_loader:
+                _train_on(model, optimizer, x, y)
+                steps += 1
+            _validate(model, val_loader)
+        snapshot = agent.snapshot()
+        watching = agent.recorder.timeline.watching
+    totals = snapshot["totals"]
+    assert steps == totals["steps"] == 128
+    assert totals["samples"] == 128 * 32, totals
+    assert snapshot["window"]["samples_per_second"] == pytest.approx(32 * snapshot["window"]["steps_per_second"])
+    assert totals["evaluation"]["phases"] == 3  # (the fourth, after the last step, ends with no step after it)
+    assert not watching
+    config = snapshot["config"]
+    assert [loader["batch_size"] for loader in config["loaders"]] == [32]
+    assert [loader["batch_size"] for loader in config["evaluation_loaders"]] == [128]
+    report = agent.report()
+    assert "(batch 32)" in report and "Evaluation DataLoader: batch_size=128" in report
+
+
+def test_a_training_batch_fetched_before_the_validation_stays_the_steps(run_dir):
+    """Lightning's and the HF Trainer's shape, and a loop that evaluates at the top of its step:
+    the next training batch is fetched, then a validation pass over its own loader runs (every
+    8th step), then the step trains on that batch. And at every 4th step, between its fetch and
+    its training forward, an evaluation of a fixed batch of 200 held in memory (no fetch of
+    its own). Ground truth from the loop: 4 epochs of 32 steps on batches of 32, 4,096
+    training samples; the validation loader's 80 batches a pass are the evaluation's."""
+    train_loader, val_loader, model, optimizer = _classification_loaders()
+    held = torch.randn(200, 16)
+    steps = 0
+    with tuneup.attach(run_dir=run_dir, port=0, interval=0.2) as agent:
+        for epoch in range(4):
+            for x, y in train_loader:
+                if steps % 8 == 7:
+                    _validate(model, val_loader)
+                if steps % 4 == 1:
+                    model.eval()
+                    with torch.no_grad():
+                        model(held).softmax(1).max().item()
+                    model.train()
+                _train_on(model, optimizer, x, y)
+                steps += 1
+        snapshot = agent.snapshot()
+        watching = agent.recorder.timeline.watching
+    totals = snapshot["totals"]
+    assert steps == totals["steps"] == 128
+    assert totals["samples"] == 128 * 32, totals
+    assert totals["evaluation"]["phases"] == 16 + 32
+    assert not watching
+
+
+def test_a_validation_loader_beside_a_loop_without_one_leaves_the_forwards_batch(run_dir):
+    """A loop training on tensors it holds (no DataLoader: the step's samples are its forward's
+    batch, counted on detail steps) that validates every 16 steps over a DataLoader: those
+    fetches are the evaluation's, so the training forwards' batches are still the samples.
+    Ground truth: 64 steps on the full batch of 256, 16,384 samples."""
+    train_loader, val_loader, model, optimizer = _classification_loaders()
+    x, y = torch.randn(256, 16), torch.randint(0, 4, (256,))
+    with tuneup.attach(run_dir=run_dir, port=0, interval=0.2) as agent:
+        for step in range(64):
+            _train_on(model, optimizer, x, y)
+            if step % 16 == 15:
+                _validate(model, val_loader)
+        snapshot = agent.snapshot()
+        report = agent.report()
+    totals = snapshot["totals"]
+    assert totals["steps"] == 64
+    # The forwards' batch, counted on detail steps (a step of a window without one is not known).
+    assert snapshot["window"]["batch_size"] == 256 and totals["samples"] <= 64 * 256, totals
+    # Nor is the validation loader's wait the training's: it has none (no DataLoader).
+    assert totals["data_wait_seconds"] == 0, totals
+    assert snapshot["config"]["loaders"] == [] and len(snapshot["config"]["evaluation_loaders"]) == 1
+    assert "data-stall" not in {finding["rule"] for finding in agent.findings()}
+    assert "Evaluation DataLoader: batch_size=128" in report and "\nDataLoader:" not in report
+
+
+def test_a_validation_loaders_workers_and_waits_are_the_evaluations(run_dir):
+    """The tutorials' shape with a validation loader of 2 worker processes (not persistent:
+    started by each pass's iter(), shut down at its end) and a slow validation set (2 ms a
+    sample read). Ground truth, timed by the loop around its own fetches: the training
+    loader's waits (iter() and next(), in the main process) and the validation loader's;
+    tuneup's data wait is the training's, and the validation's is its evaluation time."""
+    import time
+    from torch.utils.data import DataLoader, Dataset
+
+    class SlowValidation(Dataset):
+        def __len__(self):
+            return 256
+
+        def __getitem__(self, index):
+            time.sleep(0.002)
+            return torch.randn(16), index % 4
+
+    waits = {"train": 0.0, "validation": 0.0}
+
+    def timed(loader, kind):
+        began = time.perf_counter()
+        iterator = iter(loader)
+        waits[kind] += time.perf_counter() - began
+        while True:
+            began = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                waits[kind] += time.perf_counter() - began
+                return
+            waits[kind] += time.perf_counter() - began
+            yield batch
+
+    train_loader, _, model, optimizer = _classification_loaders()
+    val_loader = DataLoader(SlowValidation(), batch_size=64, num_workers=2)
+    with tuneup.attach(run_dir=run_dir, port=0, interval=0.2) as agent:
+        for epoch in range(3):
+            for x, y in timed(train_loader, "train"):
+                _train_on(model, optimizer, x, y)
+            model.eval()
+            with torch.no_grad():
+                for x, y in timed(val_loader, "validation"):
+                    model(x).argmax(1).eq(y).sum().item()
+            model.train()
+        for x, y in timed(train_loader, "train"):  # the last validation's phase ends at a training forward
+            _train_on(model, optimizer, x, y)
+        totals = agent.snapshot()["totals"]
+    assert totals["steps"] == 4 * 32 and totals["samples"] == 4 * 1024
+    # Over the validation's waits (3 passes of 4 batches: 128 ms of reads each on 2 workers, and
+    # their start-up), the training's ~2 ms: tuneup's data wait is within half the validation's
+    # of the training's, where the validation's counted as well would put it at their sum.
+    assert waits["validation"] > 4 * waits["train"], waits
+    assert abs(totals["data_wait_seconds"] - waits["train"]) < waits["validation"] / 2, (totals, waits)
+    assert totals["evaluation"]["phases"] == 3
+    assert totals["evaluation"]["seconds"] >= waits["validation"] * 0.8, (totals, waits)
+
+
 def test_a_no_grad_forward_in_train_mode_inside_a_step_is_not_evaluation(run_dir):
     """An action chosen by the policy being trained (a DQN's select_action: a no_grad forward
     in train() mode each step) is part of the step, not an evaluation phase."""

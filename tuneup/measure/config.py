@@ -356,7 +356,11 @@ def read_config(
     grad_scaler: dict[str, Any],
     cpu_bf16: bool | None = None,
     loaders_job_own: dict[int, dict[str, Any]] | None = None,
+    evaluation_loaders: Iterable[DataLoader] = (),
 ) -> dict[str, Any]:
+    """The job's configuration as it stands. `loaders`: the training loop's; `evaluation_loaders`
+    those its evaluation phases fetch from (measure/loader.py LoaderProbe.evaluation_fetch),
+    listed apart: the rules and the batch size read the training loaders alone."""
     order = [m for m in (ref() for ref in leaf_order) if m is not None]
     models = [model for model in models if next(model.parameters(), None) is not None]
     optimizers = list(optimizers)
@@ -373,6 +377,7 @@ def read_config(
         "zero_grad_set_to_none": set_to_none,
         "grad_scaler": {"present": grad_scaler["present"], "enabled": grad_scaler["enabled"]},
         "loaders": [loader_config(loader, (loaders_job_own or {}).get(id(loader))) for loader in loaders],
+        "evaluation_loaders": [loader_config(loader) for loader in evaluation_loaders],
         "optimizers": [dict(optimizer_config(optimizer, rate_of(optimizer)), models=trained(optimizer, models))
                        for optimizer in optimizers],
         "models": [model_config(model, order) for model in models],

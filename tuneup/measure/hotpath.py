@@ -115,7 +115,7 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
             batch = original(iterator) if tl.fetches < probe.next_look else probe.fetch_looked(iterator, original)
         except BaseException as exc:
             tl.in_loader = False
-            tl.waited(began, clock())
+            tl.waited(began, clock(), tl.evaluating)
             unwind(exc)
             raise
         tl.in_loader = False
@@ -129,6 +129,8 @@ def loader_next(probe: Any, original: Callable[[Any], Any]) -> Callable[[Any], A
                 own = tl.close(began)
             else:  # no optimizer stepped since the last fetch: the first step; accumulation; an update no hook saw
                 own = tl.unseen_fetch(began)
+                if tl.evaluating:  # an evaluation's, if its forward takes it (evaluation_batch)
+                    tl.evaluation_source = iterator
             tl.fetches += 1
             try:
                 # shape[0], not len() (a Python function: torch/_tensor.py) nor size(0) (torch's
@@ -312,6 +314,7 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
         if tl.backward_end is not None and tl.forward_depth == 0:  # parameters updated by hand
             probe.hand_boundary(module)
         if module.training:
+            tl.forward_fetches = tl.fetches
             if tl.evaluating and probe.grad_enabled():  # a training forward
                 tl.evaluation_ends(clock())
         elif not tracing():
@@ -319,6 +322,8 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
                 probe.eval_with_grad += 1
             if key in trained and tl.forward_depth == 0 and not tl.in_optimizer:
                 tl.evaluation_forward(clock())
+                if tl.fetches != tl.forward_fetches and not tl.group:
+                    tl.evaluation_batch(args, kwargs)
                 return EVALUATION
         if not tl.detail or tracing():
             return None
@@ -520,6 +525,16 @@ class StepTimeline:
         self.optimizer = 0.0
         self.samples = 0
         self.fetches = 0
+        self.unseen_mark = (-1, 0, 0.0)  # (fetches, samples, data_wait) before the latest unseen_fetch
+        self.iter_mark = (-1, 0.0)  # (fetches, wait) at the latest iter(loader): iter_ended
+        # The iterator of a fetch inside an open evaluation phase, until a forward takes it; then
+        # handed to `evaluation_fetched` (the loader probe's: its loader is an evaluation's).
+        self.evaluation_source: Any = None
+        self.evaluation_fetched: Callable[[Any], None] = lambda iterator: None
+        # Fetches at the latest forward of a root that took the latest fetch: an evaluation's, or
+        # a training one on a hooked step (the wrappers see no other). Off hooked steps an
+        # optimizer step since the latest fetch (`group`) says a training forward took it.
+        self.forward_fetches = 0
         self.backward_passes = 0
         self.optimizer_steps = 0
         self.skipped = 0
@@ -596,18 +611,30 @@ class StepTimeline:
         batches since its last close with no update seen is watched from here on
         (OptimizerProbe.watch_updates): code compiled where tuneup's compile callbacks missed it
         (after a `torch._dynamo.reset()`) may hold the optimizer's step. Gradient accumulation
-        over that many batches is watched too, at the cost of a looked-at step until its update."""
+        over that many batches is watched too, at the cost of a looked-at step until its update.
+        Marks the totals before it: an evaluation forward may take the batch (evaluation_batch)."""
+        self.unseen_mark = (self.fetches, self.samples, self.data_wait)
         if self.step_start is None or self.backward_end is not None:
             return self.moved_on(now)
         if not self.by_hand and self.fetches - self.ring.closed_total("fetches") >= UNSEEN_FETCHES:
             self.unseen_updates()
         return 0.0
 
-    def waited(self, began: float, ended: float) -> None:
+    def waited(self, began: float, ended: float, evaluating: bool = False) -> float:
         """Blocked on data without getting a batch: iter(loader) (worker start-up), or a
-        next() that raised (StopIteration at the end of an epoch, the user's exception)."""
+        next() that raised (StopIteration at the end of an epoch, the user's exception); returns
+        the wait. `evaluating`: a next() that raised inside an evaluation phase (its loader's
+        end: workers shut down), whose wait is the evaluation's, not the training's data wait."""
         own = self.moved_on(began)
-        self.data_wait += max(0.0, ended - began - own)
+        wait = max(0.0, ended - began - own)
+        if not evaluating:
+            self.data_wait += wait
+        return wait
+
+    def iter_ended(self, wait: float) -> None:
+        """iter(loader) returned after `wait` (worker start-up): an evaluation's, where the
+        fetch after it is taken by an evaluation forward (evaluation_batch)."""
+        self.iter_mark = (self.fetches, wait)
 
     def evaluation_forward(self, now: float) -> None:
         """A trained model's forward in eval() mode: it opens an evaluation phase or belongs to
@@ -623,6 +650,42 @@ class StepTimeline:
             self.evaluation_start = self.evaluation_last = now
             self.evaluation_wait = self.evaluation_last_wait = self.data_wait
 
+    def evaluation_batch(self, args: tuple, kwargs: dict) -> None:
+        """An evaluation forward after a fetch that no forward took: the batch fetched last is
+        the evaluation's, not a training step's, and comes off the samples and
+        fetches (validating each epoch on 80 batches of 128, training on 32, read "61.3 samples
+        per batch", and its more than UNSEEN_FETCHES fetches with no update as updates going
+        unseen). Only the last one: Lightning's and the HF Trainer's loops fetch the next
+        training batch before they validate. Unless the forward's first tensor has no dimension
+        of that batch's size: its input is another (a fixed validation set held in memory,
+        evaluated between the fetch and the training forward); seq-first inputs keep the size."""
+        # The totals before that fetch: a fetch either closed a step (its record holds them)
+        # or saw no optimizer step since the one before (unseen_fetch marks them): the hot
+        # path writes nothing more for this.
+        fetches = self.fetches - 1
+        ring = self.ring
+        before = (self.unseen_mark if self.unseen_mark[0] == fetches else
+                  (ring.closed_total("fetches"), ring.closed_total("samples"), ring.closed_total("data_wait_seconds")))
+        self.forward_fetches = self.fetches
+        if before[0] != fetches:
+            return
+        size = self.samples - before[1]
+        for value in (*args[1:], *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.dim() and size not in value.shape:
+                    return
+                break
+        # Its wait too, and that of the iter() just before it (a validation loader's workers
+        # starting): the evaluation's time, not data wait. The phase opened with data_wait as
+        # it stood (evaluation_forward): what comes off it here goes to the phase's time.
+        wait = self.iter_mark[1] if self.iter_mark[0] == fetches else 0.0
+        self.data_wait = max(before[2] - wait, ring.closed_total("data_wait_seconds"))
+        self.samples, self.fetches = before[1], fetches
+        self.forward_fetches = fetches
+        if self.evaluation_source is not None:  # its loader is an evaluation's (LoaderProbe.evaluation_fetch)
+            self.evaluation_fetched(self.evaluation_source)
+            self.evaluation_source = None
+
     def evaluation_forward_ended(self, now: float) -> None:
         self.evaluation_last = now
         self.evaluation_last_wait = self.data_wait
@@ -637,6 +700,7 @@ class StepTimeline:
         step (a full-batch GCN evaluating every epoch read as input-in-loop). A step that closed
         in between (a fetch) ends the phase at its last forward, as before."""
         self.evaluating = False
+        self.evaluation_source = None  # (a training batch fetched before the forward that ended it)
         self.hooked = self.detail or self.by_hand
         end, end_wait = self.evaluation_last, self.evaluation_last_wait
         if now is not None and self.ring.count == self.evaluation_last_count:

@@ -85,6 +85,10 @@ class LoaderProbe:
         self.timeline = timeline
         self.tracked = tracked  # None: every loader
         self.loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()  # seen, for the config probe
+        # ... those an evaluation phase fetched from (evaluation_fetch): the configuration lists
+        # them apart, and apply mode leaves them alone.
+        self.evaluation_loaders: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+        timeline.evaluation_fetched = self.evaluation_fetch
         self.iterators: weakref.WeakSet[_BaseDataLoaderIter] = weakref.WeakSet()  # for worker pids
         self.worker_starts = 0  # iterators with workers started (for their CPU time: host.py WorkerTime)
         # Whether the dataset (or collate_fn) draws from torch's global RNG when it runs in the
@@ -181,7 +185,7 @@ class LoaderProbe:
                 finally:
                     tl.in_loader = False
                     try:
-                        tl.waited(began, perf_counter())
+                        tl.iter_ended(tl.waited(began, perf_counter()))
                         probe.loaders.add(loader)
                         probe.epoch_steps[id(loader)] = tl.ring.count + 1
                         tl.ring.put("epoch_starts", tl.ring.count + 1, 1.0, add=True)
@@ -202,6 +206,13 @@ class LoaderProbe:
 
         patches.replace(DataLoader, "__iter__", wrap_iter)
         patches.replace(_BaseDataLoaderIter, "__next__", lambda original: loader_next(self, original))  # hotpath.py
+
+    def evaluation_fetch(self, iterator: Any) -> None:
+        """A batch fetched while an evaluation phase was open (after its first forward) and taken
+        by an evaluation forward (StepTimeline.evaluation_batch): its loader is an evaluation's."""
+        loader = loader_of(iterator)
+        if loader is not None and loader not in self.evaluation_loaders:
+            self.evaluation_loaders.add(loader)
 
     def look_before(self, iterator: Any) -> torch.Tensor | None:
         """Ahead of a fetch the RNG check or the habits probe wants to see: the global RNG

@@ -549,7 +549,8 @@ class Recorder:
         (a new loader, optimizer or model, autocast first seen, apply mode's loader settings),
         the configuration is read."""
         return (
-            len(self.loader.loaders), len(self.optimizer.optimizers), len(self.model.roots),
+            len(self.loader.loaders), len(self.loader.evaluation_loaders), len(self.optimizer.optimizers),
+            len(self.model.roots),
             self.model.autocast, self.optimizer.set_to_none, self.scaler.seen, self.scaler.enabled,
             self.loader.settings_changes,
         )
@@ -583,7 +584,8 @@ class Recorder:
             return
         try:
             config = read_config(
-                loaders=list(self.loader.loaders),
+                loaders=[loader for loader in self.loader.loaders if loader not in self.loader.evaluation_loaders],
+                evaluation_loaders=list(self.loader.evaluation_loaders),
                 optimizers=self.optimizer.in_order(),
                 rate_of=self.optimizer.rate_of,
                 models=self.model.root_models(),
@@ -601,9 +603,11 @@ class Recorder:
             return
         if self.config is not None:
             # The job may have dropped its objects (the loop ended): keep what they were.
-            for kind in ("loaders", "optimizers", "models"):
-                if not config[kind]:
-                    config[kind] = self.config[kind]
+            # (A loader that turned out to be an evaluation's moved lists: not dropped.)
+            for kinds in (("loaders", "evaluation_loaders"), ("optimizers",), ("models",)):
+                if not any(config[kind] for kind in kinds):
+                    for kind in kinds:
+                        config[kind] = self.config[kind]
         if self.framework is not None:
             config["framework"] = self.framework
         if config != self.config:

@@ -393,11 +393,13 @@ def config_lines(config: dict[str, Any] | None) -> list[str]:
     if not config:
         return []
     lines = []
-    for loader in config["loaders"]:
+    # (run logs of earlier versions have no evaluation loaders: they list every loader as training's)
+    for name, loader in [*(("DataLoader", loader) for loader in config["loaders"]),
+                         *(("Evaluation DataLoader", loader) for loader in config.get("evaluation_loaders") or ())]:
         prefetch = f", prefetch_factor={loader['prefetch_factor']}" if loader["num_workers"] else ""
         by_tuneup = set_by_apply_mode(loader)
         by_tuneup = f"; {by_tuneup}" if by_tuneup else ""
-        lines.append(f"DataLoader: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
+        lines.append(f"{name}: batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']}, persistent_workers={loader['persistent_workers']}{prefetch}"
                      f"{by_tuneup}")
     optimizers = config["optimizers"]

@@ -315,12 +315,14 @@ class DataLoaderTuning(Action):
 
     @staticmethod
     def _reading(job: LiveJob) -> DataLoader | None:
-        """The loader whose live iterator has served the most batches: the training loop's."""
+        """The loader whose live iterator has served the most batches: the training loop's (an
+        evaluation's loader is none: a validation pass serves more batches than an epoch's part)."""
         best, served = None, -1
+        evaluation = job.loaders.evaluation_loaders
         for iterator in list(job.loaders.iterators):
             loader = loader_of(iterator)
-            if loader is not None and iterator._num_yielded > served and iterator in live_iterators(
-                    loader, job.loaders.iterators):
+            if (loader is not None and loader not in evaluation and iterator._num_yielded > served
+                    and iterator in live_iterators(loader, job.loaders.iterators)):
                 best, served = loader, iterator._num_yielded
         return best
 
