@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -185,10 +186,20 @@ def test_apply_mode_freezes_the_heap_keeps_it_for_shorter_pauses_and_leaves_no_t
             steps = min(12_000, 200 * math.ceil(6 * spacing / 200))
             plain = script(steps)
         with tuneup.attach(mode="apply", actions=["gc-freeze"], run_dir=run_dir, interval=0.2) as agent:
+            # The test's own timer of every full collection, with the step it fell in: tuneup keeps
+            # its latest 64 (gc_pauses.RECENT_FULL), and in a quiet machine's run the ones after
+            # the freeze had pushed out every one from before it.
+            ring, timed = agent.recorder.timeline.ring, []
+
+            def full_collections(phase, info):
+                if info["generation"] == 2:
+                    timed.append((phase, ring.count + 1, time.perf_counter()))
+
+            gc.callbacks.append(full_collections)
             applied = script(steps)
-            collector = agent.recorder.collector
-            pauses = list(zip(collector.full_steps, collector.full))
         frozen_after = gc.get_freeze_count()
+        pauses = [(step, ended - began) for (start, step, began), (stop, _, ended) in zip(timed, timed[1:])
+                  if start == "start" and stop == "stop"]
     finally:
         gc.callbacks[:] = callbacks  # the script's own timers
         gc.unfreeze()
