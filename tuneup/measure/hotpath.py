@@ -352,6 +352,15 @@ def forward_hooks(probe: Any) -> tuple[Callable[..., Any], Callable[..., None]]:
     return before, after
 
 
+def first_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A module call's first tensor argument (the module itself, args[0], left out; keywords
+    after the positional ones), or None: where the batch dimension of its input is read."""
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
 def _never() -> bool:
     return False
 
@@ -674,11 +683,9 @@ class StepTimeline:
         if before[0] != fetches:
             return
         size = self.samples - before[1]
-        for value in (*args[1:], *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                if value.dim() and size not in value.shape:
-                    return
-                break
+        first = first_input(args, kwargs)
+        if first is not None and first.dim() and size not in first.shape:
+            return
         # Its wait too, and that of the iter() just before it (a validation loader's workers
         # starting): the evaluation's time, not data wait. The phase opened with data_wait as
         # it stood (evaluation_forward): what comes off it here goes to the phase's time.

@@ -211,7 +211,7 @@ class LoaderProbe:
         """A batch fetched while an evaluation phase was open (after its first forward) and taken
         by an evaluation forward (StepTimeline.evaluation_batch): its loader is an evaluation's."""
         loader = loader_of(iterator)
-        if loader is not None and loader not in self.evaluation_loaders:
+        if loader is not None:
             self.evaluation_loaders.add(loader)
 
     def look_before(self, iterator: Any) -> torch.Tensor | None:

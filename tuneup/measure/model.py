@@ -36,7 +36,7 @@ from torch import nn
 from torch.fx import _symbolic_trace as _fx_tracing
 
 from .._patching import HELD_TRAINING_OFF_DETAIL, TRAINING_OFF_DETAIL, PatchSet, measured
-from .hotpath import StepTimeline, backward_hooks, forward_hooks
+from .hotpath import StepTimeline, backward_hooks, first_input, forward_hooks
 
 _UNTIMED = "untimed"  # discovery's token for a module compiled in place
 
@@ -422,12 +422,10 @@ class ModelProbe:
         """A training forward on a detail step of a loop that fetches no batch from a
         DataLoader: its batch dimension (dim 0 of the root's first tensor argument) is that
         step's samples, added up over its forwards (gradient accumulation)."""
-        ring = self.timeline.ring
-        for value in (*args[1:], *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                if value.dim():
-                    ring.put("input_samples", ring.count + 1, float(value.shape[0]), add=True)
-                return
+        value = first_input(args, kwargs)
+        if value is not None and value.dim():
+            ring = self.timeline.ring
+            ring.put("input_samples", ring.count + 1, float(value.shape[0]), add=True)
 
     # --- the step boundary of loops that update parameters by hand (no optimizer) ----------
 
